@@ -1,0 +1,142 @@
+"""Masked statistics: sums, means, variances and whitening over the valid entries of a tensor.
+
+Shapes: ``values`` and ``mask`` share any shape, normally ``[B, T]`` (batch, response tokens). ``mask`` is a bool
+or 0/1 tensor (see :func:`ppo_core._checks.check_mask`). Entries outside the mask never influence a result, even
+when they hold NaN or inf.
+
+Edge cases (a deliberate deviation from verl, see ``docs/semantics.md``):
+
+- no valid entry: ``masked_mean`` is 0 and ``masked_var`` is 0 (verl raises for the unbiased variance);
+- one valid entry: the unbiased variance is 0 (verl raises); the biased one is 0 anyway;
+- ``masked_whiten`` of 0 or 1 valid entries therefore returns ``values - mean`` scaled by ``rsqrt(eps)``, which is
+  0 at the single valid entry. No result is ever a silent NaN produced by an empty mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppo_core._checks import check_floating, check_mask
+
+__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
+
+WHITEN_EPS = 1e-8
+"""Added to the variance before the reciprocal square root in :func:`masked_whiten` (verl's value)."""
+
+
+def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = check_floating("values", values)
+    return values, check_mask("mask", mask, like=values, like_name="values")
+
+
+def _sum(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
+    zeroed = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return zeroed.sum() if dim is None else zeroed.sum(dim=dim)
+
+
+def _count(mask: torch.Tensor, dim: int | tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor:
+    return mask.sum(dtype=dtype) if dim is None else mask.sum(dim=dim, dtype=dtype)
+
+
+def masked_sum(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is true.
+
+    Args:
+        values: floating tensor, any shape (typically ``[B, T]``).
+        mask: bool or 0/1 tensor of the same shape.
+        dim: dimension(s) to reduce; ``None`` reduces everything to a scalar.
+
+    Returns:
+        The sum, with ``dim`` removed (a 0-d tensor when ``dim`` is None). Masked NaN/inf are ignored.
+
+    Example:
+        >>> masked_sum(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]]))
+        tensor(3.)
+    """
+    values, mask = _prepare(values, mask)
+    return _sum(values, mask, dim)
+
+
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Mean of ``values`` over the valid entries; 0 where there is none (never NaN from an empty mask).
+
+    Args:
+        values: floating tensor, any shape (typically ``[B, T]``).
+        mask: bool or 0/1 tensor of the same shape.
+        dim: dimension(s) to reduce; ``None`` gives a scalar. ``dim=-1`` on ``[B, T]`` gives per-row means ``[B]``.
+
+    Example:
+        >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0]]), dim=-1)
+        tensor([2., 0.])
+    """
+    values, mask = _prepare(values, mask)
+    total = _sum(values, mask, dim)
+    count = _count(mask, dim, values.dtype)
+    return total / count.clamp(min=1)
+
+
+def masked_var(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    unbiased: bool = True,
+    dim: int | tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Variance of ``values`` over the valid entries (two-pass, centred).
+
+    Args:
+        values: floating tensor, any shape (typically ``[B, T]``).
+        mask: bool or 0/1 tensor of the same shape.
+        unbiased: divide by ``n - 1`` (Bessel) instead of ``n``.
+        dim: dimension(s) to reduce; ``None`` gives a scalar.
+
+    Returns:
+        The variance; 0 where fewer than two entries are valid (unbiased) or none is (biased).
+
+    Example:
+        >>> masked_var(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0]))
+        tensor(1.)
+    """
+    values, mask = _prepare(values, mask)
+    count = _count(mask, dim, values.dtype)
+    mean = _sum(values, mask, dim) / count.clamp(min=1)
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else dim
+        for d in sorted(d % values.dim() for d in dims):
+            mean = mean.unsqueeze(d)
+    centred_sq = (values - mean).square()
+    sq_sum = _sum(centred_sq, mask, dim)
+    denom = count - 1 if unbiased else count
+    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum))
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``values`` to mean 0 and unit (unbiased) variance over the valid entries.
+
+    ``(values - mean) * rsqrt(var + 1e-8)``, with mean and variance taken over ``mask`` only (batch-global, as in
+    verl). The transform is applied to every entry, masked ones included; consumers must keep multiplying by
+    the mask. With ``shift_mean=False`` the mean is added back (scale only).
+
+    Args:
+        values: floating tensor, any shape (typically ``[B, T]``).
+        mask: bool or 0/1 tensor of the same shape.
+        shift_mean: subtract the mean (True) or only rescale (False).
+
+    Returns:
+        Tensor of the same shape and dtype as ``values``. Masked entries holding NaN/inf stay NaN/inf but never
+        reach a valid entry.
+
+    Example:
+        >>> out = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), torch.tensor([[1, 1, 1, 0]]))
+        >>> out[0, :3]
+        tensor([-1.,  0.,  1.])
+    """
+    values, mask = _prepare(values, mask)
+    count = _count(mask, None, values.dtype)
+    mean = _sum(values, mask, None) / count.clamp(min=1)
+    var = masked_var(values, mask, unbiased=True)
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
