@@ -34,8 +34,19 @@ def _sum(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | 
     return zeroed.sum() if dim is None else zeroed.sum(dim=dim)
 
 
+def _sum_acc(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
+    """Like ``_sum`` but accumulated in fp32/fp64, for statistics of half-precision inputs."""
+    return _sum(values.to(_acc_dtype(values.dtype)), mask, dim)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: half-precision counts overflow (fp16 > 65504) or round (bf16 > 256)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _count(mask: torch.Tensor, dim: int | tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor:
-    return mask.sum(dtype=dtype) if dim is None else mask.sum(dim=dim, dtype=dtype)
+    acc = _acc_dtype(dtype)
+    return mask.sum(dtype=acc) if dim is None else mask.sum(dim=dim, dtype=acc)
 
 
 def masked_sum(
@@ -74,9 +85,9 @@ def masked_mean(
         tensor([2., 0.])
     """
     values, mask = _prepare(values, mask)
-    total = _sum(values, mask, dim)
+    total = _sum_acc(values, mask, dim)
     count = _count(mask, dim, values.dtype)
-    return total / count.clamp(min=1)
+    return (total / count.clamp(min=1)).to(values.dtype)
 
 
 def masked_var(
@@ -101,6 +112,8 @@ def masked_var(
         tensor(1.)
     """
     values, mask = _prepare(values, mask)
+    out_dtype = values.dtype
+    values = values.to(_acc_dtype(values.dtype))
     count = _count(mask, dim, values.dtype)
     mean = _sum(values, mask, dim) / count.clamp(min=1)
     if dim is not None:
@@ -110,7 +123,7 @@ def masked_var(
     centred_sq = (values - mean).square()
     sq_sum = _sum(centred_sq, mask, dim)
     denom = count - 1 if unbiased else count
-    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum))
+    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum)).to(out_dtype)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -135,8 +148,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         tensor([-1.,  0.,  1.])
     """
     values, mask = _prepare(values, mask)
-    count = _count(mask, None, values.dtype)
-    mean = _sum(values, mask, None) / count.clamp(min=1)
-    var = masked_var(values, mask, unbiased=True)
-    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
-    return whitened if shift_mean else whitened + mean
+    acc = values.to(_acc_dtype(values.dtype))
+    mean = _sum(acc, mask, None) / _count(mask, None, acc.dtype).clamp(min=1)
+    var = masked_var(acc, mask, unbiased=True)
+    whitened = (acc - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return (whitened if shift_mean else whitened + mean).to(values.dtype)

@@ -1,5 +1,43 @@
-"""ppo-core on PyTorch Monarch (work in progress: see the Monarch issue)."""
+"""ppo-core on PyTorch Monarch: run worker groups and the PPO trainer from one machine to many hosts.
+
+Importing this package sets ``HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY`` (default 1 s) before Monarch is
+imported, because Monarch reads it only once: a dead worker process is then reported within about a second
+instead of ten. Import ``ppo_core_monarch`` before ``monarch`` for this to take effect.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import os as _os
+import sys as _sys
+
+if "monarch" not in _sys.modules:
+    _os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+
+from ppo_core_monarch.config import MonarchConfig  # noqa: E402
+from ppo_core_monarch.errors import (  # noqa: E402
+    CallTimeout,
+    GroupBroken,
+    MonarchBackendError,
+    RemoteWorkerError,
+    SpawnError,
+    WorkerLost,
+)
+from ppo_core_monarch.launch import Hosts, WorkerLoops, attach_hosts, job_hosts, local_hosts, start_worker_loops  # noqa: E402
+from ppo_core_monarch.topology import MeshTopology  # noqa: E402
+
+__all__ = [
+    "CallTimeout",
+    "GroupBroken",
+    "Hosts",
+    "MeshTopology",
+    "MonarchBackendError",
+    "MonarchConfig",
+    "RemoteWorkerError",
+    "SpawnError",
+    "WorkerLoops",
+    "WorkerLost",
+    "attach_hosts",
+    "job_hosts",
+    "local_hosts",
+    "start_worker_loops",
+]

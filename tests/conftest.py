@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# Tests use small tensors: intra-op threads only add contention on the 2-core CI machine.
+torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",

@@ -4,11 +4,25 @@ Both scans run backwards over the response dimension of ``[B, T]`` tensors and s
 token neither adds its reward nor advances the discount, and it carries the running state unchanged, so one
 discount step is applied across a whole gap of observation tokens (verl's multi-turn semantics).
 
-The functions here are the dispatch points; fast paths live in the submodules.
+The functions here are the dispatch points (:mod:`ppo_core.kernels.dispatch`): a Triton kernel on CUDA, a
+compiled one-pass kernel on CPU, a vectorised PyTorch scan elsewhere, all checked against the per-timestep
+loops in :mod:`ppo_core.kernels.reference`.
 """
 
 from __future__ import annotations
 
-from ppo_core.kernels.reference import masked_discounted_return_scan, masked_gae_scan
+from ppo_core.kernels.dispatch import (
+    BACKENDS,
+    available_backends,
+    masked_discounted_return_scan,
+    masked_gae_returns_scan,
+    masked_gae_scan,
+)
 
-__all__ = ["masked_discounted_return_scan", "masked_gae_scan"]
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "masked_discounted_return_scan",
+    "masked_gae_returns_scan",
+    "masked_gae_scan",
+]

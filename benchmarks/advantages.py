@@ -1,0 +1,309 @@
+"""Benchmark of the masked advantage scans against the per-timestep loop, TorchRL and the bandwidth floor.
+
+Prints ONE JSON object. For every device (CPU, and CUDA when present) and shape ``B x T`` (float32, random
+lengths, an interior gap on every third row, verl's masked-token semantics):
+
+- ``ours_ms``: the dispatched scans (``masked_gae_scan``, the fused ``masked_gae_returns_scan``,
+  ``masked_discounted_return_scan``) and, per backend, the GAE scan alone;
+- ``oracle_loop_ms``: the per-timestep reference loop (what verl runs), float32, same inputs;
+- ``torchrl_vec_gae_ms``: TorchRL's ``vec_generalized_advantage_estimate`` on the same shape when TorchRL is
+  importable (it has no masked-gap semantics: this is a speed reference only, with ``done`` at each row's end);
+- ``floor_ms``: bytes the fused GAE must move (rewards, values, mask in; advantages, returns out = 17 B/token)
+  over the copy bandwidth measured in this run, and ``floor_20B_ms`` with the issue's 20 B/token;
+- ``max_abs_err``: against the float64 oracle on valid tokens.
+
+Also, on each device, the group estimators of :mod:`ppo_core.advantages` (if present) at B = 65536 rows in
+8192 groups. On CUDA a small sweep of Triton launch shapes is recorded under ``triton_sweep``.
+
+Usage: ``python benchmarks/advantages.py [--device cpu|cuda|all] [--quick] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ppo_core import kernels
+from ppo_core.kernels import chunked, reference, triton_scan
+
+CPU_SHAPES = [(256, 1024), (512, 4096)]
+CUDA_SHAPES = [(256, 1024), (512, 4096), (1024, 8192)]
+GAMMA, LAM = 0.99, 0.95
+FUSED_BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 4
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in ms (CUDA: device events around each call, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_bandwidth_gbps(device: str) -> float:
+    """Bytes read plus written per second by a device copy of a buffer far larger than the caches."""
+    numel = (256 << 20) if device == "cuda" else (32 << 20)  # 1 GiB on CUDA, 128 MiB on CPU
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), device, repeats=20 if device == "cuda" else 7)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def _case(batch: int, length: int, device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(batch, length, generator=gen)
+    values = torch.randn(batch, length, generator=gen)
+    lengths = torch.randint(length // 8, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    mask[::3, length // 3 : length // 3 + length // 16] = False  # multi-turn observation gap
+    return rewards.to(device), values.to(device), mask.to(device)
+
+
+def _torchrl() -> Callable | None:
+    try:
+        from torchrl.objectives.value.functional import vec_generalized_advantage_estimate
+    except Exception:  # any import failure means "not available" for a benchmark
+        return None
+    return vec_generalized_advantage_estimate
+
+
+def _torchrl_ms(fn: Callable, r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: int) -> float:
+    device = r.device.type
+    lengths = m.sum(dim=1)
+    done = torch.zeros_like(m)
+    done[torch.arange(m.shape[0], device=r.device), (lengths - 1).clamp(min=0)] = True
+    state, reward, done = v[..., None], r[..., None], done[..., None]
+    next_state = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)[..., None]
+    return _time_ms(lambda: fn(GAMMA, LAM, state, next_state, reward, done, done), device, repeats)
+
+
+def _max_err(out: torch.Tensor, ref: torch.Tensor, where: torch.Tensor) -> float:
+    diff = (out.double() - ref.double())[where]
+    return float(diff.abs().max()) if diff.numel() else 0.0
+
+
+def _oracles(
+    r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, ...]:
+    """float64 GAE and discounted return: the loop where affordable, else the chunked scan in float64."""
+    affordable = r.device.type == "cpu" and r.numel() <= 512 * 4096
+    r64, v64 = r.double(), v.double()
+    if affordable:
+        return reference.masked_gae_scan(r64, v64, m, gamma, lam), reference.masked_discounted_return_scan(
+            r64, m, gamma
+        )
+    return chunked.gae_scan_chunked(r64, v64, m, gamma, lam), chunked.discounted_return_scan_chunked(
+        r64, m, gamma
+    )
+
+
+def _errors(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> dict:
+    errors = {}
+    for gamma, lam in ((GAMMA, LAM), (1.0, 1.0)):
+        adv_ref, ret_ref = _oracles(r, v, m, gamma, lam)
+        adv, ret = kernels.masked_gae_returns_scan(r, v, m, gamma, lam)
+        key = f"gamma={gamma},lam={lam}"
+        errors[key] = {
+            "gae": _max_err(adv, adv_ref, m),
+            "returns": _max_err(ret, adv_ref + v.double(), m),
+            "discounted_return": _max_err(kernels.masked_discounted_return_scan(r, m, gamma), ret_ref, m),
+        }
+    return errors
+
+
+def _shape_report(
+    batch: int, length: int, device: str, bandwidth: float, quick: bool, torchrl: Callable | None
+) -> dict:
+    r, v, m = _case(batch, length, device)
+    repeats = 5 if device == "cpu" else 50
+    ours = {
+        "gae": lambda: kernels.masked_gae_scan(r, v, m, GAMMA, LAM),
+        "gae_and_returns": lambda: kernels.masked_gae_returns_scan(r, v, m, GAMMA, LAM),
+        "discounted_return": lambda: kernels.masked_discounted_return_scan(r, m, GAMMA),
+    }
+    report: dict = {"ours_ms": {name: _time_ms(fn, device, repeats) for name, fn in ours.items()}}
+    report["backends_gae_ms"] = {
+        b: _time_ms(lambda b=b: kernels.masked_gae_scan(r, v, m, GAMMA, LAM, backend=b), device, repeats)
+        for b in kernels.available_backends(device)
+        if b != "reference"
+    }
+    if not quick and (device == "cuda" or batch * length <= 512 * 4096):
+        loop = lambda: reference.masked_gae_scan(r, v, m, GAMMA, LAM)  # noqa: E731
+        report["oracle_loop_ms"] = _time_ms(loop, device, repeats=3, warmup=1)
+        report["speedup_vs_loop"] = report["oracle_loop_ms"] / report["ours_ms"]["gae"]
+    if torchrl is not None:
+        report["torchrl_vec_gae_ms"] = _torchrl_ms(torchrl, r, v, m, repeats)
+        report["speedup_vs_torchrl"] = report["torchrl_vec_gae_ms"] / report["ours_ms"]["gae"]
+    tokens = batch * length
+    report["floor_ms"] = tokens * FUSED_BYTES_PER_TOKEN / (bandwidth * 1e9) * 1e3
+    report["floor_20B_ms"] = tokens * 20 / (bandwidth * 1e9) * 1e3
+    report["fused_over_floor"] = report["ours_ms"]["gae_and_returns"] / report["floor_ms"]
+    if device == "cuda":
+        try:
+            report["fused_graph_replay_ms"] = _graph_ms(ours["gae_and_returns"], repeats)
+            report["fused_graph_over_floor"] = report["fused_graph_replay_ms"] / report["floor_ms"]
+            report["fused_kernel_launches"] = _kernel_launches(ours["gae_and_returns"])
+        except Exception as err:  # profiling or graphs unavailable: keep the rest of the report
+            report["graph_or_profiler_error"] = repr(err)[:200]
+    report["max_abs_err"] = _errors(r, v, m)
+    return report
+
+
+def _triton_sweep(batch: int, length: int) -> list[dict]:
+    """Launch shapes of the fused GAE kernel at one size (float32 and float64 accumulation), fastest first."""
+    r, v, m = _case(batch, length, "cuda")
+    shapes = ((1, 512, 4), (1, 1024, 4), (1, 1024, 8), (1, 2048, 8), (2, 512, 4), (2, 1024, 8), (4, 512, 8))
+    rows = []
+    for (bb, bt, warps), stages, fp64 in itertools.product(shapes, (2, 3, 4), (False, True)):
+        launch = triton_scan.ScanLaunch(block_b=bb, block_t=bt, num_warps=warps, num_stages=stages)
+        fn = lambda launch=launch, fp64=fp64: triton_scan.gae_scan_triton(  # noqa: E731
+            r, v, m, GAMMA, LAM, with_returns=True, accumulate_fp64=fp64, launch=launch
+        )
+        try:
+            ms = _time_ms(fn, "cuda", repeats=30)
+        except Exception as err:  # a launch shape the compiler rejects is a data point, not a crash
+            rows.append({**launch.__dict__, "fp64": fp64, "error": repr(err)[:200]})
+            continue
+        rows.append({**launch.__dict__, "fp64": fp64, "ms": round(ms, 5)})
+    rows.sort(key=lambda row: row.get("ms", float("inf")))
+    best_fp64 = [row for row in rows if row["fp64"]][:3]
+    default = triton_scan._default_launch(length)
+    return [{"default": default.__dict__, "shape": f"{batch}x{length}"}, *rows[:8], *best_fp64]
+
+
+def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Device time of ``fn`` replayed as a CUDA graph (no host launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time_ms(graph.replay, "cuda", repeats)
+
+
+def _kernel_launches(fn: Callable[[], object]) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _group_report(device: str) -> dict:
+    try:
+        from ppo_core import advantages
+    except ImportError:
+        return {"skipped": "ppo_core.advantages not importable"}
+    batch, groups, length = 65536, 8192, 128
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(batch, generator=gen)
+    mask = torch.arange(length)[None, :] < torch.randint(1, length + 1, (batch,), generator=gen)[:, None]
+    rewards = torch.zeros(batch, length)
+    rewards[torch.arange(batch), mask.sum(1) - 1] = scores
+    index_tensor = torch.arange(groups).repeat_interleave(batch // groups)
+    index_str = [f"uid-{i}" for i in index_tensor.tolist()]
+    rewards, mask = rewards.to(device), mask.to(device)
+    index_tensor = index_tensor.to(device)
+    estimators = {
+        "grpo": advantages.compute_grpo_advantage,
+        "rloo": advantages.compute_rloo_advantage,
+        "reinforce_pp_baseline": advantages.compute_reinforce_pp_baseline_advantage,
+        "opo": advantages.compute_opo_advantage,
+        "gpg": advantages.compute_gpg_advantage,
+    }
+    report: dict = {"shape": f"{batch}x{length}", "groups": groups, "ms": {}}
+    for name, fn in estimators.items():
+        try:
+            report["ms"][name] = _time_ms(lambda fn=fn: fn(rewards, mask, index_tensor), device, repeats=5)
+        except Exception as err:
+            report["ms"][name] = repr(err)[:200]
+    try:
+        report["ms"]["grpo_str_index"] = _time_ms(
+            lambda: advantages.compute_grpo_advantage(rewards, mask, index_str), device, repeats=3
+        )
+    except Exception as err:
+        report["ms"]["grpo_str_index"] = repr(err)[:200]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="skip the slow reference loop")
+    parser.add_argument("--sweep", action="store_true", help="sweep Triton launch shapes on CUDA")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+
+    torchrl = _torchrl()
+    result: dict = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "torchrl": None if torchrl is None else sys.modules["torchrl"].__version__,
+        "dtype": "float32",
+        "gamma": GAMMA,
+        "lam": LAM,
+    }
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    for device in devices:
+        if device == "cuda" and not torch.cuda.is_available():
+            result["cuda"] = {"skipped": "no CUDA device"}
+            continue
+        bandwidth = _copy_bandwidth_gbps(device)
+        section: dict = {
+            "name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "backends": kernels.available_backends(device),
+            "copy_bandwidth_GBps": bandwidth,
+            "shapes": {},
+        }
+        for batch, length in CUDA_SHAPES if device == "cuda" else CPU_SHAPES:
+            section["shapes"][f"{batch}x{length}"] = _shape_report(
+                batch, length, device, bandwidth, args.quick, torchrl
+            )
+        if device == "cuda" and triton_scan.is_available("cuda"):
+            section["triton_default_launch"] = triton_scan._default_launch(CUDA_SHAPES[-1][1]).__dict__
+        if device == "cuda" and args.sweep and triton_scan.is_available("cuda"):
+            section["triton_sweep"] = _triton_sweep(*CUDA_SHAPES[-1])
+        section["group_estimators"] = _group_report(device)
+        result[device] = section
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

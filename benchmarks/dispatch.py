@@ -1,0 +1,183 @@
+"""Dispatch cost of ``MonarchWorkerGroup`` against raw Monarch and Ray actors, in one run; prints one JSON object.
+
+Two workloads on ``--workers`` processes of this machine:
+
+- ``empty``: a call with no arguments that returns None, to every worker;
+- ``dp``: a PPO-shaped batch (``B x T`` int64 ``input_ids`` and ``attention_mask`` plus float32 ``old_log_probs``:
+  42 MB at the default 1024 x 2048) split into one compact shard per worker; each worker returns a
+  ``(B / workers, T)`` float32 tensor.
+
+Engines: (a) ``ours``: ``MonarchWorkerGroup`` (``DP_COMPUTE`` dispatch: split, shared memory on one host, merge);
+(b) ``monarch``: raw Monarch actors, one ``call_one`` per shard, all issued before any wait (the fastest
+plain-message pattern, see docs); (c) ``ray``: Ray actors (the engine under verl's ``RayWorkerGroup``), when
+``ray`` is importable. Times are medians in milliseconds; ratios compare engines within this run.
+
+Usage:
+    python benchmarks/dispatch.py [--workers 4] [--batch 1024] [--seqlen 2048] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import ppo_core_monarch  # noqa: F401  (before monarch: supervision settings)
+import torch
+from monarch.actor import Actor, endpoint
+from tensordict import TensorDict
+
+from ppo_core.workers import Dispatch, Worker, register
+from ppo_core_monarch.group import MonarchWorkerGroup
+
+# The worker classes live in this script: Monarch and Ray pickle classes of __main__ by value.
+
+
+class BenchWorker(Worker):
+    """ppo-core worker: the DP method returns a ``(B / workers, T)`` float tensor."""
+
+    def noop(self) -> None:
+        return None
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute(self, batch: TensorDict) -> torch.Tensor:
+        return batch["old_log_probs"] * 2
+
+
+class RawActor(Actor):
+    """The same two methods as raw Monarch endpoints."""
+
+    @endpoint
+    def noop(self) -> None:
+        return None
+
+    @endpoint
+    def compute(self, batch: TensorDict) -> torch.Tensor:
+        return batch["old_log_probs"] * 2
+
+
+class _RayWorker:
+    def noop(self) -> None:
+        return None
+
+    def compute(self, batch: TensorDict) -> torch.Tensor:
+        return batch["old_log_probs"] * 2
+
+
+def _batch(b: int, t: int) -> TensorDict:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDict(
+        {
+            "input_ids": torch.randint(0, 32000, (b, t), generator=gen),
+            "attention_mask": torch.ones(b, t, dtype=torch.int64),
+            "old_log_probs": torch.randn(b, t, generator=gen),
+        },
+        batch_size=[b],
+    )
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 3)
+
+
+def _shards(batch: TensorDict, n: int) -> list[TensorDict]:
+    return [s.clone() for s in batch.split(batch.batch_size[0] // n)]
+
+
+def bench_ours(batch: TensorDict, n: int, repeats: int) -> dict:
+    with MonarchWorkerGroup(BenchWorker, procs_per_host=n) as wg:
+        out = wg.compute(batch)
+        assert torch.equal(torch.cat(out), batch["old_log_probs"] * 2)
+        return {
+            "empty_ms": _median_ms(lambda: wg.call_all("noop"), repeats * 3),
+            "dp_ms": _median_ms(lambda: wg.compute(batch), repeats),
+        }
+
+
+def bench_monarch(batch: TensorDict, n: int, repeats: int) -> dict:
+    from monarch.actor import this_host
+
+    procs = this_host().spawn_procs(per_host={"procs": n})
+    try:
+        actors = procs.spawn("bench_raw", RawActor)
+        actors.initialized.get(timeout=300)
+        flat = actors.flatten("rank")
+        singles = [flat.slice(rank=r) for r in range(n)]
+
+        def dp() -> list:
+            futures = [a.compute.call_one(s) for a, s in zip(singles, _shards(batch, n))]
+            return [f.get(timeout=300) for f in futures]
+
+        assert torch.equal(torch.cat(dp()), batch["old_log_probs"] * 2)
+        return {
+            "empty_ms": _median_ms(lambda: actors.noop.call().get(timeout=300), repeats * 3),
+            "dp_ms": _median_ms(dp, repeats),
+        }
+    finally:
+        procs.stop().get(timeout=60)
+
+
+def bench_ray(batch: TensorDict, n: int, repeats: int) -> dict | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [ray.remote(_RayWorker).remote() for _ in range(n)]
+        ray.get([a.noop.remote() for a in actors])
+
+        def dp() -> list:
+            return ray.get([a.compute.remote(s) for a, s in zip(actors, _shards(batch, n))])
+
+        assert torch.equal(torch.cat(dp()), batch["old_log_probs"] * 2)
+        return {
+            "empty_ms": _median_ms(lambda: ray.get([a.noop.remote() for a in actors]), repeats * 3),
+            "dp_ms": _median_ms(dp, repeats),
+        }
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    batch = _batch(args.batch, args.seqlen)
+    result: dict = {
+        "workers": args.workers,
+        "batch_mb": round(sum(v.nbytes for v in batch.values()) / 1e6, 1),
+        "cpus": os.cpu_count(),
+        "ours": bench_ours(batch, args.workers, args.repeats),
+        "monarch": bench_monarch(batch, args.workers, args.repeats),
+        "ray": bench_ray(batch, args.workers, args.repeats),
+    }
+    ours, raw, ray_ = result["ours"], result["monarch"], result["ray"]
+    result["ratios"] = {
+        "ours_empty_over_monarch": round(ours["empty_ms"] / raw["empty_ms"], 3),
+        "ours_dp_over_monarch": round(ours["dp_ms"] / raw["dp_ms"], 3),
+    }
+    if ray_ is not None:
+        result["ratios"]["ours_dp_over_ray"] = round(ours["dp_ms"] / ray_["dp_ms"], 3)
+        result["ratios"]["ours_empty_over_ray"] = round(ours["empty_ms"] / ray_["empty_ms"], 3)
+    result["targets_met"] = {
+        "empty_within_1.5x_monarch": result["ratios"]["ours_empty_over_monarch"] <= 1.5,
+        "dp_at_most_half_of_ray": None if ray_ is None else result["ratios"]["ours_dp_over_ray"] <= 0.5,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

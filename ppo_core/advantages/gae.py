@@ -1,0 +1,88 @@
+"""Generalised advantage estimation (Schulman et al., 2016) over masked, possibly multi-turn responses."""
+
+from __future__ import annotations
+
+import torch
+
+from ppo_core import kernels
+from ppo_core._checks import check_floating, check_same_shape
+from ppo_core.advantages._common import (
+    REWARDS,
+    check_finite,
+    check_rewards_and_mask,
+    check_scalar,
+    zero_outside,
+)
+from ppo_core.masked import masked_whiten
+
+__all__ = ["compute_gae"]
+
+
+@torch.no_grad()
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and value targets, skipping masked tokens as verl does.
+
+    Backwards over the valid tokens of each row (``nextv`` and ``lastgae`` start at 0, so the last valid token is
+    treated as terminal)::
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+
+    where ``V_next``/``A_next`` belong to the next *valid* token: a run of masked tokens inside a response
+    (multi-turn observation tokens) costs exactly one ``gamma`` (and one ``gamma * lam``) step, whatever its
+    length (pitfall 11). ``returns = A_raw + V``; ``advantages = masked_whiten(A_raw)`` over all valid tokens of
+    the batch when ``whiten``.
+
+    Semantics pinned by tests (see ``docs/semantics.md``):
+
+    - rewards and values on masked positions are ignored, even NaN/inf (pitfall 8: a reward placed on a masked
+      token is dropped, as in verl; put outcome rewards on a valid token);
+    - both outputs are exactly 0 on masked positions (deviation from verl, which leaves whitened padding and
+      ``returns = V`` there; pitfall 10);
+    - 0 or 1 valid tokens in the batch: the whitened advantages are 0, never NaN (verl raises; pitfall 9);
+    - NaN/inf in ``rewards`` or ``values`` on a valid token raises ``ValueError`` naming the argument.
+
+    Args:
+        rewards: ``[B, T]`` floating token-level rewards.
+        values: ``[B, T]`` floating critic values ``V_t``.
+        response_mask: ``[B, T]`` bool or 0/1 mask of the tokens the policy produced.
+        gamma: discount in ``[0, 1]``.
+        lam: GAE lambda in ``[0, 1]``.
+        whiten: normalise the advantages to mean 0 / variance 1 over the valid tokens.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` in the promoted dtype of ``rewards`` and ``values``.
+
+    Example:
+        >>> r = torch.tensor([[0.0, 0.0, 1.0]])
+        >>> v = torch.tensor([[0.5, 0.5, 0.5]])
+        >>> adv, ret = compute_gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0, whiten=False)
+        >>> ret
+        tensor([[1., 1., 1.]])
+    """
+    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    values = check_floating("values", values)
+    check_same_shape(rewards=rewards, values=values)
+    if values.device != rewards.device:
+        raise ValueError(
+            f"values is on {values.device} but {REWARDS} is on {rewards.device}; they must match"
+        )
+    gamma = check_scalar("gamma", gamma, 0.0, 1.0)
+    lam = check_scalar("lam", lam, 0.0, 1.0)
+    check_finite(REWARDS, rewards, mask)
+    check_finite("values", values, mask)
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    # zeroing masked inputs first keeps any kernel's arithmetic masking from turning masked NaN/inf into NaN
+    r = zero_outside(rewards.to(dtype), mask).contiguous()
+    v = zero_outside(values.to(dtype), mask).contiguous()
+    raw = kernels.masked_gae_scan(r, v, mask.contiguous(), gamma, lam)
+    returns = zero_outside(raw + v, mask)
+    advantages = masked_whiten(raw, mask) if whiten else raw
+    return zero_outside(advantages, mask), returns

@@ -1,0 +1,99 @@
+"""Critic-free estimators built on per-token reward-to-go: REINFORCE++ and ReMax."""
+
+from __future__ import annotations
+
+import torch
+
+from ppo_core import kernels
+from ppo_core._checks import check_floating, check_ndim
+from ppo_core.advantages._common import (
+    REWARDS,
+    check_finite,
+    check_rewards_and_mask,
+    check_scalar,
+    zero_outside,
+)
+from ppo_core.masked import masked_whiten
+
+__all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
+
+
+@torch.no_grad()
+def compute_reinforce_pp_advantage(
+    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu, 2025): discounted reward-to-go, whitened over the valid tokens of the batch.
+
+    ``G_t = r_t + gamma * G_next`` over the valid tokens of each row (a masked run costs one ``gamma`` step and
+    its rewards are dropped, pitfall 8); ``advantages = masked_whiten(G)``, ``returns = G``.
+
+    ``gamma`` is an explicit argument (verl reads ``config.gamma`` and ignores the ``gamma`` passed to its
+    dispatcher, pitfall 35). Both outputs are 0 on masked tokens; with 0 or 1 valid tokens in the batch the
+    advantages are 0 (verl raises, pitfall 9). NaN/inf rewards on valid tokens raise ``ValueError``.
+
+    Args:
+        rewards: ``[B, T]`` floating token-level rewards.
+        response_mask: ``[B, T]`` bool or 0/1 mask.
+        gamma: discount in ``[0, 1]``.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]``, dtype of ``rewards``.
+
+    Example:
+        >>> r = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+        >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+        >>> adv, ret = compute_reinforce_pp_advantage(r, m, gamma=1.0)
+        >>> ret[0]
+        tensor([1., 1., 1., 0.])
+    """
+    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    gamma = check_scalar("gamma", gamma, 0.0, 1.0)
+    check_finite(REWARDS, rewards, mask)
+    returns = kernels.masked_discounted_return_scan(
+        zero_outside(rewards, mask).contiguous(), mask.contiguous(), gamma
+    )
+    returns = zero_outside(returns, mask)
+    return zero_outside(masked_whiten(returns, mask), mask), returns
+
+
+@torch.no_grad()
+def compute_remax_advantage(
+    rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al., 2023): undiscounted reward-to-go minus the greedy rollout's reward.
+
+    ``G_t = sum of r_k over valid k >= t``; ``advantages = G_t - b_i`` on valid tokens, ``returns = G``. No
+    whitening. Rewards on masked tokens are dropped (as in verl). Both outputs are 0 on masked tokens (verl leaves
+    ``G_t`` there, pitfall 10).
+
+    Args:
+        rewards: ``[B, T]`` floating token-level rewards.
+        reward_baselines: ``[B]`` floating baseline per row (reward of the greedy response to the same prompt).
+        response_mask: ``[B, T]`` bool or 0/1 mask.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` in the promoted dtype of ``rewards`` and ``reward_baselines``.
+
+    Example:
+        >>> adv, ret = compute_remax_advantage(torch.tensor([[0.0, 1.0]]), torch.tensor([0.25]), torch.ones(1, 2))
+        >>> adv
+        tensor([[0.7500, 0.7500]])
+    """
+    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    baselines = check_ndim("reward_baselines", check_floating("reward_baselines", reward_baselines), 1)
+    if baselines.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"reward_baselines has shape {tuple(baselines.shape)} but {REWARDS} has {rewards.shape[0]} rows; "
+            "it must be [B]"
+        )
+    if baselines.device != rewards.device:
+        raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
+    check_finite(REWARDS, rewards, mask)
+    check_finite("reward_baselines", baselines, mask.any(dim=-1))
+    dtype = torch.promote_types(rewards.dtype, baselines.dtype)
+    masked_rewards = zero_outside(rewards.to(dtype), mask).contiguous()
+    returns = zero_outside(
+        kernels.masked_discounted_return_scan(masked_rewards, mask.contiguous(), 1.0), mask
+    )
+    advantages = zero_outside(returns - baselines.to(dtype).unsqueeze(-1), mask)
+    return advantages, returns

@@ -1,0 +1,282 @@
+"""CUDA scans in Triton: the masked recurrences as associative scans over time, one pass over memory.
+
+Both recurrences have the first-order linear form ``x_t = a_t * x_{t+1} + b_t`` (reverse in time), whose steps
+compose associatively: ``(a1, b1)`` then ``(a2, b2)`` is ``(a1 * a2, a2 * b1 + b2)``. Each program owns
+``BLOCK_B`` rows and walks them from the end in chunks of ``BLOCK_T`` steps; a chunk is loaded in descending
+time order (lane 0 = latest step), scanned with ``tl.associative_scan`` and joined to the state carried from the
+chunk on its right, so every input is read once and every output written once.
+
+GAE needs two scans per chunk. The bootstrap value is itself a carried recurrence (``nextv_t`` is the value of
+the next valid token after ``t``: ``a = 0, b = V`` where the token at ``t + 1`` is valid, ``a = 1, b = 0``
+where it is masked), computed from inputs loaded one step to the right (cache hits, not extra DRAM traffic).
+The advantage scan then uses ``a = gamma * lam, b = delta`` at valid tokens and ``a = 1, b = 0`` at masked
+ones, which carries both the bootstrap value and the running advantage across a gap, as the reference does.
+The discounted return is the second scan alone with ``a = gamma, b = r``.
+
+Falls back cleanly: without Triton or CUDA, :func:`is_available` is False and nothing here is compiled.
+``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (slowly), which the tests use where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: CPU-only installs and non-CUDA builds of PyTorch lack it.
+    triton = None
+    tl = None
+
+__all__ = ["ScanLaunch", "discounted_return_scan_triton", "gae_scan_triton", "is_available"]
+
+
+@dataclass(kw_only=True)
+class ScanLaunch:
+    """Launch shape of a scan kernel (the defaults come from :func:`_default_launch`)."""
+
+    block_b: int
+    """Rows per program (a power of two)."""
+    block_t: int
+    """Time steps per chunk (a power of two); each program loops over ``ceil(T / block_t)`` chunks."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 2
+    """Software-pipelining depth of the chunk loop (loads of the next chunk overlap this chunk's scan)."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_available(device: torch.device | str | None = None) -> bool:
+    """Whether the Triton kernels can run on ``device`` (CUDA with Triton, or any device when interpreting)."""
+    if triton is None:
+        return False
+    if _interpreting():
+        return True
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _default_launch(length: int) -> ScanLaunch:
+    # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep on an
+    # H100 at 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
+    block_t = min(512, max(128, triton.next_power_of_2(length)))
+    return ScanLaunch(block_b=1, block_t=block_t, num_warps=block_t // 128, num_stages=3)
+
+
+def _check_launch(launch: ScanLaunch) -> ScanLaunch:
+    sizes = (launch.block_b, launch.block_t)
+    if any(n < 1 or n & (n - 1) for n in sizes) or launch.block_b * launch.block_t < 32 * launch.num_warps:
+        # Fewer elements than threads means a replicated layout, where Triton's scan lowering has had bugs.
+        raise ValueError(
+            f"launch must have power-of-two block_b and block_t with block_b * block_t >= 32 * num_warps, got {launch}"
+        )
+    return launch
+
+
+if triton is not None:
+
+    @triton.jit
+    def _compose(a_later, b_later, a_earlier, b_earlier):
+        # Lanes run from later to earlier steps, so the left operand is the step applied first.
+        return a_later * a_earlier, a_earlier * b_later + b_earlier
+
+    @triton.jit
+    def _gae_kernel(
+        r_ptr,
+        v_ptr,
+        m_ptr,
+        adv_ptr,
+        ret_ptr,
+        n_rows,
+        length,
+        gamma,
+        coef,
+        WITH_RETURNS: tl.constexpr,
+        ACC: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        base = rows.to(tl.int64)[:, None] * length
+        lanes = tl.arange(0, BLOCK_T)[None, :]
+        row_ok = (rows < n_rows)[:, None]
+        last_lane = lanes == BLOCK_T - 1
+        carry_v = tl.zeros([BLOCK_B], ACC)
+        carry_adv = tl.zeros([BLOCK_B], ACC)
+        for start in range(0, length, BLOCK_T):
+            t = length - 1 - start - lanes
+            ok = row_ok & (t >= 0)
+            # The shifted loads must also stop at t >= 0: lanes past the row start would read before row 0.
+            ok_next = ok & (t < length)
+            r = tl.load(r_ptr + base + t, mask=ok, other=0.0).to(ACC)
+            v = tl.load(v_ptr + base + t, mask=ok, other=0.0).to(ACC)
+            m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
+            v_right = tl.load(v_ptr + base + t + 1, mask=ok_next, other=0.0).to(ACC)
+            m_right = tl.load(m_ptr + base + t + 1, mask=ok_next, other=0) != 0
+            zero = tl.zeros([BLOCK_B, BLOCK_T], ACC)
+            one = zero + 1.0
+            a_v, b_v = tl.associative_scan(
+                (tl.where(m_right, zero, one), tl.where(m_right, v_right, zero)), axis=1, combine_fn=_compose
+            )
+            next_v = a_v * carry_v[:, None] + b_v
+            delta = tl.where(m, r + gamma * next_v - v, zero)
+            a_g, b_g = tl.associative_scan(
+                (tl.where(m, zero + coef, one), delta), axis=1, combine_fn=_compose
+            )
+            adv = a_g * carry_adv[:, None] + b_g
+            tl.store(adv_ptr + base + t, adv, mask=ok)
+            if WITH_RETURNS:
+                tl.store(ret_ptr + base + t, adv + v, mask=ok)
+            carry_v = tl.sum(tl.where(last_lane, next_v, zero), axis=1)
+            carry_adv = tl.sum(tl.where(last_lane, adv, zero), axis=1)
+
+    @triton.jit
+    def _return_kernel(
+        r_ptr,
+        m_ptr,
+        out_ptr,
+        n_rows,
+        length,
+        gamma,
+        ACC: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        base = rows.to(tl.int64)[:, None] * length
+        lanes = tl.arange(0, BLOCK_T)[None, :]
+        row_ok = (rows < n_rows)[:, None]
+        last_lane = lanes == BLOCK_T - 1
+        carry = tl.zeros([BLOCK_B], ACC)
+        for start in range(0, length, BLOCK_T):
+            t = length - 1 - start - lanes
+            ok = row_ok & (t >= 0)
+            r = tl.load(r_ptr + base + t, mask=ok, other=0.0).to(ACC)
+            m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
+            zero = tl.zeros([BLOCK_B, BLOCK_T], ACC)
+            a, b = tl.associative_scan(
+                (tl.where(m, zero + gamma, zero + 1.0), tl.where(m, r, zero)), axis=1, combine_fn=_compose
+            )
+            run = a * carry[:, None] + b
+            tl.store(out_ptr + base + t, tl.where(m, run, zero), mask=ok)
+            carry = tl.sum(tl.where(last_lane, run, zero), axis=1)
+
+
+def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
+    return tl.float64 if accumulate_fp64 or dtype == torch.float64 else tl.float32
+
+
+def _grid(batch: int, launch: ScanLaunch) -> tuple[int]:
+    return (triton.cdiv(batch, launch.block_b),)
+
+
+def gae_scan_triton(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    with_returns: bool = False,
+    accumulate_fp64: bool = False,
+    launch: ScanLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw masked GAE advantages (and ``advantages + values`` if ``with_returns``) in one kernel launch.
+
+    Args:
+        rewards, values: ``[B, T]`` floating CUDA tensors.
+        mask: ``[B, T]`` bool CUDA tensor.
+        gamma, lam: discount and GAE lambda.
+        with_returns: also write ``returns = advantages + values`` from the same pass.
+        accumulate_fp64: run the scans in float64 (float32 otherwise, float64 anyway for float64 inputs).
+        launch: launch shape override (benchmarks); default from the shape.
+
+    Returns:
+        ``(advantages, returns or None)``, each ``[B, T]`` in the promoted dtype of rewards and values.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True]], device="cuda")
+        >>> r = torch.tensor([[0.0, 5.0, 1.0]], device="cuda")
+        >>> gae_scan_triton(r, torch.zeros_like(r), m, 1.0, 1.0)[0]
+        tensor([[1., 1., 1.]], device='cuda:0')
+    """
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r = rewards.detach().to(dtype).contiguous()
+    v = values.detach().to(dtype).contiguous()
+    m = mask.contiguous().view(torch.uint8)
+    batch, length = r.shape
+    adv = torch.empty_like(r)
+    ret = torch.empty_like(r) if with_returns else adv  # an unused pointer when not writing returns
+    if r.numel():
+        launch = _check_launch(launch) if launch else _default_launch(length)
+        _gae_kernel[_grid(batch, launch)](
+            r,
+            v,
+            m,
+            adv,
+            ret,
+            batch,
+            length,
+            float(gamma),
+            float(gamma * lam),
+            WITH_RETURNS=with_returns,
+            ACC=_acc(dtype, accumulate_fp64),
+            BLOCK_B=launch.block_b,
+            BLOCK_T=launch.block_t,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )
+    return adv, (ret if with_returns else None)
+
+
+def discounted_return_scan_triton(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    *,
+    accumulate_fp64: bool = False,
+    launch: ScanLaunch | None = None,
+) -> torch.Tensor:
+    """Masked discounted reward-to-go (0 at masked positions) in one kernel launch.
+
+    Args:
+        rewards: ``[B, T]`` floating CUDA tensor.
+        mask: ``[B, T]`` bool CUDA tensor.
+        gamma: discount.
+        accumulate_fp64: run the scan in float64.
+        launch: launch shape override (benchmarks).
+
+    Returns:
+        ``[B, T]`` returns in the dtype of ``rewards``.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True]], device="cuda")
+        >>> discounted_return_scan_triton(torch.tensor([[1.0, 5.0, 1.0]], device="cuda"), m, 0.5)
+        tensor([[1.5000, 0.0000, 1.0000]], device='cuda:0')
+    """
+    r = rewards.detach().contiguous()
+    m = mask.contiguous().view(torch.uint8)
+    batch, length = r.shape
+    out = torch.empty_like(r)
+    if r.numel():
+        launch = _check_launch(launch) if launch else _default_launch(length)
+        _return_kernel[_grid(batch, launch)](
+            r,
+            m,
+            out,
+            batch,
+            length,
+            float(gamma),
+            ACC=_acc(r.dtype, accumulate_fp64),
+            BLOCK_B=launch.block_b,
+            BLOCK_T=launch.block_t,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )
+    return out

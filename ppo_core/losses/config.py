@@ -1,0 +1,101 @@
+"""``PolicyLossConfig``: the knobs of every registered policy loss, with verl's defaults.
+
+Clip bounds (pitfall 17, a deliberate deviation from verl): ``clip_ratio_low`` and ``clip_ratio_high`` default to
+None and then take the value of ``clip_ratio``, so setting ``clip_ratio=0.3`` alone gives the range [0.7, 1.3]. An
+explicit ``clip_ratio_low``/``clip_ratio_high`` wins over ``clip_ratio``. In verl both default to 0.2, so overriding
+only ``clip_ratio`` silently keeps [0.8, 1.2]. Use :attr:`PolicyLossConfig.eps_low` / :attr:`eps_high` to read the
+bounds actually used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ppo_core._config import ConfigBase
+from ppo_core.losses.aggregation import _check_loss_agg_mode
+
+__all__ = ["PolicyLossConfig"]
+
+
+def _finite_at_least(name: str, value: object, low: float, *, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    ok = value > low if strict else value >= low
+    if not ok or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig(ConfigBase):
+    """Configuration shared by the policy losses of :mod:`ppo_core.losses` (verl's ``actor`` loss knobs).
+
+    Example:
+        >>> cfg = PolicyLossConfig(clip_ratio=0.3, clip_ratio_high=0.28)
+        >>> (cfg.eps_low, cfg.eps_high)
+        (0.3, 0.28)
+        >>> PolicyLossConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    loss_mode: str = "vanilla"
+    """Name of the policy loss in the registry (:func:`ppo_core.losses.get_policy_loss`)."""
+    clip_ratio: float = 0.2
+    """Symmetric PPO clip range ε; the default for ``clip_ratio_low``/``clip_ratio_high`` when they are None."""
+    clip_ratio_low: float | None = None
+    """Lower clip ε_lo (ratio clipped below at 1 − ε_lo; a divergence threshold for dppo); None: ``clip_ratio``."""
+    clip_ratio_high: float | None = None
+    """Upper clip ε_hi (ratio clipped above at 1 + ε_hi, DAPO's clip-higher); None: ``clip_ratio``."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (also dppo's ratio truncation)."""
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for non-positive advantages."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: fraction of valid tokens whose gradient is detached."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance window of candidate tokens."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance window of candidate tokens."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: fraction of valid tokens (largest covariance) that receive the |Δ| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log-ratio| penalty (verl's config default; its code fallback is 1.0)."""
+    loss_agg_mode: str = "token-mean"
+    """Default aggregation (:data:`ppo_core.losses.LOSS_AGG_MODES`) when a loss is called without one."""
+
+    def __post_init__(self) -> None:
+        from ppo_core.losses.registry import _check_loss_mode
+
+        _check_loss_mode(self.loss_mode)
+        _check_loss_agg_mode(self.loss_agg_mode)
+        _finite_at_least("clip_ratio", self.clip_ratio, 0.0)
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if getattr(self, name) is not None:
+                _finite_at_least(name, getattr(self, name), 0.0)
+        _finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        _finite_at_least("tau_pos", self.tau_pos, 0.0, strict=True)
+        _finite_at_least("tau_neg", self.tau_neg, 0.0, strict=True)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _finite_at_least(name, getattr(self, name), 0.0)
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        _finite_at_least("clip_cov_lb", self.clip_cov_lb, -math.inf)
+        _finite_at_least("clip_cov_ub", self.clip_cov_ub, -math.inf)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(
+                f"clip_cov_lb must be < clip_cov_ub, got clip_cov_lb={self.clip_cov_lb}, "
+                f"clip_cov_ub={self.clip_cov_ub}"
+            )
+        _finite_at_least("ppo_kl_coef", self.ppo_kl_coef, 0.0)
+
+    @property
+    def eps_low(self) -> float:
+        """The lower clip ε actually used: ``clip_ratio_low`` if set, else ``clip_ratio``."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip ε actually used: ``clip_ratio_high`` if set, else ``clip_ratio``."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high

@@ -1,0 +1,83 @@
+"""Clipped value (critic) loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ppo_core._checks import check_floating, check_mask, check_ndim, check_same_shape
+from ppo_core.losses.aggregation import agg_loss
+from ppo_core.masked import masked_mean
+
+__all__ = ["compute_value_loss"]
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None = 0.5,
+    loss_agg_mode: str = "token-mean",
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: int | float | torch.Tensor | None = None,
+    global_batch_size: int | float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss, pessimistic (OpenAI baselines style), halved.
+
+    ``v_clip = clamp(vpreds, values − c, values + c)``, ``l1 = (vpreds − returns)²``, ``l2 = (v_clip − returns)²``,
+    ``loss = ½ · agg_loss(max(l1, l2), response_mask, loss_agg_mode, ...)`` and ``clipfrac = mean([l2 > l1])`` over
+    valid tokens (pitfall 24). Masked entries (``returns`` at padding equal ``values`` after GAE, or hold anything)
+    change neither result nor any gradient.
+
+    Args:
+        vpreds: ``[B, T]`` current critic predictions (differentiated).
+        returns: ``[B, T]`` targets; values: ``[B, T]`` critic values at rollout time (both treated as constants).
+        response_mask: ``[B, T]`` bool or 0/1.
+        cliprange_value: ``c >= 0`` (verl's critic default 0.5); None disables clipping (``l = l1``).
+        loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see
+            :func:`ppo_core.losses.agg_loss`.
+
+    Returns:
+        ``(loss, clipfrac)``: 0-d tensors; ``clipfrac`` is detached.
+
+    Example:
+        >>> zeros = torch.zeros(1, 2)
+        >>> loss, clipfrac = compute_value_loss(torch.tensor([[1.0, 2.0]]), zeros, zeros, torch.ones(1, 2))
+        >>> loss  # ½ · mean(max(1, 0.25), max(4, 0.25))
+        tensor(1.2500)
+    """
+    vpreds = check_ndim("vpreds", check_floating("vpreds", vpreds), 2)
+    returns = check_floating("returns", returns)
+    values = check_floating("values", values)
+    check_same_shape(vpreds=vpreds, returns=returns, values=values)
+    mask = check_mask("response_mask", response_mask, like=vpreds, like_name="vpreds")
+    if cliprange_value is not None:
+        if isinstance(cliprange_value, bool) or not isinstance(cliprange_value, (int, float)):
+            raise TypeError(f"cliprange_value must be a number or None, got {type(cliprange_value).__name__}")
+        if not (cliprange_value >= 0 and math.isfinite(cliprange_value)):
+            raise ValueError(f"cliprange_value must be a finite number >= 0, got {cliprange_value}")
+    zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+    vpreds = torch.where(mask, vpreds, zero)
+    returns = torch.where(mask, returns.detach(), zero)
+    values = torch.where(mask, values.detach(), zero)
+    loss1 = (vpreds - returns).square()
+    if cliprange_value is None:
+        per_token, clipped = loss1, torch.zeros_like(mask)
+    else:
+        vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+        loss2 = (vpreds_clipped - returns).square()
+        per_token, clipped = torch.maximum(loss1, loss2), loss2 > loss1
+    loss = 0.5 * agg_loss(
+        per_token,
+        mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return loss, masked_mean(clipped.to(vpreds.dtype), mask).detach()

@@ -1,0 +1,58 @@
+"""Prompt and response lengths of a batch, shared by the data, timing and throughput metrics.
+
+Lengths come from ``attention_mask`` (``[B, P + T]``, prompt then response, ``T = response_mask.shape[1]``) when the
+batch has one, so tool/observation tokens of multi-turn rollouts count as response tokens as in verl (pitfall 34:
+these *metrics* use the attention mask, while losses and advantages use ``response_mask``). Without an
+``attention_mask`` the response length is ``response_mask.sum(-1)`` and the prompt is unknown (``None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+
+from ppo_core._checks import check_mask
+from ppo_core.batch._td import _check_batch
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    response: torch.Tensor  # [B] float64
+    response_width: int  # T
+    prompt: torch.Tensor | None  # [B] float64, None without attention_mask
+    prompt_width: int | None  # P
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.response.sum().item())
+
+    @property
+    def all_tokens(self) -> int:
+        prompt = 0 if self.prompt is None else int(self.prompt.sum().item())
+        return prompt + self.response_tokens
+
+
+def _lengths(batch: TensorDictBase) -> _Lengths:
+    _check_batch("batch", batch)
+    if "response_mask" not in batch:
+        raise KeyError("batch must have a 'response_mask' [B, T] tensor to measure response lengths")
+    response_mask = check_mask("response_mask", batch.get("response_mask"))
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must have shape [B, T], got {tuple(response_mask.shape)}")
+    width = int(response_mask.shape[1])
+    if "attention_mask" not in batch:
+        return _Lengths(response_mask.sum(-1, dtype=torch.float64), width, None, None)
+    attention_mask = check_mask("attention_mask", batch.get("attention_mask"))
+    if attention_mask.dim() != 2 or attention_mask.shape[1] < width:
+        raise ValueError(
+            f"attention_mask must have shape [B, P + T] with T={width} (from response_mask), "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    prompt_width = int(attention_mask.shape[1]) - width
+    prompt = attention_mask[:, :prompt_width].sum(-1, dtype=torch.float64)
+    response = attention_mask[:, prompt_width:].sum(-1, dtype=torch.float64)
+    return _Lengths(response, width, prompt, prompt_width)

@@ -1,0 +1,39 @@
+"""The PPO trainer written once: ``BasePPOTrainer`` (subclasses implement ``init_workers()``), its typed
+``PPOConfig``, checkpoints, metric tracking and a stateful prompt loader."""
+
+from __future__ import annotations
+
+from ppo_core.trainer.base import BasePPOTrainer
+from ppo_core.trainer.checkpoint import find_latest_checkpoint
+from ppo_core.trainer.config import (
+    ActorConfig,
+    CriticConfig,
+    DataConfig,
+    PPOConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from ppo_core.trainer.data import PromptDataLoader, collate_prompts
+from ppo_core.trainer.reward import RewardFunctionError, scores_to_token_level
+from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation
+from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl
+
+__all__ = [
+    "ActorConfig",
+    "BasePPOTrainer",
+    "CriticConfig",
+    "DataConfig",
+    "PPOConfig",
+    "PromptDataLoader",
+    "RewardFunctionError",
+    "RolloutConfig",
+    "Tracker",
+    "TrainerConfig",
+    "assign_uids",
+    "collate_prompts",
+    "compute_advantages",
+    "find_latest_checkpoint",
+    "merge_generation",
+    "read_metrics_jsonl",
+    "scores_to_token_level",
+]

@@ -1,0 +1,349 @@
+"""``BasePPOTrainer``: the PPO loop written once, for any backend; subclasses only implement ``init_workers()``.
+
+One step, in verl's order (``fit``, verl_inventory §9.6): sample ``n`` responses per prompt (one ``uid`` per
+prompt) -> start the reward (sync, or a Future/awaitable awaited later) -> old log-probs -> reference log-probs
+-> values -> in-reward KL (``apply_kl_penalty``) -> advantages (registry) -> critic update -> actor update
+(after ``critic_warmup`` steps) -> metrics -> validation (every ``test_freq`` steps and at the end) ->
+checkpoint (every ``save_freq`` steps and at the end) -> log.
+
+Differences from verl, on purpose: validation runs *before* the checkpoint of a step, so a resumed run continues
+from the state an uninterrupted one had; the controller state (KL coefficient, RNGs, dataloader position) is
+saved too (pitfall 33); ``val_before_train`` applies to a fresh start only; ``critic_warmup = k`` means exactly ``k`` critic-only steps (verl skips ``k - 1``); an
+empty validation set or an empty metric dict is "nothing to log", never an error (seed PR #3713).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import logging
+import os
+import random
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from ppo_core.batch import repeat_interleave
+from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
+from ppo_core.losses import agg_loss
+from ppo_core.metrics import (
+    Timer,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+)
+from ppo_core.trainer import checkpoint as ckpt
+from ppo_core.trainer.config import PPOConfig
+from ppo_core.trainer.data import PromptDataLoader
+from ppo_core.trainer.reward import RewardFn, call_reward_fn
+from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation, take_outputs
+from ppo_core.trainer.tracking import Tracker
+from ppo_core.trainer.validation import run_validation
+from ppo_core.workers.group import WorkerGroup
+
+__all__ = ["BasePPOTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class BasePPOTrainer(abc.ABC):
+    """The single-controller PPO trainer. Subclasses set ``self.actor_wg`` (and ``ref_wg``, ``critic_wg``) in
+    :meth:`init_workers`, with any backend; everything else is here.
+
+    ``fit()`` seeds the controller's torch/numpy/python RNGs from ``trainer.seed`` at the start of a fresh run and
+    restores them on resume (the only global RNG side effect in the library, and the documented job of a trainer).
+
+    Args:
+        config: a :class:`PPOConfig` or a dict of its fields.
+        train_dataset: a sequence of prompt mappings (``input_ids``, ``ground_truth``, ``data_source``...).
+        reward_fn: see :mod:`ppo_core.trainer.reward` (sync result, Future or awaitable).
+        val_dataset: validation prompts (None or empty: no validation).
+        val_reward_fn: reward for validation (default ``reward_fn``).
+        pad_token_id: id used to left-pad prompts.
+        collate_fn: replaces :func:`ppo_core.trainer.data.collate_prompts` for both datasets.
+
+    Example:
+        >>> class MyTrainer(BasePPOTrainer):
+        ...     def init_workers(self):
+        ...         self.actor_wg = LocalWorkerGroup(WorkerSpec(MyActor, args=(self.config.actor.worker,)))
+        ...         self.critic_wg = LocalWorkerGroup(WorkerSpec(MyCritic, args=(self.config.critic.worker,)))
+        >>> MyTrainer(cfg, train_dataset=prompts, reward_fn=score).fit()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig | Mapping[str, Any],
+        *,
+        train_dataset: Sequence[Mapping[str, Any]],
+        reward_fn: RewardFn,
+        val_dataset: Sequence[Mapping[str, Any]] | None = None,
+        val_reward_fn: RewardFn | None = None,
+        pad_token_id: int = 0,
+        collate_fn: Callable[[Sequence[Mapping[str, Any]]], TensorDictBase] | None = None,
+    ) -> None:
+        if isinstance(config, Mapping):
+            config = PPOConfig.from_dict(config)
+        if not isinstance(config, PPOConfig):
+            raise TypeError(f"config must be a PPOConfig or a dict, got {type(config).__name__}")
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        self.config = config
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn or reward_fn
+        self.val_dataset = val_dataset
+        self.pad_token_id = pad_token_id
+        self.collate_fn = collate_fn
+        data = config.data
+        self.train_dataloader = PromptDataLoader(
+            train_dataset,
+            data.train_batch_size,
+            shuffle=data.shuffle,
+            seed=data.seed,
+            pad_token_id=pad_token_id,
+            collate_fn=collate_fn,
+        )
+        if len(self.train_dataloader) == 0:
+            raise ValueError(
+                f"train_dataset has {len(train_dataset)} prompts, fewer than data.train_batch_size="
+                f"{data.train_batch_size}: no training step is possible"
+            )
+        alg = config.algorithm
+        self.kl_ctrl = build_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
+        self.global_steps = 0
+        self.actor_wg: WorkerGroup | None = None
+        self.ref_wg: WorkerGroup | None = None
+        self.critic_wg: WorkerGroup | None = None
+        # runs coroutine reward functions concurrently with the controller; replaced at each fit()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-reward")
+
+    @abc.abstractmethod
+    def init_workers(self) -> None:
+        """Create the worker groups: set ``self.actor_wg`` and, as the config needs them, ``self.critic_wg``
+        and ``self.ref_wg`` (default: the actor group serves ``compute_ref_log_prob``)."""
+
+    # ----- set-up ---------------------------------------------------------------------------------------------
+    @property
+    def total_training_steps(self) -> int:
+        """``len(train_dataloader) * total_epochs``, capped by ``trainer.total_training_steps``."""
+        cfg = self.config.trainer
+        available = len(self.train_dataloader) * cfg.total_epochs
+        return available if cfg.total_training_steps is None else min(available, cfg.total_training_steps)
+
+    def _reference_group(self) -> WorkerGroup:
+        group = self.ref_wg or self.actor_wg
+        if not hasattr(group, "compute_ref_log_prob"):
+            raise ValueError(
+                "the config needs reference log-probs (use_kl_in_reward or actor.use_kl_loss) but neither ref_wg "
+                "nor actor_wg has a registered compute_ref_log_prob"
+            )
+        return group  # type: ignore[return-value]
+
+    def _check_workers(self) -> None:
+        if self.actor_wg is None:
+            raise ValueError(f"{type(self).__name__}.init_workers() must set self.actor_wg")
+        if self.config.use_critic and self.critic_wg is None:
+            raise ValueError(
+                f"the critic is enabled (adv_estimator={self.config.algorithm.adv_estimator!r}, "
+                f"critic.enable={self.config.critic.enable}) but init_workers() did not set self.critic_wg"
+            )
+        if self.config.use_reference:
+            self._reference_group()
+        checkpoints = self.config.trainer.save_freq > 0 or self.config.trainer.resume_mode != "disable"
+        needed = [("actor_wg", self.actor_wg, ["generate_sequences", "compute_log_prob", "update_actor"])]
+        if self.config.use_critic:
+            needed.append(("critic_wg", self.critic_wg, ["compute_values", "update_critic"]))
+        for name, group, methods in needed:
+            methods = methods + (["save_checkpoint", "load_checkpoint"] if checkpoints else [])
+            missing = [m for m in methods if not callable(getattr(group, m, None))]
+            if missing:
+                raise ValueError(
+                    f"{name} ({group.worker_cls.__name__}) lacks the @register-ed method(s) {missing} the trainer "
+                    "calls (see docs/backends.md)"
+                )
+
+    def shutdown(self) -> None:
+        """Shut down every worker group (idempotent)."""
+        for group in (self.actor_wg, self.ref_wg, self.critic_wg):
+            if group is not None:
+                group.shutdown()
+
+    # ----- the loop ------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train until ``total_training_steps``; returns the last step's metrics."""
+        if self.actor_wg is None:
+            self.init_workers()
+        self._check_workers()
+        cfg = self.config.trainer
+        resumed = self._load_checkpoint()
+        tracker = Tracker(
+            cfg.loggers,
+            cfg.log_dir or cfg.default_local_dir,
+            console_every=cfg.console_every,
+            resume_step=self.global_steps if resumed else None,
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-reward")
+        total = self.total_training_steps
+        bar = _progress_bar(cfg.progress_bar, initial=self.global_steps, total=total)
+        last: dict[str, float] = {}
+        try:
+            if cfg.val_before_train and self.global_steps == 0:
+                tracker.log(self._validate(), step=0)
+                tracker.flush()
+            batches = self._train_batches()
+            while self.global_steps < total:
+                try:
+                    epoch, batch = next(batches)
+                except StopIteration:  # total_epochs reached first (a resumed run with a smaller config)
+                    break
+                self.global_steps += 1
+                step = self.global_steps
+                is_last = step >= total
+                metrics = self.train_step(batch, epoch)
+                if self._due(cfg.test_freq, step, is_last, at_end_when_off=True):
+                    metrics.update(self._validate())
+                if self._due(cfg.save_freq, step, is_last, at_end_when_off=False):
+                    self.save_checkpoint()
+                tracker.log(metrics, step=step)
+                tracker.flush(step)
+                last = metrics
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            tracker.close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            if bar is not None:
+                bar.close()
+        return last
+
+    @staticmethod
+    def _due(freq: int, step: int, is_last: bool, at_end_when_off: bool) -> bool:
+        if freq > 0:
+            return is_last or step % freq == 0
+        return is_last and at_end_when_off
+
+    def _train_batches(self) -> Iterator[tuple[int, TensorDictBase]]:
+        loader = self.train_dataloader
+        while loader.epoch < self.config.trainer.total_epochs:
+            epoch = loader.epoch
+            for batch in loader:
+                yield epoch, batch
+
+    def train_step(self, batch: TensorDictBase, epoch: int) -> dict[str, float]:
+        """One PPO step on a batch of prompts (``self.global_steps`` already counts it); returns its metrics."""
+        cfg, step, timer = self.config, self.global_steps, Timer()
+        metrics: dict[str, float] = {}
+        with timer("step"):
+            prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
+            with timer("gen"):
+                generated = self.actor_wg.generate_sequences(prompts.select("input_ids", "attention_mask"))
+            batch = merge_generation(prompts, generated)
+            with timer("reward"):
+                reward = call_reward_fn(self.reward_fn, batch, step, self._executor)
+            with timer("old_log_prob"):
+                out = self.actor_wg.compute_log_prob(batch)
+                batch = take_outputs(batch, out, ["old_log_probs"], "compute_log_prob")
+                if "entropys" in out:
+                    entropy = agg_loss(out["entropys"], batch["response_mask"], cfg.actor.loss_agg_mode)
+                    metrics["actor/entropy"] = float(entropy)
+            if cfg.use_reference:
+                with timer("ref"):
+                    out = self._reference_group().compute_ref_log_prob(batch)
+                    batch = take_outputs(batch, out, ["ref_log_prob"], "compute_ref_log_prob")
+            if cfg.use_critic:
+                with timer("values"):
+                    batch = take_outputs(
+                        batch, self.critic_wg.compute_values(batch), ["values"], "compute_values"
+                    )
+            with timer("adv"):
+                scores, _extra = reward.result()
+                batch.set("token_level_scores", scores.to(batch["response_mask"].device))
+                if self.kl_ctrl is not None:
+                    batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    batch.set("token_level_rewards", batch["token_level_scores"])
+                batch = compute_advantages(batch, cfg.algorithm)
+            if cfg.use_critic:
+                with timer("update_critic"):
+                    metrics.update(self.critic_wg.update_critic(batch))
+            if step > cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.actor_wg.update_actor(batch))
+        timing = timer.reset()
+        metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
+        metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
+        return metrics
+
+    def _validate(self) -> dict[str, float]:
+        return run_validation(self, self._executor)
+
+    # ----- checkpoints ---------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        """Write ``global_step_{k}`` (workers, controller state, RNGs) and publish it atomically."""
+        root, step = self.config.trainer.default_local_dir, self.global_steps
+        tmp = ckpt.checkpoint_dir(root, step) + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self.actor_wg.save_checkpoint(os.path.join(tmp, "actor"), step)
+        if self.config.use_critic:
+            self.critic_wg.save_checkpoint(os.path.join(tmp, "critic"), step)
+        state = {
+            "global_steps": step,
+            "dataloader": self.train_dataloader.state_dict(),
+            "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+            "config": self.config.to_dict(),
+        }
+        ckpt.save_trainer_state(tmp, state)
+        path = ckpt.publish_checkpoint(tmp, root, step)
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    def _load_checkpoint(self) -> bool:
+        cfg = self.config.trainer
+        path: str | None = None
+        if cfg.resume_mode == "auto":
+            path = ckpt.find_latest_checkpoint(cfg.default_local_dir)
+        elif cfg.resume_mode == "path":
+            path = cfg.resume_from_path
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"trainer.resume_from_path {path!r} does not exist")
+        if path is None:
+            self._seed(cfg.seed)
+            return False
+        step = ckpt.step_of_checkpoint(path)
+        state = ckpt.load_trainer_state(path)
+        if int(state["global_steps"]) != step:
+            raise ValueError(f"{path!r} holds the state of step {state['global_steps']}, not {step}")
+        self.actor_wg.load_checkpoint(os.path.join(path, "actor"))
+        if self.config.use_critic:
+            self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
+        self.train_dataloader.load_state_dict(state["dataloader"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        ckpt.restore_rng_state(state["rng"])
+        self.global_steps = step
+        logger.info("resumed from %s (step %d)", path, step)
+        return True
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+
+def _progress_bar(enabled: bool, initial: int, total: int) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc="ppo steps", dynamic_ncols=True)

@@ -1,0 +1,211 @@
+"""``PPOConfig``: the trainer's typed configuration (data, actor, critic, rollout, algorithm, trainer sections).
+
+The sections hold what the *controller* needs. Worker-specific settings (model, optimiser, mini-batch sizes:
+e.g. :class:`ppo_core.workers.torch.TorchActorConfig`) travel in each role's free-form ``worker`` dict, which
+``init_workers()`` hands to the worker constructors. Every section round-trips with plain dicts
+(``PPOConfig.from_dict(cfg.to_dict()) == cfg``), so Hydra/OmegaConf/YAML users can feed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppo_core._checks import check_choice
+from ppo_core._config import ConfigBase
+from ppo_core.config import AlgorithmConfig
+
+__all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]
+
+RESUME_MODES = ("auto", "disable", "path")
+LOGGERS = ("console", "jsonl", "tensorboard")
+
+
+def _int_at_least(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass(kw_only=True)
+class DataConfig(ConfigBase):
+    """Prompt loading."""
+
+    train_batch_size: int = 8
+    """Prompts per training step (each is sampled ``rollout.n`` times); incomplete last batches are dropped."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; None: the whole validation set at once."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (a permutation drawn from ``seed`` and the epoch)."""
+    seed: int = 0
+    """Seed of the shuffling; the order depends only on (seed, epoch), so a resumed run sees the same data."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("train_batch_size", self.train_batch_size, 1)
+        if self.val_batch_size is not None:
+            _int_at_least("val_batch_size", self.val_batch_size, 1)
+        _bool("shuffle", self.shuffle)
+
+
+@dataclass(kw_only=True)
+class ActorConfig(ConfigBase):
+    """The actor/rollout role as the controller sees it."""
+
+    world_size: int = 1
+    """Ranks of the actor group (read by ``init_workers()``; also the ``n_gpus`` of throughput metrics)."""
+    use_kl_loss: bool = False
+    """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_prob``."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the ``actor/entropy`` metric over the batch (the worker's loss has its own setting)."""
+    worker: dict[str, Any] = field(default_factory=dict)
+    """Free-form settings for the actor worker's constructor (e.g. a ``TorchActorConfig`` as a dict)."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("actor.world_size", self.world_size, 1)
+        _bool("use_kl_loss", self.use_kl_loss)
+
+
+@dataclass(kw_only=True)
+class CriticConfig(ConfigBase):
+    """The critic role as the controller sees it."""
+
+    enable: bool | None = None
+    """Use a critic (values, critic updates); None: only when the advantage estimator is ``gae``."""
+    world_size: int = 1
+    """Ranks of the critic group."""
+    worker: dict[str, Any] = field(default_factory=dict)
+    """Free-form settings for the critic worker's constructor."""
+
+    def __post_init__(self) -> None:
+        if self.enable is not None:
+            _bool("critic.enable", self.enable)
+        _int_at_least("critic.world_size", self.world_size, 1)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(ConfigBase):
+    """Sampling as the controller drives it (temperature, top-p and lengths belong to the worker)."""
+
+    n: int = 1
+    """Responses sampled per training prompt (a group shares the prompt's ``uid``)."""
+    val_n: int = 1
+    """Responses per validation prompt."""
+    val_do_sample: bool = False
+    """Sample during validation; False decodes greedily (verl's default)."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("n", self.n, 1)
+        _int_at_least("val_n", self.val_n, 1)
+        _bool("val_do_sample", self.val_do_sample)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(ConfigBase):
+    """Loop length, validation and checkpoint schedule, logging, resume."""
+
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: int | None = None
+    """Stop after this many steps; None: ``len(train_dataloader) * total_epochs``."""
+    critic_warmup: int = 0
+    """Steps during which only the critic is updated (the actor update starts at step ``critic_warmup + 1``)."""
+    test_freq: int = 0
+    """Validate every this many steps (and after the last step); 0: only before training and at the end."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    save_freq: int = 0
+    """Checkpoint every this many steps (and after the last step); 0 disables checkpoints."""
+    default_local_dir: str = "checkpoints"
+    """Checkpoint root: ``global_step_{k}/`` folders and ``latest_checkpointed_iteration.txt``."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint under ``default_local_dir``, if any), ``disable``, or ``path``."""
+    resume_from_path: str | None = None
+    """Checkpoint folder (``.../global_step_{k}``) to resume from when ``resume_mode == "path"``."""
+    seed: int = 0
+    """Seeds the controller's torch, numpy and python RNGs at the start of a run (restored on resume)."""
+    loggers: tuple[str, ...] = ("console", "jsonl")
+    """Metric sinks among ``console``, ``jsonl`` and ``tensorboard``."""
+    log_dir: str | None = None
+    """Where ``metrics.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
+    console_every: int = 1
+    """Log to the console every this many steps."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar over steps (when tqdm is installed)."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("total_epochs", self.total_epochs, 1)
+        if self.total_training_steps is not None:
+            _int_at_least("total_training_steps", self.total_training_steps, 1)
+        for name in ("critic_warmup", "test_freq", "save_freq"):
+            _int_at_least(name, getattr(self, name), 0)
+        _int_at_least("console_every", self.console_every, 1)
+        check_choice("resume_mode", self.resume_mode, RESUME_MODES)
+        if self.resume_mode == "path" and not self.resume_from_path:
+            raise ValueError("resume_from_path must be set when resume_mode is 'path'")
+        self.loggers = tuple(self.loggers)
+        for name in self.loggers:
+            check_choice("loggers", name, LOGGERS)
+
+
+_SECTIONS = {
+    "data": DataConfig,
+    "actor": ActorConfig,
+    "critic": CriticConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "trainer": TrainerConfig,
+}
+
+
+@dataclass(kw_only=True)
+class PPOConfig(ConfigBase):
+    """Everything ``BasePPOTrainer`` reads.
+
+    Example:
+        >>> cfg = PPOConfig.from_dict({"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}})
+        >>> cfg.rollout.n, cfg.use_critic
+        (4, False)
+        >>> PPOConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt loading."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor/rollout role."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Critic role."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and in-reward KL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, validation, checkpoints, logging."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, cls.from_dict(value))
+            elif not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether the critic runs: ``critic.enable``, or (when None) the estimator is ``gae``."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether reference log-probs are needed (in-reward KL or KL loss)."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss

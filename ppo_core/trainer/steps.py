@@ -1,0 +1,125 @@
+"""Pure pieces of a PPO step on TensorDict batches: uids, merging generations and worker outputs, advantages.
+
+``BasePPOTrainer`` strings these together; they are separate so that each is tested, and reusable by users who
+write their own loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tensordict import NonTensorStack, TensorDictBase, is_non_tensor
+
+from ppo_core.advantages import get_advantage_estimator
+from ppo_core.config import AlgorithmConfig
+
+__all__ = ["assign_uids", "compute_advantages", "merge_generation", "take_outputs"]
+
+
+def assign_uids(batch: TensorDictBase, prefix: str) -> TensorDictBase:
+    """A copy of ``batch`` with a non-tensor ``uid`` per prompt: ``"{prefix}:{i}"``.
+
+    Deterministic (unlike verl's uuid4), so a resumed run groups exactly like an uninterrupted one; unique as
+    long as prefixes are (the trainer uses the step number).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> assign_uids(TensorDict({"x": torch.zeros(2)}, batch_size=[2]), "7").get("uid").tolist()
+        ['7:0', '7:1']
+    """
+    out = batch.clone(False)
+    out.set("uid", NonTensorStack.from_list([f"{prefix}:{i}" for i in range(int(batch.batch_size[0]))]))
+    return out
+
+
+def merge_generation(prompts: TensorDictBase, generated: TensorDictBase) -> TensorDictBase:
+    """The generated batch plus the prompts' non-tensor fields (``uid``, ``data_source``, ``ground_truth``...).
+
+    Args:
+        prompts: ``[B]`` prompt rows (already repeated ``n`` times), with non-tensor fields.
+        generated: ``[B]`` output of ``generate_sequences``: ``prompts`` [B, P], ``responses`` [B, R],
+            ``input_ids`` [B, P+R], ``attention_mask`` [B, P+R], and ``response_mask`` [B, R] (computed from
+            ``attention_mask[:, -R:]`` when missing, verl's fallback).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> p = assign_uids(TensorDict({"input_ids": torch.ones(1, 2)}, batch_size=[1]), "0")
+        >>> g = TensorDict({"responses": torch.ones(1, 3), "attention_mask": torch.ones(1, 5)}, batch_size=[1])
+        >>> sorted(merge_generation(p, g).keys())
+        ['attention_mask', 'response_mask', 'responses', 'uid']
+    """
+    size = int(prompts.batch_size[0])
+    if int(generated.batch_size[0]) != size:
+        raise ValueError(
+            f"generate_sequences returned {int(generated.batch_size[0])} rows for {size} prompts"
+        )
+    for key in ("responses", "attention_mask"):
+        if key not in generated:
+            raise KeyError(f"generate_sequences output has no {key!r}; it has {sorted(generated.keys())}")
+    out = generated.clone(False)
+    if "response_mask" not in out:
+        width = out["responses"].shape[-1]
+        out.set("response_mask", out["attention_mask"][:, -width:].clone())
+    for key, value in prompts.items():
+        if is_non_tensor(value) and key not in out:
+            out.set(key, value)
+    return out
+
+
+def take_outputs(
+    batch: TensorDictBase, output: TensorDictBase, keys: Sequence[str], method: str
+) -> TensorDictBase:
+    """``batch`` with ``keys`` copied from a worker ``output``; ``KeyError`` naming ``method`` if one is missing.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> b = TensorDict({}, batch_size=[2])
+        >>> o = TensorDict({"values": torch.ones(2, 3), "other": torch.zeros(2)}, batch_size=[2])
+        >>> sorted(take_outputs(b, o, ["values"], "compute_values").keys())
+        ['values']
+    """
+    if int(output.batch_size[0]) != int(batch.batch_size[0]):
+        raise ValueError(f"{method} returned {int(output.batch_size[0])} rows for {int(batch.batch_size[0])}")
+    out = batch.clone(False)
+    for key in keys:
+        if key not in output:
+            raise KeyError(f"{method} must return {key!r}; it returned {sorted(output.keys())}")
+        out.set(key, output.get(key))
+    return out
+
+
+def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> TensorDictBase:
+    """``batch`` with ``advantages`` and ``returns`` [B, R] from the registry estimator ``algorithm.adv_estimator``.
+
+    Reads ``token_level_rewards``, ``response_mask``, ``uid`` (group index), and ``values`` /
+    ``reward_baselines`` when present.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> b = TensorDict({"token_level_rewards": torch.tensor([[1.0], [0.0]]), "response_mask": torch.ones(2, 1),
+        ...                 "uid": NonTensorStack("g", "g")}, batch_size=[2])
+        >>> compute_advantages(b, AlgorithmConfig(adv_estimator="grpo"))["advantages"].flatten()
+        tensor([ 0.7071, -0.7071])
+    """
+    fn = get_advantage_estimator(algorithm.adv_estimator)
+    kwargs = {
+        "token_level_rewards": batch["token_level_rewards"],
+        "response_mask": batch["response_mask"],
+        "gamma": algorithm.gamma,
+        "lam": algorithm.lam,
+        "norm_by_std": algorithm.norm_adv_by_std_in_grpo,
+    }
+    if "uid" in batch:
+        kwargs["index"] = list(batch.get("uid").tolist())
+    for key in ("values", "reward_baselines"):
+        if key in batch:
+            kwargs[key] = batch[key]
+    advantages, returns = fn(**kwargs)
+    out = batch.clone(False)
+    out.set("advantages", advantages)
+    out.set("returns", returns)
+    return out

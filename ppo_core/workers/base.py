@@ -1,0 +1,286 @@
+"""The ``Worker`` base class, its rank context, and the ``@register`` decorator for group-callable methods.
+
+A worker is an ordinary Python object that lives in one process (one rank) of a worker group. Backends
+(local, Monarch, Ray...) construct it inside :func:`worker_context`, so ``Worker.__init__`` knows its rank and
+world size without reading per-process global state; outside a context it falls back to the ``RANK`` /
+``WORLD_SIZE`` / ``LOCAL_RANK`` environment variables (torchrun, ``monarch.spmd.setup_torch_elastic_env``) and
+then to a single rank.
+
+Methods the controller calls through a group are marked with :func:`register`, which records how arguments are
+dispatched to ranks and how results are collected (see :mod:`ppo_core.workers.dispatch`). Dotted names such as
+``"actor.compute_log_prob"`` reach role instances held by a :class:`ColocatedWorker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from ppo_core.workers.dispatch import Dispatch, DispatchMode, Execute, WorkerLayout, resolve_dispatch
+
+__all__ = [
+    "ColocatedWorker",
+    "Registration",
+    "Worker",
+    "WorkerContext",
+    "WorkerSpec",
+    "get_registration",
+    "register",
+    "registered_methods",
+    "resolve_method",
+    "worker_context",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRATION_ATTR = "__ppo_core_registration__"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    """Where a worker runs: its global rank, the group's world size, and its rank on the host."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+
+_CONTEXT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar(
+    "ppo_core_worker", default=None
+)
+
+
+@contextlib.contextmanager
+def worker_context(rank: int, world_size: int, local_rank: int = 0) -> Iterator[WorkerContext]:
+    """Backends construct workers inside this context so that ``Worker.__init__`` sees its rank.
+
+    Example:
+        >>> with worker_context(rank=1, world_size=2):
+        ...     w = Worker()
+        >>> (w.rank, w.world_size, w.dp_rank, w.dp_size)
+        (1, 2, 1, 2)
+    """
+    token = _CONTEXT.set(WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank))
+    try:
+        yield _CONTEXT.get()  # type: ignore[misc]
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _current_context() -> WorkerContext:
+    ctx = _CONTEXT.get()
+    if ctx is not None:
+        return ctx
+    return WorkerContext(
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+class Worker:
+    """Base class for the objects a worker group runs, one per rank.
+
+    By default every rank is its own data-parallel rank (``dp_rank == rank``, ``dp_size == world_size``) and
+    is collected. Tensor/pipeline-parallel workers call :meth:`set_dp_layout` in ``__init__`` so that their
+    TP/PP peers receive the same shard and only one of them (``is_collect_rank``) is collected.
+
+    Example:
+        >>> class Doubler(Worker):
+        ...     @register(dispatch=Dispatch.DP_COMPUTE)
+        ...     def double(self, batch):
+        ...         return batch * 2
+        >>> sorted(registered_methods(Doubler))
+        ['double']
+    """
+
+    def __init__(self) -> None:
+        ctx = _current_context()
+        self._rank = ctx.rank
+        self._world_size = ctx.world_size
+        self._local_rank = ctx.local_rank
+        self._dp_rank = ctx.rank
+        self._dp_size = ctx.world_size
+        self._is_collect_rank = True
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this worker in its group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this worker on its host (device index)."""
+        return self._local_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank: which shard of a ``DP_COMPUTE`` batch this worker receives."""
+        return self._dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel shards."""
+        return self._dp_size
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """Whether this rank's output represents its dp group (e.g. TP rank 0 on the last PP stage)."""
+        return self._is_collect_rank
+
+    def set_dp_layout(self, dp_rank: int, dp_size: int, is_collect_rank: bool) -> None:
+        """Declare this rank's data-parallel layout (call from ``__init__`` of TP/PP workers)."""
+        if dp_size < 1 or dp_size > self._world_size:
+            raise ValueError(f"dp_size must be in [1, {self._world_size}], got {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+        self._dp_rank, self._dp_size, self._is_collect_rank = dp_rank, dp_size, bool(is_collect_rank)
+
+    def worker_layout(self) -> WorkerLayout:
+        """This rank's layout as reported to the controller (groups call it once and cache the result)."""
+        return WorkerLayout(
+            rank=self._rank,
+            world_size=self._world_size,
+            dp_rank=self._dp_rank,
+            dp_size=self._dp_size,
+            is_collect_rank=self._is_collect_rank,
+        )
+
+    def close(self) -> None:
+        """Release the worker's resources (process groups, files). Called once by ``WorkerGroup.shutdown``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """How a registered method is dispatched (``mode``), which ranks execute it, and whether calls block."""
+
+    mode: DispatchMode
+    execute: Execute = Execute.ALL
+    blocking: bool = True
+
+
+def register(
+    dispatch: DispatchMode | str | tuple[Callable[..., Any], Callable[..., Any]] = Dispatch.ONE_TO_ALL,
+    execute: Execute | str = Execute.ALL,
+    blocking: bool = True,
+) -> Callable[[F], F]:
+    """Mark a worker method as callable through a group, with its dispatch mode.
+
+    Args:
+        dispatch: a :class:`Dispatch` mode, its name (``"dp_compute"``), or a custom
+            ``(dispatch_fn, collect_fn)`` pair (signatures in :mod:`ppo_core.workers.dispatch`).
+        execute: ``Execute.ALL`` (every rank the dispatch addresses) or ``Execute.RANK_ZERO`` (rank 0 only).
+        blocking: if False, the bound group method returns a handle (``.result()`` / ``await``) instead of
+            the collected value.
+
+    Example:
+        >>> class Actor(Worker):
+        ...     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+        ...     def update_actor(self, batch):
+        ...         return {"actor/loss": 0.0}
+        >>> get_registration(Actor.update_actor).mode.name
+        'dp_compute_metric'
+    """
+    reg = Registration(mode=resolve_dispatch(dispatch), execute=Execute(execute), blocking=bool(blocking))
+
+    def decorate(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"@register must decorate a function, got {type(fn).__name__}")
+        setattr(fn, _REGISTRATION_ATTR, reg)
+        return fn
+
+    return decorate
+
+
+def get_registration(fn: Any) -> Registration | None:
+    """The :class:`Registration` of a method marked with :func:`register`, else ``None``."""
+    return getattr(fn, _REGISTRATION_ATTR, None)
+
+
+def registered_methods(cls: type) -> dict[str, Registration]:
+    """Every ``@register``-ed method of ``cls`` (inherited ones included), by name, in definition order."""
+    out: dict[str, Registration] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            reg = get_registration(value)
+            if reg is not None:
+                out[name] = reg
+            elif name in out:
+                del out[name]  # an override without @register is no longer group-callable
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """An importable worker class and its constructor arguments, built once per rank by a backend."""
+
+    cls: type
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cls, type):
+            raise TypeError(f"cls must be a class, got {type(self.cls).__name__}")
+
+    def build(self) -> Any:
+        """Construct the worker (call inside :func:`worker_context`)."""
+        return self.cls(*self.args, **dict(self.kwargs))
+
+
+class ColocatedWorker(Worker):
+    """Several roles (e.g. actor, reference, critic) sharing one process per rank, each a plain instance.
+
+    Methods are reached as ``"role.method"`` through :func:`resolve_method`; a group exposes one view per role
+    (``group.role("actor")``) whose bound methods keep their original names. No class is generated.
+
+    Example:
+        >>> cw = ColocatedWorker({"a": WorkerSpec(Worker), "b": WorkerSpec(Worker)})
+        >>> sorted(cw.roles)
+        ['a', 'b']
+    """
+
+    def __init__(self, roles: Mapping[str, WorkerSpec]) -> None:
+        super().__init__()
+        if not roles:
+            raise ValueError("roles must name at least one role")
+        for name in roles:
+            if not name.isidentifier():
+                raise ValueError(f"role names must be identifiers, got {name!r}")
+        self.roles: dict[str, Any] = {name: spec.build() for name, spec in roles.items()}
+
+    def close(self) -> None:
+        for role in self.roles.values():
+            close = getattr(role, "close", None)
+            if callable(close):
+                close()
+
+
+def resolve_method(worker: Any, method: str) -> Callable[..., Any]:
+    """The bound method named ``method`` on ``worker``; ``"role.name"`` goes through a ColocatedWorker's roles."""
+    target = worker
+    *path, name = method.split(".")
+    for role in path:
+        roles = getattr(target, "roles", None)
+        if not isinstance(roles, dict) or role not in roles:
+            valid = sorted(roles) if isinstance(roles, dict) else []
+            raise ValueError(f"unknown role {role!r} in method {method!r}; valid roles: {valid}")
+        target = roles[role]
+    fn = getattr(target, name, None)
+    if fn is None or not callable(fn) or name.startswith("__"):
+        raise ValueError(f"worker {type(target).__name__} has no method {name!r} (called as {method!r})")
+    return fn

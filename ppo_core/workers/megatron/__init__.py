@@ -1,0 +1,79 @@
+"""PPO workers on megatron-core (extra ``megatron``): tensor / pipeline / data parallel GPT actor and critic.
+
+Modules: :mod:`~ppo_core.workers.megatron.config` (model shape, parallel layout, worker configs),
+:mod:`~ppo_core.workers.megatron.parallel` (megatron parallel state from the backend's ranks),
+:mod:`~ppo_core.workers.megatron.model` (GPTModel with fused SDPA attention, value head),
+:mod:`~ppo_core.workers.megatron.vocab_parallel` (log-probs / entropy without gathering the vocabulary),
+:mod:`~ppo_core.workers.megatron.hf_loading` (Hugging Face Llama/Qwen2 safetensors),
+:mod:`~ppo_core.workers.megatron.workers` (``MegatronActorWorker``, ``MegatronCriticWorker``).
+
+Only ``config``, ``parallel`` and ``vocab_parallel`` import without megatron-core; the model, loading and worker
+modules import it lazily (on first use of their functions) or at import time (``workers``).
+
+Example:
+    >>> from ppo_core.workers.megatron import MegatronModelConfig, ParallelConfig
+    >>> ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(4)
+    2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ppo_core.workers.megatron.config import (
+    NORMS,
+    MegatronActorConfig,
+    MegatronCriticConfig,
+    MegatronModelConfig,
+    ParallelConfig,
+)
+from ppo_core.workers.megatron.parallel import (
+    MegatronLayout,
+    destroy_megatron_parallel,
+    init_megatron_parallel,
+    megatron_layout,
+)
+from ppo_core.workers.megatron.vocab_parallel import (
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+)
+
+__all__ = [
+    "NORMS",
+    "MegatronActorConfig",
+    "MegatronActorWorker",
+    "MegatronCriticConfig",
+    "MegatronCriticWorker",
+    "MegatronLayout",
+    "MegatronModelConfig",
+    "ParallelConfig",
+    "build_gpt_model",
+    "destroy_megatron_parallel",
+    "hf_to_megatron",
+    "init_megatron_parallel",
+    "load_hf_checkpoint",
+    "megatron_layout",
+    "megatron_to_hf",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_probs",
+    "vocab_parallel_log_probs_and_entropy",
+]
+
+_LAZY = {
+    "MegatronActorWorker": "ppo_core.workers.megatron.workers",
+    "MegatronCriticWorker": "ppo_core.workers.megatron.workers",
+    "build_gpt_model": "ppo_core.workers.megatron.model",
+    "hf_to_megatron": "ppo_core.workers.megatron.hf_loading",
+    "megatron_to_hf": "ppo_core.workers.megatron.hf_loading",
+    "load_hf_checkpoint": "ppo_core.workers.megatron.hf_loading",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # the model and worker modules pull in megatron-core; keep `import ppo_core.workers.megatron` light
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

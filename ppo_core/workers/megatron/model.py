@@ -1,0 +1,175 @@
+"""Megatron-core ``GPTModel`` for the actor (vocab-parallel logits) and the critic (a value head), with fused
+attention.
+
+megatron-core's local layer spec computes attention as ``softmax(Q K^T) V`` with the ``[B, H, S, S]`` scores in
+memory; without Transformer Engine that is its only attention. :class:`SDPACoreAttention` is a drop-in
+``core_attention`` calling ``torch.nn.functional.scaled_dot_product_attention``, which picks the flash kernel for
+causal attention without padding and the memory-efficient kernel with a padding mask (never ``S x S`` in
+memory for the former; both fused). :func:`gpt_layer_spec` is the local spec with that attention.
+
+Shapes (megatron's convention inside the model): ``s`` sequence, ``b`` batch, ``h`` heads, ``g`` key/value
+groups, ``d`` head width; the model takes ``input_ids [B, S]`` and returns ``[B, S, V/TP]`` logits (actor) or
+``[B, S]`` values (critic).
+
+Example:
+    >>> # needs megatron parallel state: see ppo_core.workers.megatron.parallel
+    >>> # model = build_gpt_model(MegatronModelConfig(...), ParallelConfig(), value_head=False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppo_core.workers.megatron.config import MegatronModelConfig, ParallelConfig
+
+__all__ = ["SDPACoreAttention", "ValueHead", "build_gpt_model", "gpt_layer_spec", "padded_vocab_size"]
+
+
+class SDPACoreAttention(nn.Module):
+    """``core_attention`` for megatron's ``SelfAttention`` using PyTorch's fused SDPA kernels.
+
+    Takes ``query [s, b, h/TP, d]``, ``key``/``value [s, b, g/TP, d]`` and megatron's boolean
+    ``attention_mask`` (``True`` = masked out, ``[b, 1, s, s]``) or None for plain causal attention; returns
+    ``[s, b, h/TP * d]``. Grouped-query attention is handled by SDPA (``enable_gqa``), without repeating keys.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__()
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism (context_parallel_size=1)")
+        self.config = config
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
+        s, b, h, d = query.shape
+        q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        allowed = None if attention_mask is None else ~attention_mask
+        out_bhsd = F.scaled_dot_product_attention(
+            q_bhsd,
+            k_bhsd,
+            v_bhsd,
+            attn_mask=allowed,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=allowed is None,
+            scale=self.softmax_scale,
+            enable_gqa=key.shape[2] != h,
+        )
+        return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def gpt_layer_spec(config: MegatronModelConfig) -> Any:
+    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` (unless ``attention="local"``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=config.norm)
+    if config.attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+class ValueHead(nn.Module):
+    """Replaces the output layer of a critic: ``hidden [s, b, D] -> values [s, b, 1]`` (one linear map).
+
+    Its weight is replicated on every TP rank (the hidden states it reads are too), so it needs no
+    communication except the sequence-parallel gather. Called like megatron's output layer.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, bias=True, dtype=dtype)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        return self.linear(hidden), None
+
+
+def padded_vocab_size(config: MegatronModelConfig, tp: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (megatron's padding).
+
+    Example:
+        >>> padded_vocab_size(MegatronModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+        ...                   ffn_hidden_size=8, vocab_size=1000), tp=2)
+        1024
+    """
+    multiple = config.make_vocab_size_divisible_by * tp
+    return -(-config.vocab_size // multiple) * multiple
+
+
+def build_gpt_model(
+    config: MegatronModelConfig, parallel: ParallelConfig, *, value_head: bool = False
+) -> nn.Module:
+    """This rank's stage of a ``GPTModel`` (parallel state must be initialised), on the current device.
+
+    Args:
+        config: the model's shape and dtype.
+        parallel: TP/PP/CP sizes (they must match megatron's parallel state).
+        value_head: build a critic: the output layer is a :class:`ValueHead` and the model returns ``[B, S, 1]``.
+
+    Returns:
+        A ``GPTModel`` whose ``forward(input_ids [B, S], position_ids [B, S], attention_mask)`` returns logits
+        ``[B, S, V_padded/TP]`` (actor), ``[B, S, 1]`` values (critic), or the hidden states ``[S, B, D]`` on a
+        stage that is not the last.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tc = config.transformer_config(parallel)
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    cuda = torch.cuda.is_available()
+    # megatron initialises replicated weights from the default RNG: seed a forked one (no global side effect)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        torch.manual_seed(config.seed)
+        model = _gpt(GPTModel, tc, config, parallel, pre, post, value_head)
+    if value_head and post:
+        model.output_layer = ValueHead(config.hidden_size, config.torch_dtype, tc.sequence_parallel)
+    if cuda:
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def _gpt(
+    cls: Any, tc: Any, config: MegatronModelConfig, parallel: ParallelConfig, pre: bool, post: bool, value_head: bool
+) -> nn.Module:
+    return cls(
+        config=tc,
+        transformer_layer_spec=gpt_layer_spec(config),
+        vocab_size=padded_vocab_size(config, parallel.tensor_model_parallel_size),
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=config.tie_word_embeddings and not value_head,
+        position_embedding_type="rope",
+        rotary_base=config.rotary_base,
+    )

@@ -1,0 +1,179 @@
+"""Batched autoregressive sampling from a causal LM: temperature, nucleus (top-p), EOS, left-padded prompts.
+
+The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)`` that returns logits
+``[B, T, V]`` (or an object with a ``.logits`` attribute). If it has a ``new_cache()`` method (like
+:class:`ppo_core.models.TinyGPT`), decoding is incremental: ``model(new_ids, attention_mask=mask, cache=cache)``
+sees one new token per call; otherwise the whole sequence is recomputed each step (same result, slower).
+
+Output keys (verl's layout): ``prompts [B, P]`` (left-padded, as given), ``responses [B, R]`` (right-padded with
+``pad_token_id``, ``R = max_new_tokens``), ``input_ids [B, P+R]``, ``attention_mask [B, P+R]`` and
+``response_mask [B, R]``: 1 up to and including the first EOS, 0 after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from ppo_core._checks import check_mask, check_ndim, check_tensor, check_unit_interval
+from ppo_core._config import ConfigBase
+
+__all__ = ["SamplingConfig", "generate", "logits_of", "sample_from_logits", "top_p_filter"]
+
+
+@dataclass(kw_only=True)
+class SamplingConfig(ConfigBase):
+    """How to sample responses."""
+
+    max_new_tokens: int = 16
+    """Response length ``R``: tokens sampled per prompt (responses are padded to it)."""
+    temperature: float = 1.0
+    """Logits are divided by it before sampling; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1 keeps all)."""
+    eos_token_id: int | None = None
+    """Token that ends a response (kept, with mask 1); None means every response has ``max_new_tokens`` tokens."""
+    pad_token_id: int = 0
+    """Token written after EOS (mask 0)."""
+    use_cache: bool = True
+    """Decode incrementally with the model's KV cache when it has ``new_cache()``."""
+
+    def __post_init__(self) -> None:
+        if int(self.max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_unit_interval("top_p", self.top_p)
+        if self.top_p == 0:
+            raise ValueError("top_p must be > 0 (use temperature=0 for greedy decoding)")
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits tensor of a model output: the output itself, or its ``.logits`` (Hugging Face style)."""
+    return output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to ``-inf`` the logits outside the nucleus: the most likely tokens whose probability mass reaches ``top_p``.
+
+    A token is kept when the mass of the strictly more likely tokens is below ``top_p``, so the most likely
+    token is always kept.
+
+    Args:
+        logits: ``[..., V]``.
+        top_p: in (0, 1]; 1 returns ``logits`` unchanged.
+
+    Example:
+        >>> top_p_filter(torch.tensor([2.0, 1.0, 0.0]).log(), 0.5)
+        tensor([0.6931,   -inf,   -inf])
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_from_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[B, V]``: greedy when ``temperature == 0``, else sampled.
+
+    Args:
+        logits: ``[B, V]`` next-token logits.
+        temperature: divides the logits; 0 picks the argmax.
+        top_p: nucleus mass (see :func:`top_p_filter`).
+        generator: RNG on ``logits.device``; required unless decoding greedily.
+
+    Returns:
+        ``[B]`` int64 token ids.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> sample_from_logits(torch.tensor([[0.0, 9.0]]), temperature=0, generator=None)
+        tensor([1])
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if generator is None:
+        raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
+    probs = top_p_filter(logits.float() / temperature, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: SamplingConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> TensorDict:
+    """Sample one response per (left-padded) prompt.
+
+    Args:
+        model: the causal LM (see the module docstring for the calling convention). Put it in eval mode if it
+            has dropout; this function does not change its mode.
+        prompts: ``[B, P]`` int64 token ids, left-padded.
+        prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on left padding.
+        config: sampling settings.
+        generator: RNG on the model's device (required unless ``config.temperature == 0``).
+
+    Returns:
+        A ``TensorDict`` of batch size ``[B]`` with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``
+        and ``response_mask`` (see the module docstring).
+
+    Example:
+        >>> from ppo_core.models import TinyGPT, TinyGPTConfig
+        >>> lm = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=8, d_model=16, n_layers=1, n_heads=2))
+        >>> out = generate(lm, torch.tensor([[0, 3], [4, 5]]), torch.tensor([[0, 1], [1, 1]]),
+        ...                SamplingConfig(max_new_tokens=4, eos_token_id=7), generator=torch.Generator().manual_seed(0))
+        >>> out["input_ids"].shape
+        torch.Size([2, 6])
+    """
+    check_ndim("prompts", check_tensor("prompts", prompts), 2)
+    mask_BP = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts").long()
+    B, R = prompts.shape[0], config.max_new_tokens
+    device = prompts.device
+    use_cache = config.use_cache and callable(getattr(model, "new_cache", None))
+    cache = model.new_cache() if use_cache else None
+    responses = torch.full((B, R), config.pad_token_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    ids, mask = prompts, mask_BP
+    step_ids = prompts
+    for t in range(R):
+        if cache is not None:
+            logits = logits_of(model(step_ids, attention_mask=mask, cache=cache))
+        else:
+            logits = logits_of(model(ids, attention_mask=mask))
+        tok = sample_from_logits(
+            logits[:, -1], temperature=config.temperature, top_p=config.top_p, generator=generator
+        )
+        tok = torch.where(done, torch.full_like(tok, config.pad_token_id), tok)
+        responses[:, t] = tok
+        response_mask[:, t] = (~done).long()
+        mask = torch.cat([mask, response_mask[:, t : t + 1]], dim=1)
+        ids = torch.cat([ids, tok[:, None]], dim=1)
+        step_ids = tok[:, None]
+        if config.eos_token_id is not None:
+            done = done | (tok == config.eos_token_id)
+            if bool(done.all()):
+                break
+    return TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": torch.cat([mask_BP, response_mask], dim=1),
+            "response_mask": response_mask,
+        },
+        batch_size=[B],
+    )

@@ -1,0 +1,100 @@
+"""``MonarchConfig``: every deadline, the supervision poll, the device and the same-host transport.
+
+Monarch reads its supervision poll period only from ``HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY`` when it is
+first imported; ``import ppo_core_monarch`` sets it (to 1 s) before importing Monarch unless the variable is
+already set. The other Monarch timeouts are applied with ``monarch.configure`` by :meth:`MonarchConfig.apply`
+before any mesh is spawned.
+
+Example:
+    >>> cfg = MonarchConfig(call_timeout_s=30.0)
+    >>> MonarchConfig.from_dict(cfg.to_dict()) == cfg
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from ppo_core._checks import check_choice, check_positive
+from ppo_core._config import ConfigBase
+
+__all__ = ["SUPERVISION_POLL_ENV", "MonarchConfig"]
+
+logger = logging.getLogger(__name__)
+
+SUPERVISION_POLL_ENV = "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonarchConfig(ConfigBase):
+    """Deadlines (seconds), failure detection and transport of a Monarch worker group."""
+
+    ready_timeout_s: float = 120.0
+    """Deadline for processes to start and every worker's ``setup`` (constructor) to return."""
+    call_timeout_s: float = 1800.0
+    """Default deadline of every call; a call that passes it raises ``CallTimeout`` and breaks the group."""
+    shutdown_timeout_s: float = 30.0
+    """Deadline for each shutdown step (worker ``close``, proc-mesh stop, host shutdown)."""
+    lost_shutdown_timeout_s: float = 5.0
+    """Deadline of each shutdown step once a worker was lost (Monarch waits for a dead host until then)."""
+    host_lost_timeout_s: float = 30.0
+    """Silence after which a host is declared lost (Monarch ``get_proc_state_max_idle``, default 60 s)."""
+    wait_slice_s: float = 0.1
+    """Longest a blocked wait goes without checking the other ranks and the fault monitor (fail-fast delay)."""
+    master_port: int = 0
+    """Rendezvous port on rank 0's host; 0 lets the OS pick a free one (no race)."""
+    master_port_retries: int = 4
+    """With a fixed ``master_port`` that is taken, try this many following ports."""
+    device: str = "auto"
+    """``"auto"`` (CUDA from the local rank when present, else CPU), ``"cuda"`` or ``"cpu"``."""
+    shared_memory: bool = True
+    """Pass large tensors through ``/dev/shm`` files between processes of one host instead of pickling them."""
+    shm_threshold_bytes: int = 1 << 16
+    """Tensors at least this large travel through shared memory when the receiver is on the same host."""
+    shm_root: str = "/dev/shm"
+    """Directory (a tmpfs) for the shared-memory transfer files; one sub-directory per group."""
+    log_forwarding: bool = False
+    """Stream remote workers' stdout/stderr to the controller (Monarch ``enable_log_forwarding``)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "ready_timeout_s",
+            "call_timeout_s",
+            "shutdown_timeout_s",
+            "lost_shutdown_timeout_s",
+            "host_lost_timeout_s",
+            "wait_slice_s",
+        ):
+            check_positive(name, getattr(self, name))
+        check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65536), got {self.master_port}")
+        if self.master_port_retries < 0:
+            raise ValueError(f"master_port_retries must be >= 0, got {self.master_port_retries}")
+        if self.shm_threshold_bytes < 0:
+            raise ValueError(f"shm_threshold_bytes must be >= 0, got {self.shm_threshold_bytes}")
+
+    def monarch_settings(self) -> dict[str, object]:
+        """The ``monarch.configure`` keyword arguments derived from this config."""
+        return {
+            "get_proc_state_max_idle": _humantime(self.host_lost_timeout_s),
+            "enable_log_forwarding": bool(self.log_forwarding),
+        }
+
+    def apply(self) -> None:
+        """Apply :meth:`monarch_settings` to the process-wide Monarch configuration (before spawning)."""
+        from monarch.config import configure
+
+        configure(**self.monarch_settings())
+        if SUPERVISION_POLL_ENV not in os.environ:
+            logger.warning(
+                "%s is unset: Monarch was imported before ppo_core_monarch, so a dead worker is detected only "
+                "after Monarch's default 10 s poll",
+                SUPERVISION_POLL_ENV,
+            )
+
+
+def _humantime(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"

@@ -1,0 +1,198 @@
+"""Masked statistics against a float64 loop reference: dims, empty and single-entry masks, NaN padding, whitening."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ppo_core.masked import WHITEN_EPS, masked_mean, masked_sum, masked_var, masked_whiten
+
+
+@st.composite
+def masked_cases(draw: st.DrawFn) -> dict:
+    """Values of 1-3 dims (sizes 0..5) with NaN/inf in masked slots, a mask of any density, a ``dim``."""
+    shape = tuple(draw(st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=3)))
+    gen = torch.Generator().manual_seed(draw(st.integers(min_value=0, max_value=2**31 - 1)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    scale = draw(st.sampled_from([1e-3, 1.0, 100.0]))
+    offset = draw(st.sampled_from([0.0, 5.0]))
+    values = (offset + scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    mask = torch.rand(shape, generator=gen) < density
+    junk = draw(st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
+    if junk is not None:
+        values = values.masked_fill(~mask, junk)
+    mask_kind = draw(st.sampled_from(["bool", "int", "float"]))
+    mask_in = {"bool": mask, "int": mask.long(), "float": mask.to(dtype)}[mask_kind]
+    ndim = len(shape)
+    dim_choice = draw(
+        st.one_of(
+            st.none(),
+            st.integers(min_value=-ndim, max_value=ndim - 1),
+            st.lists(
+                st.integers(min_value=0, max_value=ndim - 1), min_size=1, max_size=ndim, unique=True
+            ).map(tuple),
+        )
+    )
+    return {"values": values, "mask": mask, "mask_in": mask_in, "dim": dim_choice, "scale": scale}
+
+
+def _reference(values: torch.Tensor, mask: torch.Tensor, dim, stat) -> np.ndarray:
+    """Apply ``stat`` (a function of a Python list of valid floats) over ``dim`` in float64 with plain loops."""
+    v = values.double().numpy()
+    m = mask.numpy()
+    ndim = v.ndim
+    dims = (
+        tuple(range(ndim))
+        if dim is None
+        else tuple(d % ndim for d in ((dim,) if isinstance(dim, int) else dim))
+    )
+    keep = [d for d in range(ndim) if d not in dims]
+    out_shape = tuple(v.shape[d] for d in keep)
+    n_reduced = math.prod(v.shape[d] for d in dims)
+    v = np.transpose(v, keep + list(dims)).reshape(*out_shape, n_reduced)
+    m = np.transpose(m, keep + list(dims)).reshape(*out_shape, n_reduced)
+    out = np.zeros(out_shape)
+    for idx in np.ndindex(*out_shape):
+        out[idx] = stat([float(x) for x, keep_x in zip(v[idx], m[idx], strict=True) if keep_x])
+    return out
+
+
+def _sum(xs: list[float]) -> float:
+    return math.fsum(xs)
+
+
+def _mean(xs: list[float]) -> float:
+    return math.fsum(xs) / len(xs) if xs else 0.0
+
+
+def _var(unbiased: bool):
+    def stat(xs: list[float]) -> float:
+        n = len(xs)
+        denom = n - 1 if unbiased else n
+        if denom <= 0:
+            return 0.0
+        mu = math.fsum(xs) / n
+        return math.fsum((x - mu) ** 2 for x in xs) / denom
+
+    return stat
+
+
+def _close(
+    got: torch.Tensor, expected: np.ndarray, values: torch.Tensor, scale: float, power: int = 1
+) -> None:
+    rtol = 1e-4 if values.dtype == torch.float32 else 1e-10
+    atol = rtol * (scale + 5.0) ** power
+    np.testing.assert_allclose(got.double().numpy(), expected, rtol=rtol, atol=atol)
+
+
+@given(masked_cases())
+def test_sum_and_mean_match_reference(case: dict) -> None:
+    values, mask, dim = case["values"], case["mask"], case["dim"]
+    got_sum = masked_sum(values, case["mask_in"], dim=dim)
+    got_mean = masked_mean(values, case["mask_in"], dim=dim)
+    assert got_sum.dtype == values.dtype and torch.isfinite(got_mean).all()
+    # a length-5 float32 sum carries rounding error of the order of its terms
+    _close(got_sum, _reference(values, mask, dim, _sum), values, case["scale"])
+    _close(got_mean, _reference(values, mask, dim, _mean), values, case["scale"])
+
+
+@given(masked_cases(), st.booleans())
+def test_var_matches_reference(case: dict, unbiased: bool) -> None:
+    values, mask, dim = case["values"], case["mask"], case["dim"]
+    got = masked_var(values, case["mask_in"], unbiased=unbiased, dim=dim)
+    assert torch.isfinite(got).all() and bool((got >= 0).all())
+    _close(got, _reference(values, mask, dim, _var(unbiased)), values, case["scale"], power=2)
+
+
+@given(masked_cases(), st.booleans())
+def test_whiten_has_mean_zero_and_unit_variance_on_the_mask(case: dict, shift_mean: bool) -> None:
+    values, mask = case["values"], case["mask"]
+    out = masked_whiten(values, case["mask_in"], shift_mean=shift_mean)
+    assert out.shape == values.shape and out.dtype == values.dtype
+    valid = values.double()[mask].tolist()
+    got = out.double()[mask]
+    assert torch.isfinite(got).all()
+    mu, var = _mean(valid), _var(True)(valid)
+    shift = 0.0 if shift_mean else mu
+    expected = torch.tensor(
+        [(x - mu) / math.sqrt(var + WHITEN_EPS) + shift for x in valid], dtype=torch.float64
+    )
+    tol = 1e-4 if values.dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * (1 + abs(mu)))
+    if len(valid) >= 2 and var > 1e-4:
+        assert _mean(got.tolist()) == pytest.approx(0.0 if shift_mean else mu, abs=tol * 10 * (1 + abs(mu)))
+        assert _var(True)(got.tolist()) == pytest.approx(1.0, rel=1e-3)
+
+
+@given(masked_cases())
+def test_padding_values_never_reach_valid_outputs(case: dict) -> None:
+    values, mask, dim = case["values"], case["mask_in"], case["dim"]
+    other = case["values"].masked_fill(~case["mask"], 123.0)
+    for fn in (masked_sum, masked_mean, masked_var):
+        torch.testing.assert_close(fn(values, mask, dim=dim), fn(other, mask, dim=dim))
+    torch.testing.assert_close(
+        masked_whiten(values, mask)[case["mask"]], masked_whiten(other, mask)[case["mask"]]
+    )
+
+
+def test_zero_and_one_valid_elements() -> None:
+    values = torch.tensor([[3.0, float("nan"), 1.0], [4.0, 7.0, float("inf")]])
+    mask = torch.tensor([[0, 0, 0], [1, 0, 0]])
+    torch.testing.assert_close(masked_mean(values, mask, dim=-1), torch.tensor([0.0, 4.0]))
+    torch.testing.assert_close(masked_sum(values, mask, dim=-1), torch.tensor([0.0, 4.0]))
+    torch.testing.assert_close(masked_var(values, mask, dim=-1), torch.tensor([0.0, 0.0]))
+    torch.testing.assert_close(masked_var(values, mask, unbiased=False, dim=-1), torch.tensor([0.0, 0.0]))
+    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+    assert masked_var(values, torch.zeros_like(mask)).item() == 0.0
+    # one valid entry: whitened to exactly 0 there (no NaN); no valid entry: finite wherever the values are
+    assert masked_whiten(values, mask)[1, 0].item() == 0.0
+    empty = masked_whiten(torch.tensor([1.0, 2.0]), torch.tensor([0, 0]))
+    assert torch.isfinite(empty).all()
+
+
+def test_documented_examples() -> None:
+    assert masked_sum(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]])).item() == 3.0
+    torch.testing.assert_close(
+        masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0]]), dim=-1),
+        torch.tensor([2.0, 0.0]),
+    )
+    assert masked_var(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0])).item() == 1.0
+    out = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), torch.tensor([[1, 1, 1, 0]]))
+    torch.testing.assert_close(out[0, :3], torch.tensor([-1.0, 0.0, 1.0]), rtol=0, atol=1e-6)
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    values = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="mask"):
+        masked_mean(values, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="mask"):
+        masked_sum(values, torch.full((2, 3), 0.5))
+    with pytest.raises(TypeError, match="values"):
+        masked_var(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+    with pytest.raises(TypeError, match="values"):
+        masked_whiten([[1.0]], torch.ones(1, 1))
+
+
+def test_fp16_mean_over_many_tokens() -> None:
+    # Counts and sums accumulate in fp32: an fp16 count above 65504 would overflow to inf.
+    values = torch.full((70_000,), 0.01, dtype=torch.float16)
+    mask = torch.ones(70_000, dtype=torch.bool)
+    mean = masked_mean(values, mask)
+    assert mean.dtype == torch.float16
+    assert mean.item() == pytest.approx(0.01, rel=1e-2)
+    assert masked_var(values, mask).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bf16_whiten_over_many_tokens_has_unit_variance() -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(5_000, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(5_000, dtype=torch.bool)
+    out = masked_whiten(values, mask).float()
+    assert out.mean().item() == pytest.approx(0.0, abs=2e-2)
+    assert out.var().item() == pytest.approx(1.0, rel=2e-2)

@@ -1,0 +1,423 @@
+"""Reference torch workers: sampling, log-probs/values alignment, PPO/critic updates, checkpoints, DDP."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import socket
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from ppo_core.backends.local import LocalWorkerGroup
+from ppo_core.kl import kl_penalty
+from ppo_core.losses import agg_loss, compute_policy_loss, compute_value_loss
+from ppo_core.models import TinyGPT, TinyGPTConfig
+from ppo_core.workers import WorkerSpec, worker_context
+from ppo_core.workers.torch import (
+    SamplingConfig,
+    TorchActorConfig,
+    TorchActorWorker,
+    TorchCriticWorker,
+    generate,
+    sample_from_logits,
+    top_p_filter,
+)
+
+V, EOS, PAD = 9, 8, 0
+CFG = TinyGPTConfig(vocab_size=V, max_seq_len=12, d_model=16, n_layers=1, n_heads=2)
+CRITIC_CFG = TinyGPTConfig(**{**CFG.to_dict(), "value_head": True})
+LM = functools.partial(TinyGPT, CFG, seed=1)
+VALUE_MODEL = functools.partial(TinyGPT, CRITIC_CFG, seed=2)
+
+
+def _prompts(seed: int = 0, batch: int = 4, width: int = 3) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, EOS, (batch, width), generator=g)
+    lengths = torch.randint(1, width + 1, (batch,), generator=g)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    return TensorDict({"input_ids": ids * mask, "attention_mask": mask}, batch_size=[batch])
+
+
+def _actor(**overrides: object) -> TorchActorWorker:
+    cfg = {"rollout": {"max_new_tokens": 4, "eos_token_id": EOS}, "ppo_mini_batch_size": 4, **overrides}
+    return TorchActorWorker(LM, cfg)
+
+
+def _rollout(actor: TorchActorWorker, seed: int = 0, batch: int = 4) -> TensorDict:
+    out = actor.generate_sequences(_prompts(seed, batch))
+    out.update(actor.compute_log_prob(out))
+    out.update(actor.compute_ref_log_prob(out))
+    g = torch.Generator().manual_seed(seed + 100)
+    out["advantages"] = torch.randn(out["responses"].shape, generator=g)
+    out["returns"] = torch.randn(out["responses"].shape, generator=g)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(0.01, 1.0))
+def test_top_p_filter_matches_loop(seed: int, top_p: float) -> None:
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    out = top_p_filter(logits, top_p)
+    for row in range(3):
+        probs = logits[row].softmax(-1).tolist()
+        order = sorted(range(6), key=lambda v: -probs[v])
+        mass, keep = 0.0, set()
+        for v in order:
+            if mass >= top_p:
+                break
+            keep.add(v)
+            mass += probs[v]
+        for v in range(6):
+            assert (out[row, v] == float("-inf")) == (v not in keep)
+            if v in keep:
+                assert out[row, v] == logits[row, v]
+
+
+def test_sample_from_logits_greedy_and_frequencies() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20_000, 3)
+    assert sample_from_logits(logits[:2], temperature=0, generator=None).tolist() == [2, 2]
+    draws = sample_from_logits(logits, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=3).double() / draws.numel()
+    assert torch.allclose(freq, logits[0].double().softmax(-1), atol=0.015)
+    hot = sample_from_logits(logits, temperature=0.5, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(
+        torch.bincount(hot, minlength=3).double() / hot.numel(),
+        (logits[0] / 0.5).double().softmax(-1),
+        atol=0.015,
+    )
+    nucleus = sample_from_logits(logits, top_p=0.7, generator=torch.Generator().manual_seed(0))
+    assert set(nucleus.tolist()) == {1, 2}  # p = (.09, .24, .67): mass 0.7 needs the top two
+    with pytest.raises(ValueError, match="generator"):
+        sample_from_logits(logits, generator=None)
+
+
+def test_sampling_config_validation() -> None:
+    for bad in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingConfig(**bad)
+    assert SamplingConfig.from_dict(SamplingConfig(top_p=0.9).to_dict()) == SamplingConfig(top_p=0.9)
+
+
+class _NoCache(torch.nn.Module):
+    """The same LM without ``new_cache``: generation must recompute and give the same tokens."""
+
+    def __init__(self, lm: TinyGPT) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids, attention_mask=attention_mask)
+
+
+@settings(max_examples=8)
+@given(
+    seed=st.integers(0, 10_000),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=st.sampled_from([0.8, 1.0]),
+)
+def test_generate_layout_and_cache_equivalence(seed: int, temperature: float, top_p: float) -> None:
+    lm = TinyGPT(CFG, seed=seed)
+    p = _prompts(seed, batch=5)
+    cfg = SamplingConfig(
+        max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD, temperature=temperature, top_p=top_p
+    )
+    out = generate(
+        lm, p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
+    )
+    ref = generate(
+        _NoCache(lm), p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
+    )
+    assert torch.equal(out["responses"], ref["responses"])
+    resp, rmask = out["responses"], out["response_mask"]
+    assert resp.shape == (5, 5)
+    for row in range(5):
+        tokens = resp[row].tolist()
+        end = tokens.index(EOS) + 1 if EOS in tokens else len(tokens)
+        assert rmask[row].tolist() == [1] * end + [0] * (5 - end)
+        assert tokens[end:] == [PAD] * (5 - end)
+    assert torch.equal(out["input_ids"], torch.cat([p["input_ids"], resp], 1))
+    assert torch.equal(out["attention_mask"], torch.cat([p["attention_mask"], rmask], 1))
+    assert torch.equal(out["prompts"], p["input_ids"])
+
+
+def test_generate_left_padded_batch_equals_one_by_one() -> None:
+    p = _prompts(3, batch=6)
+    cfg = SamplingConfig(max_new_tokens=4, eos_token_id=EOS, temperature=0.0)
+    lm = LM()
+    batched = generate(lm, p["input_ids"], p["attention_mask"], cfg)["responses"]
+    for row in range(6):
+        keep = p["attention_mask"][row].bool()
+        single = generate(lm, p["input_ids"][row, keep][None], torch.ones(1, int(keep.sum())), cfg)[
+            "responses"
+        ]
+        assert torch.equal(batched[row], single[0])
+
+
+# ---------------------------------------------------------------------------------------------------- actor
+
+
+def _reference_log_probs(lm: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """float64 loop: log p(responses[b, t]) from the logits at position P + t - 1."""
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    logits = lm(batch["input_ids"], attention_mask=batch["attention_mask"]).double()
+    out = torch.zeros(batch.batch_size[0], R, dtype=torch.float64)
+    for b in range(out.shape[0]):
+        for t in range(R):
+            out[b, t] = logits[b, P + t - 1].log_softmax(-1)[batch["responses"][b, t]]
+    return out
+
+
+def test_log_probs_alignment_and_micro_batching() -> None:
+    actor = _actor(forward_micro_batch_size=3)
+    batch = _rollout(actor, batch=5)
+    expected = _reference_log_probs(actor.module, batch)
+    assert torch.allclose(batch["old_log_probs"].double(), expected, atol=1e-5)
+    # the reference is a frozen copy of the initial policy
+    assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"])
+    assert all(not p.requires_grad for p in actor.ref_model.parameters())
+    assert batch["entropys"].shape == batch["old_log_probs"].shape and (batch["entropys"] >= 0).all()
+
+
+def test_temperature_scales_log_prob_logits() -> None:
+    actor = _actor(rollout={"max_new_tokens": 3, "temperature": 0.5})
+    batch = actor.generate_sequences(_prompts())
+    lp = actor.compute_log_prob(batch)["old_log_probs"]
+    P = batch["prompts"].shape[1]
+    logits = actor.module(batch["input_ids"], attention_mask=batch["attention_mask"])[:, P - 1 : -1] / 0.5
+    assert torch.allclose(
+        lp, logits.log_softmax(-1).gather(-1, batch["responses"][..., None])[..., 0], atol=1e-5
+    )
+
+
+def _capture_grads(worker: TorchActorWorker | TorchCriticWorker) -> list[list[torch.Tensor]]:
+    """Replace the optimiser step by a recorder of the gradients it would apply."""
+    steps: list[list[torch.Tensor]] = []
+    worker.optimizer.step = lambda: steps.append([p.grad.clone() for p in worker.module.parameters()])
+    return steps
+
+
+def _manual_actor_grads(lm: torch.nn.Module, batch: TensorDict, cfg: TorchActorConfig) -> list[torch.Tensor]:
+    lm = copy.deepcopy(lm)
+    R = batch["responses"].shape[1]
+    logits = lm(batch["input_ids"], attention_mask=batch["attention_mask"])[:, -R - 1 : -1]
+    lp = logits.log_softmax(-1).gather(-1, batch["responses"][..., None])[..., 0]
+    mask, mode = batch["response_mask"], cfg.policy_loss.loss_agg_mode
+    loss, _ = compute_policy_loss(
+        batch["old_log_probs"], lp, batch["advantages"], mask, config=cfg.policy_loss
+    )
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode)
+    if cfg.use_kl_loss:
+        loss = loss + cfg.kl_loss_coef * agg_loss(
+            kl_penalty(lp, batch["ref_log_prob"], cfg.kl_loss_type), mask, mode
+        )
+    loss.backward()
+    return [p.grad for p in lm.parameters()]
+
+
+@settings(max_examples=8)
+@given(
+    mode=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]),
+    micro=st.sampled_from([None, 1, 2, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int | None, seed: int) -> None:
+    """Micro-batches with global denominators accumulate exactly the gradient of the mini-batch loss (pitfall 13)."""
+    actor = _actor(
+        micro_batch_size=micro,
+        ppo_mini_batch_size=6,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        policy_loss={"loss_agg_mode": mode},
+        optim={"grad_clip": None},
+    )
+    batch = _rollout(actor, seed=seed, batch=6)
+    # make the update move away from the rollout policy so ratio/KL terms are not trivially 1/0
+    batch["old_log_probs"] = batch["old_log_probs"] + 0.1 * batch["returns"]
+    expected = _manual_actor_grads(actor.module, batch, actor.config)
+    steps = _capture_grads(actor)
+    metrics = actor.update_actor(batch)
+    assert len(steps) == 1
+    for got, want in zip(steps[0], expected, strict=True):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+    assert {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"} <= set(
+        metrics
+    )
+
+
+def test_update_actor_epochs_minibatches_and_clipping() -> None:
+    actor = _actor(ppo_mini_batch_size=2, ppo_epochs=3, shuffle=True, optim={"grad_clip": 1e-3})
+    batch = _rollout(actor, batch=4)
+    steps = _capture_grads(actor)
+    metrics = actor.update_actor(batch)
+    assert len(steps) == 3 * 2
+    for grads in steps:
+        assert torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) <= 1e-3 * (1 + 1e-4)
+    assert metrics["actor/grad_norm"] > 1e-3  # the metric is the norm before clipping
+    with pytest.raises(ValueError, match="mini-batch"):
+        _actor(ppo_mini_batch_size=3).update_actor(batch)
+    with pytest.raises(ValueError, match="advantages"):
+        actor.update_actor(batch.exclude("advantages"))
+
+
+def test_update_actor_skips_non_finite_gradients() -> None:
+    actor = _actor()
+    batch = _rollout(actor)
+    batch["advantages"][0, 0] = float("nan")
+    batch["response_mask"][0, 0] = 1
+    before = [p.clone() for p in actor.module.parameters()]
+    metrics = actor.update_actor(batch)
+    assert metrics["actor/grad_norm"] != metrics["actor/grad_norm"]  # NaN reported
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.module.parameters(), strict=True))
+
+
+def test_update_actor_raises_probability_of_advantaged_tokens() -> None:
+    actor = _actor(optim={"lr": 1e-2}, ppo_epochs=4)
+    batch = _rollout(actor, batch=4)
+    batch["advantages"] = torch.where(batch["responses"] % 2 == 0, 1.0, -1.0)
+    actor.update_actor(batch)
+    new = actor.compute_log_prob(batch)["old_log_probs"]
+    delta = (new - batch["old_log_probs"])[batch["response_mask"].bool()]
+    sign = batch["advantages"][batch["response_mask"].bool()]
+    assert (delta * sign).mean() > 0
+
+
+def test_checkpoint_round_trip(tmp_path: pytest.TempPathFactory) -> None:
+    actor = _actor(optim={"lr": 1e-2})
+    batch = _rollout(actor)
+    actor.update_actor(batch)
+    actor.save_checkpoint(str(tmp_path / "actor"), 1)
+    after_save = actor.generate_sequences(_prompts(5))["responses"]
+    actor.update_actor(batch)
+    fresh = _actor(optim={"lr": 1e-2})
+    fresh.load_checkpoint(str(tmp_path / "actor"))
+    assert torch.equal(fresh.generate_sequences(_prompts(5))["responses"], after_save)  # generator restored
+    actor.load_checkpoint(str(tmp_path / "actor"))
+    for a, b in zip(actor.module.parameters(), fresh.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert fresh.update_actor(batch) == actor.update_actor(batch)  # optimiser state restored
+    with pytest.raises(ValueError, match="path"):
+        fresh.load_checkpoint(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------------- critic
+
+
+def test_critic_values_alignment_and_update() -> None:
+    actor = _actor()
+    critic = TorchCriticWorker(
+        VALUE_MODEL, {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-2}, "ppo_epochs": 4}
+    )
+    batch = _rollout(actor)
+    # perturb the value head so predictions are non-zero
+    with torch.no_grad():
+        critic.module.head.bias.fill_(0.3)
+    values = critic.compute_values(batch)["values"]
+    P = batch["prompts"].shape[1]
+    full = critic.module(batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.allclose(values, full[:, P - 1 : -1] * batch["response_mask"], atol=1e-6)
+    batch["values"] = values
+    mask = batch["response_mask"]
+    loss_before, _ = compute_value_loss(values, batch["returns"], values, mask, None)
+    for _ in range(5):
+        metrics = critic.update_critic(batch)
+    vpreds = critic.compute_values(batch)["values"]
+    loss_after, _ = compute_value_loss(vpreds, batch["returns"], values, mask, None)
+    assert loss_after < loss_before
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/vpred_mean"} <= set(metrics)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_update_critic_gradient_equals_whole_minibatch_loss(micro: int) -> None:
+    actor = _actor()
+    critic = TorchCriticWorker(
+        VALUE_MODEL, {"ppo_mini_batch_size": 6, "micro_batch_size": micro, "optim": {"grad_clip": None}}
+    )
+    batch = _rollout(actor, batch=6)
+    batch["values"] = critic.compute_values(batch)["values"] + 0.4
+    ref = copy.deepcopy(critic.module)
+    R = batch["responses"].shape[1]
+    vpreds = ref(batch["input_ids"], attention_mask=batch["attention_mask"])[:, -R - 1 : -1]
+    loss, _ = compute_value_loss(vpreds, batch["returns"], batch["values"], batch["response_mask"], 0.5)
+    loss.backward()
+    steps = _capture_grads(critic)
+    critic.update_critic(batch)
+    for got, want in zip(steps[0], [p.grad for p in ref.parameters()], strict=True):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_critic_rejects_multi_output_heads() -> None:
+    critic = TorchCriticWorker(LM, {"ppo_mini_batch_size": 4})  # an LM head is not a value head
+    with pytest.raises(ValueError, match="values"):
+        critic.compute_values(_rollout(_actor()))
+
+
+# ---------------------------------------------------------------------------------------------------- groups, DDP
+
+
+def test_local_group_binds_worker_methods() -> None:
+    spec = WorkerSpec(TorchActorWorker, (LM, {"rollout": {"max_new_tokens": 3}, "ppo_mini_batch_size": 4}))
+    with LocalWorkerGroup(spec) as wg:
+        out = wg.generate_sequences(_prompts(), do_sample=False)
+        out.update(wg.compute_log_prob(out))
+        out["advantages"] = torch.ones_like(out["old_log_probs"])
+        assert "actor/pg_loss" in wg.update_actor(out)
+
+
+def test_simulated_ranks_without_process_group_raise() -> None:
+    os.environ.pop("MASTER_ADDR", None)
+    with pytest.raises(Exception, match="MASTER_ADDR"):
+        LocalWorkerGroup(WorkerSpec(TorchActorWorker, (LM, {"ppo_mini_batch_size": 4})), world_size=2)
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, batch: TensorDict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with worker_context(rank=rank, world_size=world_size):
+        actor = _actor(ppo_mini_batch_size=4, micro_batch_size=1, device="cpu")
+    shard = batch[rank * 2 : rank * 2 + 2]
+    metrics = actor.update_actor(shard)
+    torch.save({"params": list(actor.module.parameters()), "metrics": metrics}, f"{out_dir}/{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_rank(tmp_path: pytest.TempPathFactory) -> None:
+    """Two gloo ranks with half the batch each take exactly the step of one rank on the whole batch."""
+    single = _actor(ppo_mini_batch_size=4)
+    batch = _rollout(single, batch=4)
+    single.update_actor(batch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_rank, args=(2, port, batch, str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    for want, got0, got1 in zip(
+        single.module.parameters(), results[0]["params"], results[1]["params"], strict=True
+    ):
+        assert torch.equal(got0, got1)
+        assert torch.allclose(got0, want, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_workers_on_cuda_match_cpu_and_return_cpu_tensors() -> None:
+    gpu = _actor(device="cuda")
+    batch = _rollout(gpu, batch=6)
+    assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_prob"))
+    cpu_lp = _actor(device="cpu").compute_log_prob(batch)["old_log_probs"]
+    assert torch.allclose(batch["old_log_probs"], cpu_lp, atol=1e-4)
+    assert torch.isfinite(torch.tensor(list(gpu.update_actor(batch).values()))).all()
+    critic = TorchCriticWorker(VALUE_MODEL, {"ppo_mini_batch_size": 6, "device": "cuda"})
+    batch["values"] = critic.compute_values(batch)["values"]
+    assert batch["values"].device.type == "cpu"
+    assert torch.isfinite(torch.tensor(list(critic.update_critic(batch).values()))).all()
