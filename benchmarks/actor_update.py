@@ -82,6 +82,18 @@ def _time(step, steps: int, warmup: int) -> list[float]:
     return times
 
 
+def _profile(step, path: str) -> None:
+    """Write the 40 most expensive CUDA ops of two steps (self time) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+    Path(path).write_text(table)
+
+
 def _summary(times: list[float], tokens: int, n_params: int, attn_flops_per_token: float) -> dict:
     med = statistics.median(times)
     tps = tokens / med
@@ -95,7 +107,9 @@ def _summary(times: list[float], tokens: int, n_params: int, attn_flops_per_toke
     }
 
 
-def bench_ours(args: argparse.Namespace, attention: str, distributed_optimizer: bool) -> tuple[list[float], dict]:
+def bench_ours(
+    args: argparse.Namespace, attention: str, distributed_optimizer: bool
+) -> tuple[list[float], dict]:
     from ppo_core.workers.base import worker_context
     from ppo_core.workers.megatron import MegatronActorWorker
 
@@ -118,8 +132,9 @@ def bench_ours(args: argparse.Namespace, attention: str, distributed_optimizer: 
 
     torch.cuda.reset_peak_memory_stats()
     times = _time(step, args.steps, args.warmup)
+    if args.profile and attention == "sdpa" and not distributed_optimizer:
+        _profile(step, args.profile)
     actor.close()
-    del actor
     return times, last
 
 
@@ -130,14 +145,22 @@ def bench_hf(args: argparse.Namespace) -> tuple[list[float], dict]:
     from ppo_core.losses import PolicyLossConfig, agg_loss, compute_policy_loss
 
     hf_cfg = LlamaConfig(
-        vocab_size=MODEL["vocab_size"], hidden_size=MODEL["hidden_size"], intermediate_size=MODEL["ffn_hidden_size"],
-        num_hidden_layers=MODEL["num_layers"], num_attention_heads=MODEL["num_attention_heads"],
-        num_key_value_heads=MODEL["num_query_groups"], rope_theta=MODEL["rotary_base"],
-        rms_norm_eps=MODEL["norm_epsilon"], tie_word_embeddings=True, max_position_embeddings=4096,
-        attn_implementation="sdpa", use_cache=False,
+        vocab_size=MODEL["vocab_size"],
+        hidden_size=MODEL["hidden_size"],
+        intermediate_size=MODEL["ffn_hidden_size"],
+        num_hidden_layers=MODEL["num_layers"],
+        num_attention_heads=MODEL["num_attention_heads"],
+        num_key_value_heads=MODEL["num_query_groups"],
+        rope_theta=MODEL["rotary_base"],
+        rms_norm_eps=MODEL["norm_epsilon"],
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16).train()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).to(dtype=torch.bfloat16).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=True)
     batch = _batch(args.batch, args.seq, args.prompt, MODEL["vocab_size"], "cuda")
     loss_cfg = PolicyLossConfig(loss_mode="vanilla", loss_agg_mode="token-mean")
@@ -150,7 +173,9 @@ def bench_hf(args: argparse.Namespace) -> tuple[list[float], dict]:
         mask = batch["response_mask"]
         log_prob = logprobs_from_logits(logits, batch["responses"])
         entropy = agg_loss(entropy_from_logits(logits), mask, "token-mean")
-        loss, _ = compute_policy_loss(batch["old_log_probs"], log_prob, batch["advantages"], mask, config=loss_cfg)
+        loss, _ = compute_policy_loss(
+            batch["old_log_probs"], log_prob, batch["advantages"], mask, config=loss_cfg
+        )
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -160,7 +185,6 @@ def bench_hf(args: argparse.Namespace) -> tuple[list[float], dict]:
     torch.cuda.reset_peak_memory_stats()
     times = _time(step, args.steps, args.warmup)
     n = sum(p.numel() for p in model.parameters())
-    del model, opt
     return times, {**last, "hf_parameters": n}
 
 
@@ -174,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--local", action="store_true", help="also time megatron's unfused local attention")
     p.add_argument("--distributed-optimizer", action="store_true", help="also time the distributed optimizer")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", default=None, help="write a CUDA op profile of ours to this file")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

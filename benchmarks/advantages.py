@@ -191,13 +191,13 @@ def _triton_sweep(batch: int, length: int) -> list[dict]:
         try:
             ms = _time_ms(fn, "cuda", repeats=30)
         except Exception as err:  # a launch shape the compiler rejects is a data point, not a crash
-            rows.append({**launch.__dict__, "fp64": fp64, "error": repr(err)[:200]})
+            rows.append({**launch.to_dict(), "fp64": fp64, "error": repr(err)[:200]})
             continue
-        rows.append({**launch.__dict__, "fp64": fp64, "ms": round(ms, 5)})
+        rows.append({**launch.to_dict(), "fp64": fp64, "ms": round(ms, 5)})
     rows.sort(key=lambda row: row.get("ms", float("inf")))
     best_fp64 = [row for row in rows if row["fp64"]][:3]
     default = triton_scan._default_launch(length)
-    return [{"default": default.__dict__, "shape": f"{batch}x{length}"}, *rows[:8], *best_fp64]
+    return [{"default": default.to_dict(), "shape": f"{batch}x{length}"}, *rows[:8], *best_fp64]
 
 
 def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -294,7 +294,7 @@ def main() -> None:
                 batch, length, device, bandwidth, args.quick, torchrl
             )
         if device == "cuda" and triton_scan.is_available("cuda"):
-            section["triton_default_launch"] = triton_scan._default_launch(CUDA_SHAPES[-1][1]).__dict__
+            section["triton_default_launch"] = triton_scan._default_launch(CUDA_SHAPES[-1][1]).to_dict()
         if device == "cuda" and args.sweep and triton_scan.is_available("cuda"):
             section["triton_sweep"] = _triton_sweep(*CUDA_SHAPES[-1])
         section["group_estimators"] = _group_report(device)

@@ -10,7 +10,8 @@ Two workloads on ``--workers`` processes of this machine:
 Engines: (a) ``ours``: ``MonarchWorkerGroup`` (``DP_COMPUTE`` dispatch: split, shared memory on one host, merge);
 (b) ``monarch``: raw Monarch actors, one ``call_one`` per shard, all issued before any wait (the fastest
 plain-message pattern, see docs); (c) ``ray``: Ray actors (the engine under verl's ``RayWorkerGroup``), when
-``ray`` is importable. Times are medians in milliseconds; ratios compare engines within this run.
+``ray`` is importable. Times are medians in milliseconds over rounds that alternate the engines (so load drift on a shared machine
+hits all of them); ratios compare engines within this run.
 
 Usage:
     python benchmarks/dispatch.py [--workers 4] [--batch 1024] [--seqlen 2048] [--repeats 7]
@@ -19,16 +20,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
 
-import ppo_core_monarch  # noqa: F401  (before monarch: supervision settings)
 import torch
 from monarch.actor import Actor, endpoint
 from tensordict import TensorDict
 
+import ppo_core_monarch  # noqa: F401  (before monarch: supervision settings)
 from ppo_core.workers import Dispatch, Worker, register
 from ppo_core_monarch.group import MonarchWorkerGroup
 
@@ -78,74 +80,60 @@ def _batch(b: int, t: int) -> TensorDict:
     )
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return round(statistics.median(times), 3)
-
-
 def _shards(batch: TensorDict, n: int) -> list[TensorDict]:
     return [s.clone() for s in batch.split(batch.batch_size[0] // n)]
 
 
-def bench_ours(batch: TensorDict, n: int, repeats: int) -> dict:
-    with MonarchWorkerGroup(BenchWorker, procs_per_host=n) as wg:
-        out = wg.compute(batch)
-        assert torch.equal(torch.cat(out), batch["old_log_probs"] * 2)
-        return {
-            "empty_ms": _median_ms(lambda: wg.call_all("noop"), repeats * 3),
-            "dp_ms": _median_ms(lambda: wg.compute(batch), repeats),
-        }
+def _ours(stack: contextlib.ExitStack, batch: TensorDict, n: int) -> dict:
+    wg = stack.enter_context(MonarchWorkerGroup(BenchWorker, procs_per_host=n))
+    return {"empty": lambda: wg.call_all("noop"), "dp": lambda: torch.cat(wg.compute(batch))}
 
 
-def bench_monarch(batch: TensorDict, n: int, repeats: int) -> dict:
+def _monarch(stack: contextlib.ExitStack, batch: TensorDict, n: int) -> dict:
     from monarch.actor import this_host
 
     procs = this_host().spawn_procs(per_host={"procs": n})
-    try:
-        actors = procs.spawn("bench_raw", RawActor)
-        actors.initialized.get(timeout=300)
-        flat = actors.flatten("rank")
-        singles = [flat.slice(rank=r) for r in range(n)]
+    stack.callback(lambda: procs.stop().get(timeout=60))
+    actors = procs.spawn("bench_raw", RawActor)
+    actors.initialized.get(timeout=300)
+    flat = actors.flatten("rank")
+    singles = [flat.slice(rank=r) for r in range(n)]
 
-        def dp() -> list:
-            futures = [a.compute.call_one(s) for a, s in zip(singles, _shards(batch, n))]
-            return [f.get(timeout=300) for f in futures]
+    def dp() -> torch.Tensor:
+        futures = [a.compute.call_one(s) for a, s in zip(singles, _shards(batch, n), strict=True)]
+        return torch.cat([f.get(timeout=300) for f in futures])
 
-        assert torch.equal(torch.cat(dp()), batch["old_log_probs"] * 2)
-        return {
-            "empty_ms": _median_ms(lambda: actors.noop.call().get(timeout=300), repeats * 3),
-            "dp_ms": _median_ms(dp, repeats),
-        }
-    finally:
-        procs.stop().get(timeout=60)
+    return {"empty": lambda: actors.noop.call().get(timeout=300), "dp": dp}
 
 
-def bench_ray(batch: TensorDict, n: int, repeats: int) -> dict | None:
+def _ray(stack: contextlib.ExitStack, batch: TensorDict, n: int) -> dict | None:
     try:
         import ray
     except ImportError:
         return None
     ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False)
-    try:
-        actors = [ray.remote(_RayWorker).remote() for _ in range(n)]
-        ray.get([a.noop.remote() for a in actors])
+    stack.callback(ray.shutdown)
+    actors = [ray.remote(_RayWorker).remote() for _ in range(n)]
+    ray.get([a.noop.remote() for a in actors])
 
-        def dp() -> list:
-            return ray.get([a.compute.remote(s) for a, s in zip(actors, _shards(batch, n))])
+    def dp() -> torch.Tensor:
+        return torch.cat(
+            ray.get([a.compute.remote(s) for a, s in zip(actors, _shards(batch, n), strict=True)])
+        )
 
-        assert torch.equal(torch.cat(dp()), batch["old_log_probs"] * 2)
-        return {
-            "empty_ms": _median_ms(lambda: ray.get([a.noop.remote() for a in actors]), repeats * 3),
-            "dp_ms": _median_ms(dp, repeats),
-        }
-    finally:
-        ray.shutdown()
+    return {"empty": lambda: ray.get([a.noop.remote() for a in actors]), "dp": dp}
+
+
+def _interleaved_medians(engines: dict, op: str, rounds: int) -> dict[str, float]:
+    """Median ms per engine; rounds alternate the engines so that load drift on a shared machine hits all."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds + 2):
+        for name, ops in engines.items():
+            start = time.perf_counter()
+            ops[op]()
+            if r >= 2:  # two warm-up rounds
+                times[name].append((time.perf_counter() - start) * 1000)
+    return {name: round(statistics.median(ts), 3) for name, ts in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,17 +141,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="rounds of the DP call (x5 for the empty call)"
+    )
     args = parser.parse_args(argv)
     batch = _batch(args.batch, args.seqlen)
+    expected = batch["old_log_probs"] * 2
+    with contextlib.ExitStack() as stack:
+        engines = {"ours": _ours(stack, batch, args.workers), "monarch": _monarch(stack, batch, args.workers)}
+        ray_ops = _ray(stack, batch, args.workers)
+        if ray_ops is not None:
+            engines["ray"] = ray_ops
+        for name, ops in engines.items():
+            assert torch.equal(ops["dp"](), expected), f"{name} returned wrong data"
+        empty = _interleaved_medians(engines, "empty", args.repeats * 5)
+        dp = _interleaved_medians(engines, "dp", args.repeats)
     result: dict = {
         "workers": args.workers,
         "batch_mb": round(sum(v.nbytes for v in batch.values()) / 1e6, 1),
         "cpus": os.cpu_count(),
-        "ours": bench_ours(batch, args.workers, args.repeats),
-        "monarch": bench_monarch(batch, args.workers, args.repeats),
-        "ray": bench_ray(batch, args.workers, args.repeats),
+        **{name: {"empty_ms": empty[name], "dp_ms": dp[name]} for name in engines},
     }
+    result.setdefault("ray", None)
     ours, raw, ray_ = result["ours"], result["monarch"], result["ray"]
     result["ratios"] = {
         "ours_empty_over_monarch": round(ours["empty_ms"] / raw["empty_ms"], 3),

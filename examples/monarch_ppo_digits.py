@@ -27,10 +27,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p)
 sys.path.insert(0, _HERE)
 
-import ppo_core_monarch  # noqa: E402  (before monarch: 1 s supervision poll)
 import ppo_digits as task  # noqa: E402
 import torch  # noqa: E402
 
+import ppo_core_monarch  # noqa: E402  (before monarch: 1 s supervision poll)
 from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
 from ppo_core.workers import WorkerSpec  # noqa: E402
 from ppo_core.workers.torch import TorchActorWorker, TorchCriticWorker  # noqa: E402
@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--procs-per-host", type=int, default=2, help="Monarch processes (DDP ranks) per host")
     p.add_argument("--hosts", default=None, help="comma-separated worker-loop addresses (tcp://host:port)")
-    p.add_argument("--simulate-hosts", type=int, default=0, help="start this many local worker loops as hosts")
+    p.add_argument(
+        "--simulate-hosts", type=int, default=0, help="start this many local worker loops as hosts"
+    )
     known, rest = p.parse_known_args(argv)
     args = task.parse_args(rest)
     for k, v in vars(known).items():
@@ -55,7 +57,11 @@ def roles_for(weights: dict[str, torch.Tensor]):
     """``config -> {"actor": spec, "critic": spec}``: the same workers as the local example."""
 
     def roles(cfg) -> dict[str, WorkerSpec]:
-        out = {"actor": WorkerSpec(TorchActorWorker, (functools.partial(task.policy_from, weights), cfg.actor.worker))}
+        out = {
+            "actor": WorkerSpec(
+                TorchActorWorker, (functools.partial(task.policy_from, weights), cfg.actor.worker)
+            )
+        }
         if cfg.use_critic:
             out["critic"] = WorkerSpec(
                 TorchCriticWorker, (functools.partial(task.critic_from, weights), cfg.critic.worker)
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         roles=roles_for(weights),
         procs_per_host=args.procs_per_host,
         hosts=(lambda: ppo_core_monarch.attach_hosts(addresses)) if addresses else None,
-        monarch=ppo_core_monarch.MonarchConfig(device="auto"),
+        monarch=ppo_core_monarch.MonarchConfig(device="auto", torch_threads=args.threads),
         train_dataset=task.make_dataset(100_000, g),
         val_dataset=task.make_dataset(128, g),
         reward_fn=task.digit_sum_reward,

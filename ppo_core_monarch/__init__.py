@@ -13,8 +13,8 @@ import sys as _sys
 if "monarch" not in _sys.modules:
     _os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
-from ppo_core_monarch.config import MonarchConfig  # noqa: E402
-from ppo_core_monarch.errors import (  # noqa: E402
+from ppo_core_monarch.config import MonarchConfig
+from ppo_core_monarch.errors import (
     CallTimeout,
     GroupBroken,
     MonarchBackendError,
@@ -22,16 +22,28 @@ from ppo_core_monarch.errors import (  # noqa: E402
     SpawnError,
     WorkerLost,
 )
-from ppo_core_monarch.launch import Hosts, WorkerLoops, attach_hosts, job_hosts, local_hosts, start_worker_loops  # noqa: E402
-from ppo_core_monarch.topology import MeshTopology  # noqa: E402
+from ppo_core_monarch.launch import (
+    Hosts,
+    WorkerLoops,
+    attach_hosts,
+    job_hosts,
+    local_hosts,
+    start_worker_loops,
+)
+from ppo_core_monarch.topology import MeshTopology
 
 __all__ = [
     "CallTimeout",
     "GroupBroken",
+    "GroupCall",
     "Hosts",
     "MeshTopology",
     "MonarchBackendError",
     "MonarchConfig",
+    "MonarchPPOTrainer",
+    "MonarchResult",
+    "MonarchWorkerGroup",
+    "RankInfo",
     "RemoteWorkerError",
     "SpawnError",
     "WorkerLoops",

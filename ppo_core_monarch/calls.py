@@ -27,7 +27,7 @@ from ppo_core.workers.group import PendingCall
 from ppo_core_monarch.errors import CallTimeout, MonarchBackendError, WorkerLost, is_supervision_error
 from ppo_core_monarch.supervision import MeshWatch
 from ppo_core_monarch.transport import Encoded, decode, release
-from ppo_core_monarch.worker import Failed
+from ppo_core_monarch.worker import Answer, Failed
 
 __all__ = ["CallPart", "GroupCall"]
 
@@ -59,7 +59,8 @@ class GroupCall(PendingCall):
         wait_slice_s: longest blocking wait before the other ranks and the watch are checked again.
         on_broken: called with the error when the call breaks the group (lost worker, deadline).
         locate: ranks named by a Monarch failure report (best effort).
-        forward: shared-memory files of the arguments, removed once every rank has answered.
+        forward: shared-memory files of the arguments with the ranks that read them.
+        recycle: ``recycle(file, reusable)`` once every rank answered (reusable: all of them unmapped it).
     """
 
     def __init__(
@@ -73,7 +74,8 @@ class GroupCall(PendingCall):
         wait_slice_s: float,
         on_broken: Callable[[BaseException], None],
         locate: Callable[[str], tuple[int, ...]],
-        forward: Sequence[Encoded] = (),
+        forward: Sequence[tuple[Encoded, tuple[int, ...]]] = (),
+        recycle: Callable[[Encoded, bool], None] = lambda enc, reusable: release(enc),
     ) -> None:
         self.method = method
         self._pending = list(parts)
@@ -83,6 +85,8 @@ class GroupCall(PendingCall):
         self._watch = watch
         self._slice = wait_slice_s
         self._forward = list(forward)
+        self._recycle = recycle
+        self._kept: set[int] = set()
         self._on_broken = on_broken
         self._locate = locate
         self._error: BaseException | None = None
@@ -178,6 +182,7 @@ class GroupCall(PendingCall):
                 value = None
             self._pending.remove(part)
             for v in list(value.values()) if part.mesh and value is not None else [value]:
+                v = v.value if isinstance(v, Answer) else v
                 if isinstance(v, Encoded):
                     release(v)
         if not self._pending:
@@ -185,9 +190,10 @@ class GroupCall(PendingCall):
         return not self._pending
 
     def release_all(self) -> None:
-        """Remove the argument files now (the ranks have answered, or the processes are stopped)."""
-        for enc in self._forward:
-            release(enc)
+        """Hand the argument files back (reusable only after a clean finish where every rank unmapped them)."""
+        clean = self._error is None and not self._pending
+        for enc, ranks in self._forward:
+            self._recycle(enc, clean and not (set(ranks) & self._kept))
         self._forward.clear()
 
     def _finish(self) -> list[Any]:
@@ -240,11 +246,17 @@ class GroupCall(PendingCall):
         values = list(value.values()) if part.mesh else [value]
         if len(values) != len(part.ranks):
             self._raise(
-                MonarchBackendError(f"{self.method}(): got {len(values)} answers for ranks {list(part.ranks)}"),
+                MonarchBackendError(
+                    f"{self.method}(): got {len(values)} answers for ranks {list(part.ranks)}"
+                ),
                 breaks_group=True,
             )
         failure = None
-        for pos, v in zip(part.positions, values):
+        for pos, rank, v in zip(part.positions, part.ranks, values, strict=True):
+            if isinstance(v, Answer):
+                if not v.released:
+                    self._kept.add(rank)
+                v = v.value
             if isinstance(v, Failed):
                 failure = failure or v
             elif isinstance(v, Encoded):
@@ -253,6 +265,7 @@ class GroupCall(PendingCall):
                 self._outputs[pos] = v
         if failure is not None:
             for v in values:
+                v = v.value if isinstance(v, Answer) else v
                 if isinstance(v, Encoded):
                     release(v)
             self._raise(failure.to_exception(), breaks_group=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ppo_core._checks import check_choice, check_positive
 from ppo_core._config import ConfigBase
@@ -49,10 +49,17 @@ class MonarchConfig(ConfigBase):
     """With a fixed ``master_port`` that is taken, try this many following ports."""
     device: str = "auto"
     """``"auto"`` (CUDA from the local rank when present, else CPU), ``"cuda"`` or ``"cpu"``."""
+    torch_threads: int = 0
+    """``torch.set_num_threads`` in every worker; 0 keeps torch's default (one thread per core, which
+    oversubscribes the CPU when several workers share a host)."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of every worker, set before its worker is built (e.g. NCCL settings)."""
     shared_memory: bool = True
     """Pass large tensors through ``/dev/shm`` files between processes of one host instead of pickling them."""
     shm_threshold_bytes: int = 1 << 16
     """Tensors at least this large travel through shared memory when the receiver is on the same host."""
+    shm_pool_bytes: int = 1 << 30
+    """Most bytes of warm shared-memory files kept for reuse between calls (0: a new file per call)."""
     shm_root: str = "/dev/shm"
     """Directory (a tmpfs) for the shared-memory transfer files; one sub-directory per group."""
     log_forwarding: bool = False
@@ -69,10 +76,14 @@ class MonarchConfig(ConfigBase):
         ):
             check_positive(name, getattr(self, name))
         check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port must be in [0, 65536), got {self.master_port}")
         if self.master_port_retries < 0:
             raise ValueError(f"master_port_retries must be >= 0, got {self.master_port_retries}")
+        if self.shm_pool_bytes < 0:
+            raise ValueError(f"shm_pool_bytes must be >= 0, got {self.shm_pool_bytes}")
         if self.shm_threshold_bytes < 0:
             raise ValueError(f"shm_threshold_bytes must be >= 0, got {self.shm_threshold_bytes}")
 

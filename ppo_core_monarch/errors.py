@@ -59,7 +59,7 @@ class RemoteWorkerError(MonarchBackendError, WorkerCallError):
         RuntimeError.__init__(
             self,
             f"rank {rank} (host {host}, pid {pid}) raised {exc_type} in {method}(): {message}\n"
-            f"--- remote traceback (rank {rank}) ---\n{remote_traceback}"
+            f"--- remote traceback (rank {rank}) ---\n{remote_traceback}",
         )
 
     def __reduce__(self):  # keyword-only __init__ needs an explicit pickle recipe
@@ -108,7 +108,9 @@ class CallTimeout(MonarchBackendError, TimeoutError):
     can be waited on again.
     """
 
-    def __init__(self, *, method: str, pending_ranks: Sequence[int], timeout_s: float, broken: bool = True) -> None:
+    def __init__(
+        self, *, method: str, pending_ranks: Sequence[int], timeout_s: float, broken: bool = True
+    ) -> None:
         self.method, self.pending_ranks, self.timeout_s = method, tuple(pending_ranks), timeout_s
         self.broken = broken
         tail = (
@@ -116,7 +118,9 @@ class CallTimeout(MonarchBackendError, TimeoutError):
             if broken
             else "the call is still running and can be waited on again"
         )
-        super().__init__(f"{method}() did not finish within {timeout_s:.3g} s on ranks {list(self.pending_ranks)}; {tail}")
+        super().__init__(
+            f"{method}() did not finish within {timeout_s:.3g} s on ranks {list(self.pending_ranks)}; {tail}"
+        )
 
 
 class GroupBroken(MonarchBackendError):

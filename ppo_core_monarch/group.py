@@ -29,6 +29,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from tensordict import TensorDictBase
+
 from ppo_core.workers.base import WorkerSpec
 from ppo_core.workers.dispatch import DispatchPlan
 from ppo_core.workers.group import GroupResult, WorkerGroup
@@ -38,7 +41,7 @@ from ppo_core_monarch.errors import CallTimeout, GroupBroken, SpawnError, Worker
 from ppo_core_monarch.launch import Hosts, local_hosts
 from ppo_core_monarch.supervision import fault_monitor
 from ppo_core_monarch.topology import MeshTopology
-from ppo_core_monarch.transport import Encoded, compact, encode
+from ppo_core_monarch.transport import Encoded, ShmPool, compact, encode, release
 from ppo_core_monarch.worker import Failed, RankInfo, SetupArgs, WorkerActor
 
 __all__ = ["MonarchResult", "MonarchWorkerGroup"]
@@ -105,6 +108,7 @@ class MonarchWorkerGroup(WorkerGroup):
         self._outstanding: list[GroupCall] = []
         self._proc_mesh: Any = None
         self._shm_dir: str | None = None
+        self._pool: ShmPool | None = None
         self._singletons: dict[int, Any] = {}
         self._ranges: dict[tuple[int, int], Any] = {}
         self.config.apply()
@@ -139,6 +143,7 @@ class MonarchWorkerGroup(WorkerGroup):
             shm_token = uuid.uuid4().hex
             with open(os.path.join(self._shm_dir, "token"), "w", encoding="utf-8") as f:
                 f.write(shm_token)
+            self._pool = ShmPool(self._shm_dir, cfg.shm_pool_bytes)
         store = self._rank_mesh(0).host_store.call_one(cfg.master_port, cfg.master_port_retries)
         addr, port = self._wait_setup("host_store", CallPart(store, (0,), (0,), mesh=False))[0]
         args = SetupArgs(
@@ -150,14 +155,21 @@ class MonarchWorkerGroup(WorkerGroup):
             shm_dir=self._shm_dir,
             shm_token=shm_token,
             shm_threshold_bytes=cfg.shm_threshold_bytes,
-            env={},
+            torch_threads=cfg.torch_threads,
+            env=dict(cfg.worker_env),
         )
         ranks = tuple(range(self.topology.world_size))
         infos = self._wait_setup("setup", CallPart(self._actors.setup.call(args), ranks, ranks, mesh=True))
         for expected, info in enumerate(infos):
-            if not isinstance(info, RankInfo) or info.rank != expected or info.coords != self.topology.coords(expected):
-                raise SpawnError(f"rank {expected} reported {info!r}; the topology expects coords "
-                                 f"{self.topology.coords(expected)}")
+            if (
+                not isinstance(info, RankInfo)
+                or info.rank != expected
+                or info.coords != self.topology.coords(expected)
+            ):
+                raise SpawnError(
+                    f"rank {expected} reported {info!r}; the topology expects coords "
+                    f"{self.topology.coords(expected)}"
+                )
         self.rank_info: tuple[RankInfo, ...] = tuple(infos)
         self._shm_ranks = frozenset(i.rank for i in infos if i.shared_memory)
         logger.info("started %s: %s on hosts %s", self._name, self.topology, sorted({i.host for i in infos}))
@@ -183,7 +195,9 @@ class MonarchWorkerGroup(WorkerGroup):
 
     def _submit(self, method: str, plan: DispatchPlan) -> GroupCall:
         if self._broken is not None:
-            raise GroupBroken(f"cannot call {method}(): the group is broken ({self._broken})") from self._broken
+            raise GroupBroken(
+                f"cannot call {method}(): the group is broken ({self._broken})"
+            ) from self._broken
         self._reap()
         order = sorted(range(len(plan.calls)), key=lambda i: plan.calls[i].rank)
         runs: list[list[int]] = []
@@ -191,7 +205,9 @@ class MonarchWorkerGroup(WorkerGroup):
             call = plan.calls[i]
             if runs:
                 last = plan.calls[runs[-1][-1]]
-                same = plan.uniform or (_same_objects(last.args, call.args) and _same_kwargs(last.kwargs, call.kwargs))
+                same = plan.uniform or (
+                    _same_objects(last.args, call.args) and _same_kwargs(last.kwargs, call.kwargs)
+                )
                 if same and call.rank == last.rank + 1:
                     runs[-1].append(i)
                     continue
@@ -210,16 +226,22 @@ class MonarchWorkerGroup(WorkerGroup):
         self._outstanding.append(call)
         return call
 
-    def _payload(self, ranks: tuple[int, ...], args: tuple, kwargs: dict, forward: list[Encoded]) -> Any:
-        if self._shm_dir is not None and all(r in self._shm_ranks for r in ranks):
-            enc = encode((args, kwargs), self._shm_dir, self.config.shm_threshold_bytes)
+    def _payload(self, ranks: tuple[int, ...], args: tuple, kwargs: dict, forward: list) -> Any:
+        if not _has_tensor((args, kwargs)):
+            return (args, kwargs)  # nothing to share: skip the extra pickle (empty calls stay at raw speed)
+        if self._pool is not None and all(r in self._shm_ranks for r in ranks):
+            enc = encode(
+                (args, kwargs), self._pool.directory, self.config.shm_threshold_bytes, self._pool.allocate
+            )
             if enc.path is not None:
-                forward.append(enc)
+                forward.append((enc, ranks))
                 return enc
             return (args, kwargs)
         return compact((tuple(args), dict(kwargs)))
 
-    def _make_call(self, method: str, parts: list[CallPart], n: int, timeout_s: float, forward: list) -> GroupCall:
+    def _make_call(
+        self, method: str, parts: list[CallPart], n: int, timeout_s: float, forward: list
+    ) -> GroupCall:
         return GroupCall(
             method=method,
             parts=parts,
@@ -230,7 +252,16 @@ class MonarchWorkerGroup(WorkerGroup):
             on_broken=self._mark_broken,
             locate=self._ranks_in_report,
             forward=forward,
+            recycle=self._recycle,
         )
+
+    def _recycle(self, enc: Encoded, reusable: bool) -> None:
+        if self._pool is None:
+            release(enc)
+        elif reusable:
+            self._pool.give_back(enc.path)
+        else:
+            self._pool.discard(enc.path)
 
     def _rank_mesh(self, rank: int) -> Any:
         mesh = self._singletons.get(rank)
@@ -266,7 +297,9 @@ class MonarchWorkerGroup(WorkerGroup):
         """Empty round trip to every rank (one mesh-wide call); returns the ranks in order."""
         if self._broken is not None:
             raise GroupBroken(f"the group is broken ({self._broken})") from self._broken
-        part = CallPart(self._actors.ping.call(), tuple(range(self.world_size)), tuple(range(self.world_size)), True)
+        part = CallPart(
+            self._actors.ping.call(), tuple(range(self.world_size)), tuple(range(self.world_size)), True
+        )
         return self._make_call("ping", [part], self.world_size, timeout_s or self.call_timeout_s, []).result()
 
     # ----- shutdown --------------------------------------------------------------------------------------
@@ -309,14 +342,29 @@ class MonarchWorkerGroup(WorkerGroup):
         for call in self._outstanding:
             call.release_all()
         self._outstanding.clear()
+        if self._pool is not None:
+            self._pool.close()
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
         fault_monitor().unwatch(self._watch)
         logger.info("shut down %s in %.2f s", self._name, time.monotonic() - start)
 
 
+def _has_tensor(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` holds a tensor or TensorDict (containers searched a few levels deep)."""
+    if isinstance(obj, (torch.Tensor, TensorDictBase)):
+        return True
+    if depth > 3:
+        return True  # deep structures: let the encoder decide
+    if isinstance(obj, dict):
+        return any(_has_tensor(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v, depth + 1) for v in obj)
+    return hasattr(obj, "__dict__") or hasattr(obj, "__slots__")  # arbitrary objects may hold tensors
+
+
 def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _same_kwargs(a: dict, b: dict) -> bool:
@@ -351,4 +399,3 @@ def _shutdown_live_groups() -> None:
             group.shutdown()
         except Exception:
             logger.exception("shutting down a worker group at exit failed")
-

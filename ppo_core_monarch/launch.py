@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +76,8 @@ def attach_hosts(addresses: Sequence[str], *, timeout_s: float = 60.0) -> Hosts:
     bad = [a for a in addresses if "://" not in a]
     if bad:
         raise ValueError(f"addresses must look like tcp://host:port, got {bad}")
-    mesh = attach_to_workers(ca=CA, workers=addresses)
+    # the name marks the mesh as ours for the fault hook (its late failures must not exit the controller)
+    mesh = attach_to_workers(ca=CA, workers=addresses, name=f"ppo_worker_hosts_{uuid.uuid4().hex[:10]}")
     try:
         mesh.initialized.get(timeout=timeout_s)
     except Exception as exc:
@@ -137,10 +140,8 @@ class WorkerLoops:
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _free_port(host: str) -> int:
@@ -167,7 +168,15 @@ def start_worker_loops(
                 address = f"tcp://{host}:{_free_port(host)}"
                 ready = os.path.join(tmpdir, f"loop-{len(loops.processes)}-{attempt}")
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "ppo_core_monarch.serve", "--address", address, "--ready-file", ready],
+                    [
+                        sys.executable,
+                        "-m",
+                        "ppo_core_monarch.serve",
+                        "--address",
+                        address,
+                        "--ready-file",
+                        ready,
+                    ],
                     start_new_session=True,
                     stdout=subprocess.DEVNULL,
                 )

@@ -20,7 +20,9 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``--address`` and serve until shut down."""
-    parser = argparse.ArgumentParser(prog="python -m ppo_core_monarch.serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ppo_core_monarch.serve", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--address", required=True, help="tcp://HOST:PORT to listen on (no wildcard host)")
     parser.add_argument("--ready-file", default=None, help="file to create with the address once listening")
     ns = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 Monarch hands every unhandled mesh failure to ``monarch.actor.unhandled_fault_hook``, whose default calls
 ``sys.exit(1)``, which reaches the controller's main thread as a ``KeyboardInterrupt``. :func:`fault_monitor`
 installs (once per process) a hook that records failures of the meshes that ``ppo_core_monarch`` spawned (their
-names start with a registered prefix) so that the owning group raises :class:`~ppo_core_monarch.errors.WorkerLost`
+names contain a registered prefix) so that the owning group raises :class:`~ppo_core_monarch.errors.WorkerLost`
 and refuses later calls. Failures of any other mesh go to the hook that was installed before, so code that
 spawns its own meshes keeps Monarch's behaviour.
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class MeshWatch:
-    """Failures of the meshes whose names start with ``prefix``; ``event`` is set at the first one."""
+    """Failures of the meshes whose names contain ``prefix``; ``event`` is set at the first one."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -51,7 +51,7 @@ class FaultMonitor:
         self._installed = False
 
     def watch(self, prefix: str) -> MeshWatch:
-        """Start recording failures of meshes named ``prefix*``."""
+        """Start recording failures of meshes whose names contain ``prefix``."""
         self._install()
         w = MeshWatch(prefix)
         with self._lock:
@@ -81,7 +81,8 @@ class FaultMonitor:
         except Exception:  # a report must never turn into an unhandled fault
             report = str(failure)
         with self._lock:
-            matches = [w for w in self._watches if name.startswith(w.prefix)]
+            # Monarch prefixes derived meshes ("proc_mesh_controller_<name>-..."): match the name anywhere
+            matches = [w for w in self._watches if w.prefix in name]
         for w in matches:
             w.reports.append(report)
             w.event.set()
@@ -89,15 +90,14 @@ class FaultMonitor:
             logger.log(level, "worker mesh %s failed: %s", name, report)
         if matches:
             return
-        with self._lock:
-            watching = bool(self._watches)
-        if name.startswith(_OWN_PREFIX) or (watching and name.startswith("logger-")):
-            # a mesh of ours that was already shut down, or Monarch's per-proc logger mesh, whose failure is
-            # always followed by the failure of the actor mesh on the same proc
+        if _OWN_PREFIX in name or (self._installed and name.startswith("logger-")):
+            # a mesh of ours that was already shut down (a stop that timed out reports late), or Monarch's
+            # per-proc logger mesh, whose failure is always followed by that of the actor mesh on the same proc
             logger.debug("ignoring failure of mesh %s: %s", name, report)
             return
         previous = self._previous
         if previous is not None:
+            logger.warning("failure of mesh %r is not ppo_core_monarch's; passing it to the previous hook", name)
             previous(failure)
 
 

@@ -42,7 +42,7 @@ class MeshTopology:
             raise ValueError(f"labels {labels} and sizes {sizes} must have the same length")
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels must be distinct, got {labels}")
-        for label, size in zip(labels, sizes):
+        for label, size in zip(labels, sizes, strict=True):
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"sizes must be positive ints, got {size!r} for dimension {label!r}")
 
@@ -113,7 +113,7 @@ class MeshTopology:
 
     def point(self, rank: int) -> dict[str, int]:
         """``{label: coordinate}`` of ``rank`` (the keyword arguments of ``mesh.slice``)."""
-        return dict(zip(self.labels, self.coords(rank)))
+        return dict(zip(self.labels, self.coords(rank), strict=True))
 
     def rank_of(self, coords: Sequence[int] | Mapping[str, int]) -> int:
         """Inverse of :meth:`coords`; accepts a tuple or a ``{label: coordinate}`` mapping."""
@@ -127,9 +127,11 @@ class MeshTopology:
             coords = [coords[label] for label in self.labels]
         coords = tuple(coords)
         if len(coords) != len(self.sizes):
-            raise ValueError(f"coords must have {len(self.sizes)} entries for labels {self.labels}, got {coords}")
+            raise ValueError(
+                f"coords must have {len(self.sizes)} entries for labels {self.labels}, got {coords}"
+            )
         rank = 0
-        for label, c, size in zip(self.labels, coords, self.sizes):
+        for label, c, size in zip(self.labels, coords, self.sizes, strict=True):
             if not 0 <= c < size:
                 raise ValueError(f"coordinate {c} for dimension {label!r} is outside [0, {size})")
             rank = rank * size + c
@@ -167,4 +169,3 @@ class MeshTopology:
             "MASTER_ADDR": str(master_addr),
             "MASTER_PORT": str(int(master_port)),
         }
-

@@ -61,7 +61,9 @@ class MonarchPPOTrainer(BasePPOTrainer):
     ) -> None:
         super().__init__(config, **kwargs)
         if not callable(roles) and not isinstance(roles, Mapping):
-            raise TypeError(f"roles must be a mapping of WorkerSpec or a callable, got {type(roles).__name__}")
+            raise TypeError(
+                f"roles must be a mapping of WorkerSpec or a callable, got {type(roles).__name__}"
+            )
         self._roles = roles
         self._procs_per_host = procs_per_host
         self._hosts = hosts
@@ -81,7 +83,9 @@ class MonarchPPOTrainer(BasePPOTrainer):
 
     def _group(self, spec: WorkerSpec) -> MonarchWorkerGroup:
         hosts = self._hosts() if callable(self._hosts) else self._hosts
-        group = MonarchWorkerGroup(spec, procs_per_host=self._procs_per_host, hosts=hosts, config=self._monarch)
+        group = MonarchWorkerGroup(
+            spec, procs_per_host=self._procs_per_host, hosts=hosts, config=self._monarch
+        )
         self.groups.append(group)
         return group
 

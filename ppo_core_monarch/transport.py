@@ -18,21 +18,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import math
+import mmap
 import os
 import pickle
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-__all__ = ["Encoded", "compact", "decode", "encode", "release"]
+__all__ = ["Encoded", "Lease", "ShmPool", "compact", "decode", "decode_borrowed", "encode", "release"]
 
 _ALIGN = 64
 _LEN = struct.Struct("<Q")  # length prefix of the header inside the skeleton
@@ -74,11 +78,22 @@ class _ShmPickler(cloudpickle.Pickler):
         return None
 
 
-def encode(obj: Any, directory: str, threshold_bytes: int) -> Encoded:
+def _fresh_file(directory: str, nbytes: int) -> tuple[str, torch.Tensor]:
+    path = os.path.join(directory, uuid.uuid4().hex)
+    return path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def encode(
+    obj: Any,
+    directory: str,
+    threshold_bytes: int,
+    allocate: Callable[[int], tuple[str, torch.Tensor]] | None = None,
+) -> Encoded:
     """Pickle ``obj``, writing every CPU tensor of at least ``threshold_bytes`` into one file in ``directory``.
 
-    Views are written compactly (only their elements). The caller owns the file until a receiver has decoded
-    it (see :func:`release`).
+    Views are written compactly (only their elements). ``allocate(nbytes) -> (path, uint8 mapping)`` supplies
+    the file (default: a new one; :class:`ShmPool` reuses warm ones). The caller owns the file until a receiver
+    has decoded it (see :func:`release`).
     """
     buf = io.BytesIO()
     pickler = _ShmPickler(buf, threshold_bytes)
@@ -89,9 +104,8 @@ def encode(obj: Any, directory: str, threshold_bytes: int) -> Encoded:
     for t in pickler.tensors:
         metas.append((total, t.dtype, tuple(t.shape)))
         total += -(-t.nbytes // _ALIGN) * _ALIGN
-    path = os.path.join(directory, uuid.uuid4().hex)
-    dst = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    for (offset, dtype, shape), t in zip(metas, pickler.tensors):
+    path, dst = (allocate or functools.partial(_fresh_file, directory))(total)
+    for (offset, dtype, shape), t in zip(metas, pickler.tensors, strict=True):
         dst[offset : offset + t.nbytes].view(dtype).view(shape).copy_(t)
     del dst
     header = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL)
@@ -114,12 +128,50 @@ def decode(enc: Encoded, *, unlink: bool = False) -> Any:
     """
     if enc.path is None:
         return pickle.loads(enc.skeleton)
-    (n,) = _LEN.unpack_from(enc.skeleton)
-    start = _LEN.size + n
-    metas = pickle.loads(enc.skeleton[_LEN.size : start])
     data = torch.from_file(enc.path, shared=False, size=enc.nbytes, dtype=torch.uint8)
     if unlink:
         release(enc)
+    return _rebuild(enc, data)
+
+
+class Lease:
+    """The private mapping behind :func:`decode_borrowed`; :meth:`release` unmaps it if nothing else uses it."""
+
+    def __init__(self, mapping: mmap.mmap | None) -> None:
+        self._mapping = mapping
+
+    def release(self) -> bool:
+        """Unmap; False when tensors still refer to the mapping (then the file must not be rewritten)."""
+        if self._mapping is None:
+            return True
+        try:
+            self._mapping.close()
+        except BufferError:
+            return False
+        self._mapping = None
+        return True
+
+
+def decode_borrowed(enc: Encoded) -> tuple[Any, Lease]:
+    """:func:`decode` for arguments whose file the sender may rewrite later: call ``lease.release()`` after use.
+
+    The mapping is private (copy-on-write). If the receiver keeps any tensor past the call, ``release`` returns
+    False and the sender must not reuse the file (the kept tensors would see its next contents).
+    """
+    if enc.path is None:
+        return pickle.loads(enc.skeleton), Lease(None)
+    with open(enc.path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), enc.nbytes, access=mmap.ACCESS_COPY)
+    # numpy holds the buffer export for as long as any tensor view lives, so close() can tell (torch.frombuffer
+    # does not, and closing under it would leave dangling tensors)
+    data = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
+    return _rebuild(enc, data), Lease(mapping)
+
+
+def _rebuild(enc: Encoded, data: torch.Tensor) -> Any:
+    (n,) = _LEN.unpack_from(enc.skeleton)
+    start = _LEN.size + n
+    metas = pickle.loads(enc.skeleton[_LEN.size : start])
     views = []
     for offset, dtype, shape in metas:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -130,10 +182,68 @@ def decode(enc: Encoded, *, unlink: bool = False) -> Any:
 def release(enc: Encoded) -> None:
     """Remove the file of ``enc`` if it still exists (mappings made earlier stay valid)."""
     if enc.path is not None:
-        try:
-            os.unlink(enc.path)
-        except FileNotFoundError:
-            pass
+        _unlink(enc.path)
+
+
+class ShmPool:
+    """Reusable, already-faulted tmpfs files for argument payloads (writing fresh tmpfs pages costs more than
+    the copy itself). A file comes back with :meth:`give_back` only when every receiver released its lease.
+
+    Example:
+        >>> import tempfile
+        >>> pool = ShmPool(tempfile.mkdtemp(), max_bytes=1 << 24)
+        >>> path, buf = pool.allocate(1000)
+        >>> pool.give_back(path); pool.allocate(900)[0] == path
+        True
+        >>> pool.close()
+    """
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self._free: dict[str, torch.Tensor] = {}
+        self._busy: dict[str, torch.Tensor] = {}
+
+    def allocate(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A file of at least ``nbytes`` (best fit among the free ones, else a new one), mapped shared."""
+        fits = [(buf.numel(), path) for path, buf in self._free.items() if buf.numel() >= nbytes]
+        if fits:
+            _, path = min(fits)
+            buf = self._free.pop(path)
+        else:
+            path, buf = _fresh_file(self.directory, -(-nbytes // _GRAIN) * _GRAIN)
+        self._busy[path] = buf
+        return path, buf[:nbytes]
+
+    def give_back(self, path: str) -> None:
+        """Every receiver released the file: keep it warm for a later payload (within ``max_bytes``)."""
+        buf = self._busy.pop(path, None)
+        if buf is None:
+            return
+        if sum(b.numel() for b in self._free.values()) + buf.numel() > self.max_bytes:
+            _unlink(path)
+        else:
+            self._free[path] = buf
+
+    def discard(self, path: str) -> None:
+        """A receiver may still use the file (or the call failed): never reuse it; remove its name."""
+        self._busy.pop(path, None)
+        self._free.pop(path, None)
+        _unlink(path)
+
+    def close(self) -> None:
+        """Remove every file of the pool."""
+        for path in [*self._free, *self._busy]:
+            _unlink(path)
+        self._free.clear()
+        self._busy.clear()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+_GRAIN = 1 << 20  # pool files grow in MiB steps so that similar payloads reuse them
 
 
 def compact(obj: Any) -> Any:

@@ -33,9 +33,9 @@ from monarch.actor import Actor, current_rank, current_size, endpoint
 from ppo_core.workers.base import WorkerSpec, resolve_method, worker_context
 from ppo_core_monarch.errors import RemoteWorkerError
 from ppo_core_monarch.topology import MeshTopology
-from ppo_core_monarch.transport import Encoded, decode, encode
+from ppo_core_monarch.transport import Encoded, decode_borrowed, encode
 
-__all__ = ["Failed", "RankInfo", "SetupArgs", "WorkerActor"]
+__all__ = ["Answer", "Failed", "RankInfo", "SetupArgs", "WorkerActor"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,16 @@ class SetupArgs:
     shm_dir: str | None
     shm_token: str | None
     shm_threshold_bytes: int
+    torch_threads: int
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The output of a call whose arguments came through shared memory, and whether their file was released."""
+
+    value: Any
+    released: bool
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,9 @@ class WorkerActor(Actor):
                     self._store = TCPStore("0.0.0.0", candidate, is_master=True, wait_for_workers=False)
                     return self._host, int(self._store.port)
                 except (RuntimeError, OSError) as exc:  # EADDRINUSE: another job took the port
-                    logger.warning("rank %d: port %d is taken (%s); trying the next one", self._rank, candidate, exc)
+                    logger.warning(
+                        "rank %d: port %d is taken (%s); trying the next one", self._rank, candidate, exc
+                    )
                     last = exc
             raise RuntimeError(f"no free port in {candidates}") from last
         except Exception as exc:
@@ -157,6 +168,10 @@ class WorkerActor(Actor):
         env.update(args.env)
         os.environ.update(env)
         local_rank = topo.local_rank_of(self._rank)
+        if args.torch_threads > 0:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
         device = _select_device(args.device, local_rank)
         self._shm = _probe_shared_memory(args.shm_dir, args.shm_token, args.shm_threshold_bytes)
         with worker_context(rank=self._rank, world_size=topo.world_size, local_rank=local_rank):
@@ -173,19 +188,31 @@ class WorkerActor(Actor):
 
     @endpoint
     def run(self, method: str, payload: Encoded | tuple[tuple, dict]) -> Any:
-        """Run ``method`` (``"role.name"`` reaches a colocated role) on ``(args, kwargs)``; returns its output."""
+        """Run ``method`` (``"role.name"`` reaches a colocated role) on ``(args, kwargs)``; returns its output.
+
+        Shared-memory arguments are mapped privately and unmapped after the call; the answer says whether that
+        worked (nothing kept a reference), so the controller knows whether it may reuse the file.
+        """
+        lease = None
         try:
-            args, kwargs = decode(payload) if isinstance(payload, Encoded) else payload
+            if isinstance(payload, Encoded):
+                (args, kwargs), lease = decode_borrowed(payload)
+            else:
+                args, kwargs = payload
+            del payload
             if self._worker is None:
                 raise RuntimeError("the worker was not set up (or was closed)")
             out = resolve_method(self._worker, method)(*args, **kwargs)
+            del args, kwargs
             if self._shm is not None:
                 shm_dir, threshold = self._shm
                 enc = encode(out, shm_dir, threshold)
                 if enc.path is not None:
-                    return enc
-            return out
+                    out = enc
+            return out if lease is None else Answer(value=out, released=lease.release())
         except Exception as exc:
+            if lease is not None:
+                lease.release()
             return self._fail(method, exc)
 
     @endpoint

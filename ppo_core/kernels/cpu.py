@@ -134,7 +134,8 @@ def is_available() -> bool:
 
 
 @functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    # Keyed by pid: a pool inherited through fork() has no threads behind it and would hang the child.
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ppo_core_scan")
 
 
@@ -149,7 +150,7 @@ def _over_rows(
     bounds = [batch * i // workers for i in range(workers + 1)]
     # ctypes releases the GIL for the duration of each foreign call, so the slices run concurrently.
     futures = [
-        _pool(workers).submit(fn, *args_before, length, lo, hi, *args_after)
+        _pool(workers, os.getpid()).submit(fn, *args_before, length, lo, hi, *args_after)
         for lo, hi in itertools.pairwise(bounds)
         if hi > lo
     ]

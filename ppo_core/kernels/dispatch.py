@@ -81,6 +81,28 @@ def _check_inputs(rewards: torch.Tensor, mask: torch.Tensor, **others: torch.Ten
     return mask
 
 
+def _gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    backend: str,
+    with_returns: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    mask = _check_inputs(rewards, mask, values=values)
+    gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
+    name = _resolve(backend, rewards.device, (rewards, values))
+    if name == "triton":
+        return triton_scan.gae_scan_triton(rewards, values, mask, gamma, lam, with_returns=with_returns)
+    if name == "cpu":
+        return cpu.gae_scan_cpu(rewards, values, mask, gamma, lam, with_returns=with_returns)
+    impl = chunked.gae_scan_chunked if name == "chunked" else reference.masked_gae_scan
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    adv = impl(rewards.to(dtype), values.to(dtype), mask, gamma, lam)
+    return adv, (adv + values.to(dtype) if with_returns else None)
+
+
 def masked_gae_returns_scan(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -112,19 +134,9 @@ def masked_gae_returns_scan(
         >>> adv
         tensor([[0.2500, 0.5000, 1.0000]])
     """
-    mask = _check_inputs(rewards, mask, values=values)
-    gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
-    name = _resolve(backend, rewards.device, (rewards, values))
-    if name == "triton":
-        adv, ret = triton_scan.gae_scan_triton(rewards, values, mask, gamma, lam, with_returns=True)
-        return adv, ret
-    if name == "cpu":
-        adv, ret = cpu.gae_scan_cpu(rewards, values, mask, gamma, lam, with_returns=True)
-        return adv, ret
-    impl = chunked.gae_scan_chunked if name == "chunked" else reference.masked_gae_scan
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    adv = impl(rewards.to(dtype), values.to(dtype), mask, gamma, lam)
-    return adv, adv + values.to(dtype)
+    adv, ret = _gae(rewards, values, mask, gamma, lam, backend, with_returns=True)
+    assert ret is not None
+    return adv, ret
 
 
 def masked_gae_scan(
@@ -152,16 +164,7 @@ def masked_gae_scan(
         >>> masked_gae_scan(torch.tensor([[0.0, 5.0, 1.0]]), torch.zeros(1, 3), m, 1.0, 1.0)
         tensor([[1., 1., 1.]])
     """
-    mask = _check_inputs(rewards, mask, values=values)
-    gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
-    name = _resolve(backend, rewards.device, (rewards, values))
-    if name == "triton":
-        return triton_scan.gae_scan_triton(rewards, values, mask, gamma, lam)[0]
-    if name == "cpu":
-        return cpu.gae_scan_cpu(rewards, values, mask, gamma, lam)[0]
-    impl = chunked.gae_scan_chunked if name == "chunked" else reference.masked_gae_scan
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    return impl(rewards.to(dtype), values.to(dtype), mask, gamma, lam)
+    return _gae(rewards, values, mask, gamma, lam, backend, with_returns=False)[0]
 
 
 def masked_discounted_return_scan(

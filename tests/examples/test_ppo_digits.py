@@ -22,13 +22,13 @@ def _load_example():
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_short_run_improves_reward(algo: str, tmp_path: pathlib.Path) -> None:
     example = _load_example()
-    summary = example.main(["--algo", algo, "--steps", "40", "--out-dir", str(tmp_path)])
+    summary = example.main(["--algo", algo, "--steps", "50", "--out-dir", str(tmp_path)])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     rewards = [r["critic/score/mean"] for r in records if r.get("critic/score/mean") is not None]
-    assert len(rewards) == 40
+    assert len(rewards) == 50
     assert summary["initial_reward"] == rewards[0]
-    # after the format warm-up the reward is about 0.35; 40 RL steps reach about 0.7
+    # after the format warm-up the reward is about 0.35; 50 RL steps reach about 0.7
     assert summary["final_reward"] > summary["initial_reward"] + 0.2, summary
     assert (tmp_path / "reward_kl.png").stat().st_size > 0
     assert all(r.get("actor/ref_kl") is not None for r in records if r.get("critic/score/mean") is not None)

@@ -44,7 +44,12 @@ def _prompts(seed: int = 0, batch: int = 4, width: int = 3) -> TensorDict:
 
 
 def _actor(**overrides: object) -> TorchActorWorker:
-    cfg = {"rollout": {"max_new_tokens": 4, "eos_token_id": EOS}, "ppo_mini_batch_size": 4, **overrides}
+    cfg = {
+        "rollout": {"max_new_tokens": 4, "eos_token_id": EOS},
+        "ppo_mini_batch_size": 4,
+        "device": "cpu",
+        **overrides,
+    }
     return TorchActorWorker(LM, cfg)
 
 
@@ -315,7 +320,7 @@ def test_checkpoint_round_trip(tmp_path: pytest.TempPathFactory) -> None:
 def test_critic_values_alignment_and_update() -> None:
     actor = _actor()
     critic = TorchCriticWorker(
-        VALUE_MODEL, {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-2}, "ppo_epochs": 4}
+        VALUE_MODEL, {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-2}, "ppo_epochs": 4, "device": "cpu"}
     )
     batch = _rollout(actor)
     # perturb the value head so predictions are non-zero
@@ -340,7 +345,8 @@ def test_critic_values_alignment_and_update() -> None:
 def test_update_critic_gradient_equals_whole_minibatch_loss(micro: int) -> None:
     actor = _actor()
     critic = TorchCriticWorker(
-        VALUE_MODEL, {"ppo_mini_batch_size": 6, "micro_batch_size": micro, "optim": {"grad_clip": None}}
+        VALUE_MODEL,
+        {"ppo_mini_batch_size": 6, "micro_batch_size": micro, "optim": {"grad_clip": None}, "device": "cpu"},
     )
     batch = _rollout(actor, batch=6)
     batch["values"] = critic.compute_values(batch)["values"] + 0.4
@@ -356,7 +362,9 @@ def test_update_critic_gradient_equals_whole_minibatch_loss(micro: int) -> None:
 
 
 def test_critic_rejects_multi_output_heads() -> None:
-    critic = TorchCriticWorker(LM, {"ppo_mini_batch_size": 4})  # an LM head is not a value head
+    critic = TorchCriticWorker(
+        LM, {"ppo_mini_batch_size": 4, "device": "cpu"}
+    )  # an LM head is not a value head
     with pytest.raises(ValueError, match="values"):
         critic.compute_values(_rollout(_actor()))
 
@@ -365,7 +373,9 @@ def test_critic_rejects_multi_output_heads() -> None:
 
 
 def test_local_group_binds_worker_methods() -> None:
-    spec = WorkerSpec(TorchActorWorker, (LM, {"rollout": {"max_new_tokens": 3}, "ppo_mini_batch_size": 4}))
+    spec = WorkerSpec(
+        TorchActorWorker, (LM, {"rollout": {"max_new_tokens": 3}, "ppo_mini_batch_size": 4, "device": "cpu"})
+    )
     with LocalWorkerGroup(spec) as wg:
         out = wg.generate_sequences(_prompts(), do_sample=False)
         out.update(wg.compute_log_prob(out))
@@ -411,7 +421,7 @@ def test_ddp_two_ranks_equal_one_rank(tmp_path: pytest.TempPathFactory) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_workers_on_cuda_match_cpu_and_return_cpu_tensors() -> None:
-    gpu = _actor(device="cuda")
+    gpu = _actor(device="cuda", ppo_mini_batch_size=6)
     batch = _rollout(gpu, batch=6)
     assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_prob"))
     cpu_lp = _actor(device="cpu").compute_log_prob(batch)["old_log_probs"]

@@ -26,9 +26,23 @@ class ProbeWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def where(self) -> dict:
-        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        keys = (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
         env = {k: os.environ.get(k) for k in keys}
-        return {"rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "host": socket.gethostname(), **env}
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            **env,
+        }
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def all_reduce(self, value: float) -> float:
@@ -46,7 +60,11 @@ class ProbeWorker(Worker):
     def score(self, batch: TensorDict) -> TensorDict:
         n = batch.batch_size[0]
         return TensorDict(
-            {"score": batch["x"].double() * 2, "dp_rank": torch.full((n,), self.dp_rank), "rank": torch.full((n,), self.rank)},
+            {
+                "score": batch["x"].double() * 2,
+                "dp_rank": torch.full((n,), self.dp_rank),
+                "rank": torch.full((n,), self.rank),
+            },
             batch_size=[n],
         )
 

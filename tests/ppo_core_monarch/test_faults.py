@@ -113,7 +113,9 @@ def test_killed_host_becomes_worker_lost():
     loops = start_worker_loops(2)
     remember_pids(loops.pids)
     try:
-        wg = MonarchWorkerGroup(ProbeWorker, procs_per_host=1, hosts=attach_hosts(loops.addresses), config=CFG)
+        wg = MonarchWorkerGroup(
+            ProbeWorker, procs_per_host=1, hosts=attach_hosts(loops.addresses), config=CFG
+        )
         try:
             call = wg.call_all_async("sleep", 30.0)
             time.sleep(0.5)

@@ -22,7 +22,9 @@ def group():
     remember_pids(loops.pids)
     try:
         cfg = MonarchConfig(shared_memory=False, call_timeout_s=120.0, ready_timeout_s=180.0)
-        wg = MonarchWorkerGroup(ProbeWorker, procs_per_host=PER_HOST, hosts=attach_hosts(loops.addresses), config=cfg)
+        wg = MonarchWorkerGroup(
+            ProbeWorker, procs_per_host=PER_HOST, hosts=attach_hosts(loops.addresses), config=cfg
+        )
         try:
             yield wg
         finally:

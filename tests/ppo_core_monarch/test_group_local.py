@@ -22,7 +22,9 @@ WORLD = 4
 def group():
     roles = {"dp": WorkerSpec(ProbeWorker), "tp": WorkerSpec(ProbeWorker, kwargs={"tp": 2})}
     cfg = MonarchConfig(call_timeout_s=120.0, ready_timeout_s=180.0)
-    wg = MonarchWorkerGroup(WorkerSpec(ColocatedWorker, kwargs={"roles": roles}), procs_per_host=WORLD, config=cfg)
+    wg = MonarchWorkerGroup(
+        WorkerSpec(ColocatedWorker, kwargs={"roles": roles}), procs_per_host=WORLD, config=cfg
+    )
     yield wg
     wg.shutdown()
 

@@ -121,7 +121,9 @@ def test_from_mesh_reads_sizes_and_rejects_sparse_slices():
 @given(topologies(), st.data())
 def test_failure_reports_name_the_right_rank(topo, data):
     rank = data.draw(st.integers(0, topo.world_size - 1))
-    point = ", ".join(f"'{lab}': {c}/{s}" for lab, c, s in zip(topo.labels, topo.coords(rank), topo.sizes))
+    point = ", ".join(
+        f"'{lab}': {c}/{s}" for lab, c, s in zip(topo.labels, topo.coords(rank), topo.sizes, strict=True)
+    )
     report = f"The actor <root>.<w ppo_worker_x{{{point}}}> and all its descendants have failed"
     assert _ranks_in_report(report, topo) == (rank,)
     assert _ranks_in_report("no point here", topo) == ()

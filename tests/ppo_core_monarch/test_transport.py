@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ppo_core_monarch.transport import compact, decode, encode, release
+from ppo_core_monarch.transport import ShmPool, compact, decode, decode_borrowed, encode, release
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.bool, torch.bfloat16, torch.uint8]
 
@@ -31,14 +31,19 @@ def test_roundtrip_equals_pickle(tmp_path_factory, shapes, dtype_ix, threshold):
     directory = str(tmp_path_factory.mktemp("shm"))
     gen = torch.Generator().manual_seed(0)
     tensors = [
-        (torch.rand(tuple(shape), generator=gen) * 10).to(DTYPES[dtype_ix[i % 4]]) for i, shape in enumerate(shapes)
+        (torch.rand(tuple(shape), generator=gen) * 10).to(DTYPES[dtype_ix[i % 4]])
+        for i, shape in enumerate(shapes)
     ]
-    obj = {"tensors": tensors, "meta": ("x", 3, None), "td": TensorDict({"a": torch.arange(6.0)}, batch_size=[6])}
+    obj = {
+        "tensors": tensors,
+        "meta": ("x", 3, None),
+        "td": TensorDict({"a": torch.arange(6.0)}, batch_size=[6]),
+    }
     enc = encode(obj, directory, threshold)
     out = decode(enc, unlink=True)
     ref = pickle.loads(pickle.dumps(obj))
     assert out["meta"] == ref["meta"]
-    for a, b in zip(out["tensors"], ref["tensors"]):
+    for a, b in zip(out["tensors"], ref["tensors"], strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert torch.equal(out["td"]["a"], ref["td"]["a"])
     assert os.listdir(directory) == []  # the receiver removed the file
@@ -59,7 +64,9 @@ def test_views_are_written_compactly_and_receivers_are_isolated(shm_dir):
 
 
 def test_small_tensors_and_grad_tensors_stay_in_the_pickle(shm_dir):
-    enc = encode({"s": torch.zeros(3), "g": torch.zeros(100, requires_grad=True)}, shm_dir, threshold_bytes=64)
+    enc = encode(
+        {"s": torch.zeros(3), "g": torch.zeros(100, requires_grad=True)}, shm_dir, threshold_bytes=64
+    )
     assert enc.path is None
     out = decode(enc)
     assert out["g"].requires_grad and out["s"].shape == (3,)
@@ -80,3 +87,35 @@ def test_compact_clones_only_views():
     out = compact({"td": td, "l": [owner[:2]], "n": 3})
     assert out["td"]["x"].untyped_storage().nbytes() == out["td"]["x"].nbytes
     assert out["l"][0].untyped_storage().nbytes() == 16 and out["n"] == 3
+
+
+def test_borrowed_decode_releases_only_when_nothing_kept(shm_dir):
+    pool = ShmPool(shm_dir, max_bytes=1 << 24)
+    obj = {"x": torch.arange(4096, dtype=torch.float32)}
+    enc = encode(obj, shm_dir, 0, pool.allocate)
+    out, lease = decode_borrowed(enc)
+    torch.testing.assert_close(out["x"], obj["x"])
+    kept = out["x"]
+    del out
+    assert lease.release() is False  # `kept` still maps the file
+    del kept
+    assert lease.release() is True
+    pool.give_back(enc.path)
+    # the warm file is reused for a payload that fits, and its new contents are read back exactly
+    enc2 = encode({"y": torch.ones(1000)}, shm_dir, 0, pool.allocate)
+    assert enc2.path == enc.path
+    out2, lease2 = decode_borrowed(enc2)
+    torch.testing.assert_close(out2["y"], torch.ones(1000))
+    del out2
+    assert lease2.release()
+    pool.discard(enc2.path)
+    assert not os.path.exists(enc2.path)
+    pool.close()
+
+
+def test_pool_respects_its_byte_budget(shm_dir):
+    pool = ShmPool(shm_dir, max_bytes=0)
+    path, _ = pool.allocate(10)
+    pool.give_back(path)  # over budget: removed instead of kept
+    assert not os.path.exists(path)
+    pool.close()

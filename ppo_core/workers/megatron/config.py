@@ -79,8 +79,15 @@ class MegatronModelConfig(ConfigBase):
     """Seed of megatron's model-parallel RNG (random initialisation)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                     "max_position_embeddings", "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+        ):
             _check_int(name, getattr(self, name))
         if self.num_query_groups is not None:
             _check_int("num_query_groups", self.num_query_groups)
@@ -129,8 +136,11 @@ class MegatronModelConfig(ConfigBase):
     def check_parallel(self, parallel: ParallelConfig) -> None:
         """Raise ``ValueError`` if the model cannot be split the way ``parallel`` asks."""
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.kv_heads),
-                            ("ffn_hidden_size", self.ffn_hidden_size)):
+        for name, value in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.kv_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+        ):
             if value % tp:
                 raise ValueError(f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})")
         if self.num_layers % pp:
@@ -208,7 +218,9 @@ class ParallelConfig(ConfigBase):
     @property
     def model_parallel_size(self) -> int:
         """Ranks holding one replica of the model: ``TP * PP * CP``."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         """``world_size / (TP * PP * CP)``; raises ``ValueError`` naming every size if it does not divide.
@@ -230,7 +242,9 @@ class ParallelConfig(ConfigBase):
 
 
 def _default_model() -> MegatronModelConfig:
-    return MegatronModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=64)
+    return MegatronModelConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=64
+    )
 
 
 @dataclass(kw_only=True)

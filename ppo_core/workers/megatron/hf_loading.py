@@ -122,12 +122,20 @@ def hf_to_megatron(
             out[mp + "input_layernorm.bias"] = get(hp + "input_layernorm.bias", (d,))
             out[mp + "pre_mlp_layernorm.bias"] = get(hp + "post_attention_layernorm.bias", (d,))
         a = hp + "self_attn."
-        qkv = _fuse_qkv(get(a + "q_proj.weight", (qd, d)), get(a + "k_proj.weight", (kvd, d)),
-                        get(a + "v_proj.weight", (kvd, d)), config)
+        qkv = _fuse_qkv(
+            get(a + "q_proj.weight", (qd, d)),
+            get(a + "k_proj.weight", (kvd, d)),
+            get(a + "v_proj.weight", (kvd, d)),
+            config,
+        )
         out[mp + "self_attention.linear_qkv.weight"] = _split_rows(qkv, tp_rank, tp_size)
         if config.qkv_bias:
-            bias = _fuse_qkv(get(a + "q_proj.bias", (qd,)), get(a + "k_proj.bias", (kvd,)),
-                             get(a + "v_proj.bias", (kvd,)), config)
+            bias = _fuse_qkv(
+                get(a + "q_proj.bias", (qd,)),
+                get(a + "k_proj.bias", (kvd,)),
+                get(a + "v_proj.bias", (kvd,)),
+                config,
+            )
             out[mp + "self_attention.linear_qkv.bias"] = _split_rows(bias, tp_rank, tp_size)
         o = get(a + "o_proj.weight", (d, qd))
         out[mp + "self_attention.linear_proj.weight"] = o.chunk(tp_size, dim=1)[tp_rank]
@@ -147,7 +155,11 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    shards: Sequence[Mapping[str, torch.Tensor]], config: MegatronModelConfig, *, pp_rank: int = 0, pp_size: int = 1
+    shards: Sequence[Mapping[str, torch.Tensor]],
+    config: MegatronModelConfig,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_megatron` for one pipeline stage: merge its TP shards (in TP order) into HF names."""
     tp_size = len(shards)
@@ -241,10 +253,14 @@ def load_hf_checkpoint(
         own = {k for k in own if not k.startswith("output_layer.")}
     missing, unexpected = sorted(own - set(shard)), sorted(set(shard) - own)
     if missing or unexpected:
-        raise ValueError(f"checkpoint and model disagree: model tensors not loaded {missing}, unused {unexpected}")
+        raise ValueError(
+            f"checkpoint and model disagree: model tensors not loaded {missing}, unused {unexpected}"
+        )
     state = model.state_dict()
     with torch.no_grad():
         for name, tensor in shard.items():
             if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} vs model {tuple(state[name].shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shard {tuple(tensor.shape)} vs model {tuple(state[name].shape)}"
+                )
             state[name].copy_(tensor)

@@ -26,7 +26,14 @@ from torch import nn
 
 from ppo_core.workers.megatron.config import MegatronModelConfig, ParallelConfig
 
-__all__ = ["SDPACoreAttention", "ValueHead", "build_gpt_model", "gpt_layer_spec", "padded_vocab_size"]
+__all__ = [
+    "SDPACoreAttention",
+    "ValueHead",
+    "build_gpt_model",
+    "gpt_layer_spec",
+    "logits_window",
+    "padded_vocab_size",
+]
 
 
 class SDPACoreAttention(nn.Module):
@@ -50,7 +57,9 @@ class SDPACoreAttention(nn.Module):
     ) -> None:
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError("SDPACoreAttention does not support context parallelism (context_parallel_size=1)")
+            raise ValueError(
+                "SDPACoreAttention does not support context parallelism (context_parallel_size=1)"
+            )
         self.config = config
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -154,13 +163,21 @@ def build_gpt_model(
         model = _gpt(GPTModel, tc, config, parallel, pre, post, value_head)
     if value_head and post:
         model.output_layer = ValueHead(config.hidden_size, config.torch_dtype, tc.sequence_parallel)
+    elif post and not tc.sequence_parallel:
+        _add_logits_window(model.output_layer)
     if cuda:
         model = model.cuda(torch.cuda.current_device())
     return model
 
 
 def _gpt(
-    cls: Any, tc: Any, config: MegatronModelConfig, parallel: ParallelConfig, pre: bool, post: bool, value_head: bool
+    cls: Any,
+    tc: Any,
+    config: MegatronModelConfig,
+    parallel: ParallelConfig,
+    pre: bool,
+    post: bool,
+    value_head: bool,
 ) -> nn.Module:
     return cls(
         config=tc,
@@ -173,3 +190,50 @@ def _gpt(
         position_embedding_type="rope",
         rotary_base=config.rotary_base,
     )
+
+
+def _add_logits_window(layer: nn.Module) -> None:
+    """Let the output layer see only a window of sequence positions (``layer.logits_window``, a slice or None).
+
+    The loss needs logits only where responses are predicted; projecting the other positions onto the
+    vocabulary (often the largest matrix product of the model) would be wasted. Overriding ``forward`` on the
+    instance keeps the parameter names (checkpoints, Hugging Face loading) unchanged.
+    """
+    inner = layer.forward
+
+    def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        window = layer.logits_window
+        return inner(hidden if window is None else hidden[window], *args, **kwargs)
+
+    layer.logits_window = None
+    layer.forward = forward
+
+
+class logits_window:
+    """Within the ``with`` block, ``model`` computes logits only at sequence positions ``[start, stop)``.
+
+    A no-op on stages without an output layer, for critics, and with sequence parallelism (the output layer
+    then receives sequence shards).
+
+    Example:
+        >>> # with logits_window(model, s - r - 1, s - 1): logits = model(ids, pos, mask)  # [B, r, V/TP]
+    """
+
+    def __init__(self, model: nn.Module, start: int, stop: int) -> None:
+        layer = getattr(model, "output_layer", None)
+        self.layer = layer if layer is not None and hasattr(layer, "logits_window") else None
+        self.window = slice(start, stop)
+
+    @property
+    def active(self) -> bool:
+        """Whether the model honours the window (else it returns logits for every position)."""
+        return self.layer is not None
+
+    def __enter__(self) -> logits_window:
+        if self.layer is not None:
+            self.layer.logits_window = self.window
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.layer is not None:
+            self.layer.logits_window = None

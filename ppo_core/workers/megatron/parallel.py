@@ -79,8 +79,15 @@ def megatron_layout(rank: int, world_size: int, parallel: ParallelConfig) -> Meg
     cp_rank, rest = rest % cp, rest // cp
     dp_rank, pp_rank = rest % dp, rest // dp
     return MegatronLayout(
-        rank=rank, tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, cp_rank=cp_rank, cp_size=cp,
-        dp_rank=dp_rank, dp_size=dp,
+        rank=rank,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        cp_rank=cp_rank,
+        cp_size=cp,
+        dp_rank=dp_rank,
+        dp_size=dp,
     )
 
 
@@ -133,10 +140,16 @@ def init_megatron_parallel(
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size())
-        want = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                parallel.context_parallel_size)
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+        )
+        want = (
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            parallel.context_parallel_size,
+        )
         if have != want:
             raise ValueError(
                 f"megatron parallel state is already initialised with (TP, PP, CP) = {have}; this worker wants "

@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ __all__ = [
     "vocab_parallel_log_probs",
     "vocab_parallel_log_probs_and_entropy",
 ]
+
+logger = logging.getLogger(__name__)
 
 _CHUNK_ROWS = 2048
 
@@ -53,33 +57,93 @@ def _chunks(n: int) -> Iterator[slice]:
         yield slice(start, min(n, start + _CHUNK_ROWS))
 
 
+def _chunk_sums(
+    chunk: torch.Tensor,
+    m: torch.Tensor,
+    local_label: torch.Tensor,
+    owned: torch.Tensor,
+    with_entropy: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[3, n]``: ``sum exp(z - m)``, ``sum exp(z - m) (z - m)`` and the owned target's ``z - m`` of a chunk."""
+    z = chunk.to(dtype) - m.unsqueeze(-1)
+    e = z.exp()
+    total = e.sum(dim=-1)
+    # masked (-inf) entries have e = 0 and contribute 0 * -inf := 0
+    ez = torch.where(e > 0, e * z, 0.0).sum(dim=-1) if with_entropy else torch.zeros_like(total)
+    cols = torch.arange(z.shape[-1], device=z.device)
+    hit = (cols == local_label.unsqueeze(-1)) & owned.unsqueeze(-1)
+    picked = torch.where(hit, z, 0.0).sum(dim=-1)
+    return torch.stack([total, ez, picked])
+
+
+def _chunk_grad(
+    chunk: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    g1: torch.Tensor,
+    g2: torch.Tensor,
+    local_label: torch.Tensor,
+    owned: torch.Tensor,
+    with_entropy: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``d(g1 log p_y + g2 H)/dz = g1 ([v = y] - p_v) - g2 p_v (log p_v + H)`` of a chunk, in the chunk's dtype."""
+    logp = chunk.to(dtype) - lse.unsqueeze(-1)
+    p = logp.exp()
+    coeff = g1.unsqueeze(-1)
+    if with_entropy:
+        # where p = 0 (a -inf logit) the limit of p log p is 0: keep the product from becoming NaN
+        coeff = coeff + g2.unsqueeze(-1) * torch.where(p > 0, logp + entropy.unsqueeze(-1), 0.0)
+    cols = torch.arange(chunk.shape[-1], device=chunk.device)
+    hit = (cols == local_label.unsqueeze(-1)) & owned.unsqueeze(-1)
+    return (torch.where(hit, g1.unsqueeze(-1), 0.0) - p * coeff).to(chunk.dtype)
+
+
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _run_kernel(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)``; on CUDA through ``torch.compile`` (one fused pass over the chunk instead of ~10 eager ones),
+    falling back to eager if compilation fails."""
+    if not args[0].is_cuda:
+        return fn(*args)
+    name = fn.__name__
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn)
+    compiled = _COMPILED[name]
+    if compiled is fn:
+        return fn(*args)
+    try:
+        return compiled(*args)
+    except Exception:  # an environment without a working compiler (no Triton, no C compiler)
+        logger.warning("torch.compile of %s failed; using eager kernels", name, exc_info=True)
+        _COMPILED[name] = fn
+        return fn(*args)
+
+
 class _VocabParallel(torch.autograd.Function):
     """Outputs ``(log_prob [N], entropy [N])``; the entropy is zeros when ``with_entropy`` is False."""
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start, group, size, with_entropy):  # type: ignore[override]
+    def forward(ctx, logits, labels, vocab_start, group, size, with_entropy, validate):  # type: ignore[override]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         n, local_v = logits.shape
         m = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
-        for rows in _chunks(n):
-            if local_v:
+        if local_v:
+            for rows in _chunks(n):
                 m[rows] = logits[rows].amax(dim=-1).to(dtype)
         _all_reduce(m, dist.ReduceOp.MAX, group, size)
-        if not bool(torch.isfinite(m).all()) if n else False:
+        if validate and n and not bool(torch.isfinite(m).all()):
             raise ValueError("logits has a row whose maximum is not finite (NaN, +inf or every entry -inf)")
         local_label = labels - vocab_start
         owned = (local_label >= 0) & (local_label < local_v)
         local_label = torch.where(owned, local_label, torch.zeros_like(local_label))
         sums = torch.zeros(3, n, dtype=dtype, device=logits.device)  # S, E, z_y - m
         for rows in _chunks(n):
-            z = logits[rows].to(dtype) - m[rows].unsqueeze(-1)
-            e = z.exp()
-            sums[0, rows] = e.sum(dim=-1)
-            if with_entropy:
-                sums[1, rows] = torch.where(e > 0, e * z, 0.0).sum(dim=-1)
-            if local_v:
-                picked = z.gather(-1, local_label[rows].unsqueeze(-1)).squeeze(-1)
-                sums[2, rows] = torch.where(owned[rows], picked, 0.0)
+            sums[:, rows] = _run_kernel(
+                _chunk_sums, logits[rows], m[rows], local_label[rows], owned[rows], bool(with_entropy), dtype
+            )
         _all_reduce(sums, dist.ReduceOp.SUM, group, size)
         log_s = sums[0].log()
         log_prob = sums[2] - log_s
@@ -94,22 +158,24 @@ class _VocabParallel(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):  # type: ignore[override]
         logits, local_label, owned, lse, entropy = ctx.saved_tensors
         dtype = lse.dtype
+        g1 = grad_logp.to(dtype) if grad_logp is not None else torch.zeros_like(lse)
+        with_entropy = bool(ctx.with_entropy and grad_ent is not None)
+        g2 = grad_ent.to(dtype) if with_entropy else torch.zeros_like(lse)
         grad = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0]):
-            logp = logits[rows].to(dtype) - lse[rows].unsqueeze(-1)
-            p = logp.exp()
-            g1 = grad_logp[rows].to(dtype).unsqueeze(-1) if grad_logp is not None else 0.0
-            coeff = g1
-            if ctx.with_entropy and grad_ent is not None:
-                g2 = grad_ent[rows].to(dtype).unsqueeze(-1)
-                # where p = 0 (a -inf logit) the limit of p log p is 0: keep the product from becoming NaN
-                coeff = coeff + g2 * torch.where(p > 0, logp + entropy[rows].unsqueeze(-1), 0.0)
-            chunk = -p * coeff
-            if grad_logp is not None and logits.shape[1]:
-                hit = grad_logp[rows].to(dtype) * owned[rows].to(dtype)
-                chunk.scatter_add_(-1, local_label[rows].unsqueeze(-1), hit.unsqueeze(-1))
-            grad[rows] = chunk.to(grad.dtype)
-        return grad, None, None, None, None, None
+            grad[rows] = _run_kernel(
+                _chunk_grad,
+                logits[rows],
+                lse[rows],
+                entropy[rows],
+                g1[rows],
+                g2[rows],
+                local_label[rows],
+                owned[rows],
+                with_entropy,
+                dtype,
+            )
+        return grad, None, None, None, None, None, None
 
 
 def _prepare(
@@ -122,12 +188,15 @@ def _prepare(
     rank, size = _group_rank_size(group)
     local_v = logits.shape[-1]
     start = rank * local_v
+    flat = logits.reshape(-1, local_v)
     if vocab_size is not None:
         if vocab_size < 1 or vocab_size > local_v * size:
-            raise ValueError(f"vocab_size must be in [1, {local_v * size}] (the padded vocabulary), got {vocab_size}")
+            raise ValueError(
+                f"vocab_size must be in [1, {local_v * size}] (the padded vocabulary), got {vocab_size}"
+            )
         # megatron pads the vocabulary to a multiple of TP; the padded columns are not tokens
-        logits = logits[..., : max(0, min(local_v, vocab_size - start))]
-    return logits.reshape(-1, logits.shape[-1]), start, size, local_v
+        flat = flat[:, : max(0, min(local_v, vocab_size - start))]
+    return flat, start, size, local_v
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -137,6 +206,7 @@ def vocab_parallel_log_probs_and_entropy(
     *,
     vocab_size: int | None = None,
     with_entropy: bool = True,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log p(labels)`` and the entropy of ``softmax(logits)`` over a vocabulary split across ``group``.
 
@@ -147,6 +217,8 @@ def vocab_parallel_log_probs_and_entropy(
         group: the tensor-parallel process group; None (or no ``torch.distributed``) means one rank.
         vocab_size: the true vocabulary (ids at or beyond it are padding and excluded); None: all columns.
         with_entropy: False skips the entropy (returned as zeros, not differentiable).
+        validate: check label ranges and finite row maxima (two host syncs); a training loop whose labels come
+            from the model's own vocabulary may turn it off.
 
     Returns:
         ``(log_probs [...], entropy [...])`` in fp32 (fp64 for fp64 logits), identical on every rank of
@@ -171,9 +243,11 @@ def vocab_parallel_log_probs_and_entropy(
         )
     limit = vocab_size if vocab_size is not None else local_v * size
     flat_labels = labels.reshape(-1).long()
-    if flat_labels.numel() and bool(((flat_labels < 0) | (flat_labels >= limit)).any()):
+    if validate and flat_labels.numel() and bool(((flat_labels < 0) | (flat_labels >= limit)).any()):
         raise ValueError(f"labels must lie in [0, {limit})")
-    log_prob, entropy = _VocabParallel.apply(flat, flat_labels, start, group, size, bool(with_entropy))
+    log_prob, entropy = _VocabParallel.apply(
+        flat, flat_labels, start, group, size, bool(with_entropy), bool(validate)
+    )
     return log_prob.view(labels.shape), entropy.view(labels.shape)
 
 

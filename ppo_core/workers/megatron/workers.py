@@ -19,6 +19,7 @@ Sampling (``generate_sequences``) recomputes the whole sequence at each step (no
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import defaultdict
@@ -39,7 +40,7 @@ from ppo_core.workers.base import Worker, register
 from ppo_core.workers.dispatch import Dispatch
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
 from ppo_core.workers.megatron.hf_loading import load_hf_checkpoint
-from ppo_core.workers.megatron.model import build_gpt_model
+from ppo_core.workers.megatron.model import build_gpt_model, logits_window
 from ppo_core.workers.megatron.parallel import destroy_megatron_parallel, init_megatron_parallel
 from ppo_core.workers.megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from ppo_core.workers.torch._common import _check_keys, split_rows
@@ -89,7 +90,11 @@ class _MegatronWorker(Worker):
         self.config = config
         self.device = resolve_device(config.device, self.local_rank)
         self.layout = init_megatron_parallel(
-            config.parallel, rank=self.rank, world_size=self.world_size, device=self.device, seed=config.model.seed
+            config.parallel,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            seed=config.model.seed,
         )
         self.set_dp_layout(self.layout.dp_rank, self.layout.dp_size, self.layout.is_collect_rank)
         if config.ppo_mini_batch_size % self.dp_size:
@@ -169,11 +174,18 @@ class _MegatronWorker(Worker):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n = len(micros)
+        # built before the schedule: megatron_attention_mask syncs with the host, which must not stall a pipeline
+        inputs = iter(
+            [
+                (m, _position_ids(m["attention_mask"]), megatron_attention_mask(m["attention_mask"]))
+                for m in micros
+            ]
+        )
 
-        def forward_step(data_iterator: Iterator[TensorDictBase], model: nn.Module) -> tuple[torch.Tensor, Any]:
-            micro = next(data_iterator)
-            mask = micro["attention_mask"]
-            out = model(micro["input_ids"], _position_ids(mask), megatron_attention_mask(mask))
+        def forward_step(data_iterator: Iterator[Any], model: nn.Module) -> tuple[torch.Tensor, Any]:
+            micro, position_ids, attention_mask = next(data_iterator)
+            with self._output_window(self.module, micro):
+                out = model(micro["input_ids"], position_ids, attention_mask)
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 loss, metrics = loss_fn(micro, output)
@@ -187,7 +199,7 @@ class _MegatronWorker(Worker):
         run = partial(
             get_forward_backward_func(),
             forward_step_func=forward_step,
-            data_iterator=iter(micros),
+            data_iterator=inputs,
             model=[self.model],
             num_microbatches=n,
             seq_length=seq,
@@ -198,6 +210,10 @@ class _MegatronWorker(Worker):
             with torch.no_grad():
                 return list(run())
         return list(run())
+
+    def _output_window(self, module: nn.Module, micro: TensorDictBase) -> contextlib.AbstractContextManager:
+        """Where the model must produce outputs for ``micro`` (default: every position)."""
+        return contextlib.nullcontext()
 
     def _forward_outputs(self, batch: TensorDictBase, fn: Callable) -> list[dict[str, torch.Tensor]]:
         self.model.eval()
@@ -211,7 +227,10 @@ class _MegatronWorker(Worker):
     def _global_denominators(self, mask: torch.Tensor) -> dict[str, Any]:
         """agg_loss keywords normalising a mini-batch by its size over all dp ranks (pitfall 13)."""
         counts = torch.stack(
-            [mask.sum().to(torch.float64), torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)]
+            [
+                mask.sum().to(torch.float64),
+                torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device),
+            ]
         )
         if self.dp_size > 1:
             dist.all_reduce(counts, group=self._dp_group)
@@ -327,7 +346,9 @@ class _GenerationView(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         w = self.worker
-        out = w.module(input_ids, _position_ids(attention_mask), megatron_attention_mask(attention_mask))
+        s = input_ids.shape[1]
+        with logits_window(w.module, s - 1, s):
+            out = w.module(input_ids, _position_ids(attention_mask), megatron_attention_mask(attention_mask))
         last = out[:, -1:].float()
         if w.layout.tp_size > 1:
             parts = [torch.empty_like(last) for _ in range(w.layout.tp_size)]
@@ -364,25 +385,44 @@ class MegatronActorWorker(_MegatronWorker):
         t = self.config.rollout.temperature
         return t if t > 0 else 1.0
 
+    def _output_window(self, module: nn.Module, micro: TensorDictBase) -> contextlib.AbstractContextManager:
+        # only the positions that predict response tokens: [S - R - 1, S - 1)
+        s, r = micro["input_ids"].shape[1], micro["responses"].shape[1]
+        return logits_window(module, s - r - 1, s - 1)
+
     def _log_probs(
         self, micro: TensorDictBase, logits: torch.Tensor, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r = micro["responses"].shape[1]
-        resp_logits = logits[:, -r - 1 : -1] / self._temperature()
+        if logits.shape[1] != r:  # the model ignored the logits window (sequence parallelism)
+            logits = logits[:, -r - 1 : -1]
+        t = self._temperature()
+        if t != 1.0:
+            logits = logits / t
         return vocab_parallel_log_probs_and_entropy(
-            resp_logits, micro["responses"], self._tp_group, vocab_size=self.config.model.vocab_size,
+            logits,
+            micro["responses"],
+            self._tp_group,
+            vocab_size=self.config.model.vocab_size,
             with_entropy=with_entropy,
+            validate=False,  # responses are sampled from this vocabulary; saves two host syncs per micro-batch
         )
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def generate_sequences(
-        self, batch: TensorDictBase, do_sample: bool = True, *, temperature: float | None = None,
+        self,
+        batch: TensorDictBase,
+        do_sample: bool = True,
+        *,
+        temperature: float | None = None,
         top_p: float | None = None,
     ) -> TensorDict | None:
         """Sample one response per prompt (same contract as ``TorchActorWorker.generate_sequences``; PP = 1)."""
         _check_keys(batch, ("input_ids", "attention_mask"), "generate_sequences")
         if self.layout.pp_size > 1:
-            raise ValueError("generate_sequences needs pipeline_model_parallel_size=1 (no pipelined sampling)")
+            raise ValueError(
+                "generate_sequences needs pipeline_model_parallel_size=1 (no pipelined sampling)"
+            )
         cfg = self.config.rollout
         if not do_sample:
             temperature = 0.0
@@ -392,12 +432,17 @@ class MegatronActorWorker(_MegatronWorker):
         self.module.eval()
         with torch.no_grad():
             out = generate(
-                _GenerationView(self), batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
-                cfg, generator=self.generator,
+                _GenerationView(self),
+                batch["input_ids"].to(self.device),
+                batch["attention_mask"].to(self.device),
+                cfg,
+                generator=self.generator,
             )
         return out if self.is_collect_rank else None
 
-    def _score(self, model: nn.Module, batch: TensorDictBase, key: str, with_entropy: bool) -> TensorDict | None:
+    def _score(
+        self, model: nn.Module, batch: TensorDictBase, key: str, with_entropy: bool
+    ) -> TensorDict | None:
         _check_keys(batch, ("input_ids", "attention_mask", "responses"), "compute_log_prob")
 
         def fn(micro: TensorDictBase, logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -421,7 +466,8 @@ class MegatronActorWorker(_MegatronWorker):
         with torch.no_grad():
             for micro in split_rows(batch, self.config.forward_micro_batch_size):
                 mask = micro["attention_mask"]
-                logits = model(micro["input_ids"], _position_ids(mask), megatron_attention_mask(mask))
+                with self._output_window(model, micro):
+                    logits = model(micro["input_ids"], _position_ids(mask), megatron_attention_mask(mask))
                 outs.append(fn(micro, logits))
         return outs
 
@@ -466,7 +512,7 @@ class MegatronActorWorker(_MegatronWorker):
         cfg = self.config
         keys = (*_ACTOR_KEYS, "ref_log_prob") if cfg.use_kl_loss else _ACTOR_KEYS
         _check_keys(batch, keys, "update_actor")
-        has_ref = "ref_log_prob" in batch.keys()
+        has_ref = "ref_log_prob" in batch.keys()  # noqa: SIM118 (TensorDict)
         sums = self._train(batch, keys, self._actor_loss)
         metrics = {("actor/grad_norm" if k == "grad_norm" else k): sum(v) / len(v) for k, v in sums.items()}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -524,8 +570,13 @@ class MegatronCriticWorker(_MegatronWorker):
         mask = micro["response_mask"]
         vpreds = self._vpreds(micro, output)
         vf_loss, clipfrac = compute_value_loss(
-            vpreds, micro["returns"], micro["values"], mask, self.config.cliprange_value,
-            self.config.loss_agg_mode, **agg,
+            vpreds,
+            micro["returns"],
+            micro["values"],
+            mask,
+            self.config.cliprange_value,
+            self.config.loss_agg_mode,
+            **agg,
         )
         return vf_loss, {
             "critic/vf_loss": vf_loss.detach(),

@@ -1,0 +1,270 @@
+"""GPU tests of the megatron-core workers: PPO end to end under Monarch, HF weights vs transformers, checkpoints.
+
+megatron-core's optimizer and RNG tracker need CUDA, so the workers only run on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core workers need CUDA"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _digits_example():
+    spec = importlib.util.spec_from_file_location("ppo_digits", ROOT / "examples" / "ppo_digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny_model(vocab: int) -> dict:
+    return {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "ffn_hidden_size": 128,
+        "vocab_size": vocab,
+        "max_position_embeddings": 64,
+        "dtype": "bfloat16",
+    }
+
+
+@pytest.mark.monarch
+@pytest.mark.slow
+def test_three_ppo_steps_of_the_digits_task_under_monarch(tmp_path):
+    import ppo_core_monarch  # noqa: F401  (before monarch: fast failure detection)
+    from ppo_core.trainer import BasePPOTrainer
+    from ppo_core.workers import WorkerSpec
+    from ppo_core.workers.megatron import MegatronActorWorker, MegatronCriticWorker
+    from ppo_core_monarch import MonarchConfig
+    from ppo_core_monarch.group import MonarchWorkerGroup
+
+    ex = _digits_example()
+    common = {
+        "seed": 0,
+        "ppo_epochs": 2,
+        "ppo_mini_batch_size": 16,
+        "micro_batch_size": 8,
+        "model": _tiny_model(ex.VOCAB),
+    }
+    config = {
+        "data": {"train_batch_size": 32, "seed": 0},
+        "rollout": {"n": 1},
+        "algorithm": {
+            "adv_estimator": "gae",
+            "gamma": 1.0,
+            "lam": 1.0,
+            "use_kl_in_reward": True,
+            "kl_ctrl": {"type": "fixed", "kl_coef": 0.001},
+        },
+        "actor": {
+            "worker": {
+                **common,
+                "optim": {"lr": 1e-4, "weight_decay": 0.0, "grad_clip": 1.0},
+                "rollout": {
+                    "max_new_tokens": ex.RESPONSE_LEN,
+                    "eos_token_id": ex.EOS,
+                    "pad_token_id": ex.PAD,
+                },
+                "policy_loss": {"loss_mode": "vanilla", "clip_ratio": 0.2},
+            }
+        },
+        "critic": {"worker": {**common, "optim": {"lr": 1e-4, "weight_decay": 0.0}}},
+        "trainer": {
+            "total_training_steps": 3,
+            "total_epochs": 100,
+            "test_freq": 0,
+            "save_freq": 0,
+            "resume_mode": "disable",
+            "seed": 0,
+            "log_dir": str(tmp_path),
+            "default_local_dir": str(tmp_path / "ckpt"),
+            "loggers": ("jsonl",),
+        },
+    }
+    mc = MonarchConfig(ready_timeout_s=300.0, call_timeout_s=300.0)
+
+    class Trainer(BasePPOTrainer):
+        def init_workers(self) -> None:
+            cfg = self.config
+            self.actor_wg = MonarchWorkerGroup(
+                WorkerSpec(MegatronActorWorker, kwargs={"config": cfg.actor.worker}),
+                procs_per_host=1,
+                config=mc,
+            )
+            self.critic_wg = MonarchWorkerGroup(
+                WorkerSpec(MegatronCriticWorker, kwargs={"config": cfg.critic.worker}),
+                procs_per_host=1,
+                config=mc,
+            )
+
+    data = ex.make_dataset(96, torch.Generator().manual_seed(0))
+    trainer = Trainer(config, train_dataset=data, reward_fn=ex.digit_sum_reward, pad_token_id=ex.PAD)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
+    print({k: v for k, v in metrics.items() if "actor" in k or "critic" in k or "kl" in k})
+    assert trainer.global_steps == 3
+    for name in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert math.isfinite(metrics[name]), name
+    assert abs(metrics["actor/ppo_kl"]) < 0.05
+    kls = [v for k, v in metrics.items() if "kl" in k and isinstance(v, float)]
+    assert kls and all(math.isfinite(v) and abs(v) < 0.5 for v in kls), kls
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    from ppo_core.workers.megatron import ParallelConfig, destroy_megatron_parallel, init_megatron_parallel
+
+    init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cuda", 0))
+    yield
+    destroy_megatron_parallel()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_checkpoint_gives_the_logits_of_transformers(single_rank, tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    from ppo_core.workers.megatron import (
+        MegatronModelConfig,
+        ParallelConfig,
+        build_gpt_model,
+        load_hf_checkpoint,
+    )
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    if family == "llama":
+        hf_cfg = transformers.LlamaConfig(**common)
+        hf = transformers.LlamaForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.Qwen2Config(**common)
+        hf = transformers.Qwen2ForCausalLM(hf_cfg)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = MegatronModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        vocab_size=300,
+        max_position_embeddings=64,
+        dtype="float32",
+        qkv_bias=family == "qwen2",
+        norm_epsilon=1e-6,
+    )
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    load_hf_checkpoint(model, str(tmp_path), cfg)
+    hf = hf.cuda().float().eval()
+    ids = torch.randint(0, 300, (2, 12), device="cuda")
+    pos = torch.arange(12, device="cuda").expand(2, 12)
+    with torch.no_grad():
+        ours = model(ids, pos, None)[..., :300]
+        ref = hf(input_ids=ids).logits
+    rel = (ours - ref).norm() / ref.norm()
+    assert rel < 1e-3, float(rel)
+
+
+def test_actor_checkpoint_round_trip_and_log_probs_match_full_vocab(single_rank, tmp_path):
+    from tensordict import TensorDict
+
+    from ppo_core.logprobs import logprobs_from_logits
+    from ppo_core.workers.base import worker_context
+    from ppo_core.workers.megatron import MegatronActorWorker
+
+    cfg = {
+        "model": {**_tiny_model(50), "dtype": "float32"},
+        "ppo_mini_batch_size": 4,
+        "micro_batch_size": 2,
+        "rollout": {"max_new_tokens": 5},
+        "optim": {"lr": 1e-3},
+    }
+    with worker_context(rank=0, world_size=1):
+        actor = MegatronActorWorker(cfg)
+    prompts = TensorDict(
+        {
+            "input_ids": torch.randint(1, 50, (4, 3)),
+            "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]]),
+        },
+        [4],
+    )
+    batch = actor.generate_sequences(prompts).cpu()
+    scored = actor.compute_log_prob(batch).cpu()
+    # reference: full-vocabulary log-probs of the same forward pass
+    mask = batch["attention_mask"].cuda()
+    from ppo_core.workers.megatron.workers import _position_ids, megatron_attention_mask
+
+    with torch.no_grad():
+        logits = actor.module(batch["input_ids"].cuda(), _position_ids(mask), megatron_attention_mask(mask))
+    ref = logprobs_from_logits(logits[:, -6:-1, :50], batch["responses"].cuda()).cpu()
+    torch.testing.assert_close(scored["old_log_probs"], ref, rtol=1e-4, atol=1e-4)
+    batch.update(scored)
+    batch["advantages"] = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    actor.update_actor(batch)
+    actor.save_checkpoint(str(tmp_path))
+    first = actor.update_actor(batch)
+    actor.load_checkpoint(str(tmp_path))
+    again = actor.update_actor(batch)
+    assert first["actor/pg_loss"] == pytest.approx(again["actor/pg_loss"], rel=1e-5, abs=1e-6)
+    assert first["actor/grad_norm"] == pytest.approx(again["actor/grad_norm"], rel=1e-4)
+    assert all(math.isfinite(v) for v in first.values())
+    actor.optimizer.zero_grad()
+
+
+def test_distributed_optimizer_steps_like_the_plain_one(single_rank):
+    from tensordict import TensorDict
+
+    from ppo_core.workers.base import worker_context
+    from ppo_core.workers.megatron import MegatronCriticWorker
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (4, 8), generator=g)
+    batch = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones(4, 8, dtype=torch.long),
+            "responses": ids[:, 3:],
+            "response_mask": torch.ones(4, 5),
+            "values": torch.zeros(4, 5),
+            "returns": torch.randn(4, 5, generator=g),
+        },
+        [4],
+    )
+    losses = {}
+    for dist_opt in (False, True):
+        cfg = {
+            "model": {**_tiny_model(50), "dtype": "float32"},
+            "ppo_mini_batch_size": 4,
+            "use_distributed_optimizer": dist_opt,
+            "optim": {"lr": 1e-3},
+        }
+        with worker_context(rank=0, world_size=1):
+            critic = MegatronCriticWorker(cfg)
+        losses[dist_opt] = [critic.update_critic(batch)["critic/vf_loss"] for _ in range(3)]
+    # the first step is identical; later ones agree to 1% (not bitwise: see the report of issue 7)
+    assert losses[False][0] == pytest.approx(losses[True][0], rel=1e-6)
+    assert losses[False] == pytest.approx(losses[True], rel=1e-2)
+    assert losses[False][2] < losses[False][0]
