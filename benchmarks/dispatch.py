@@ -26,11 +26,13 @@ import os
 import statistics
 import time
 
+import ppo_core_monarch  # noqa: F401  (before monarch, which reads its supervision poll at import)
+
+# isort: split
 import torch
 from monarch.actor import Actor, endpoint
 from tensordict import TensorDict
 
-import ppo_core_monarch  # noqa: F401  (before monarch: supervision settings)
 from ppo_core.workers import Dispatch, Worker, register
 from ppo_core_monarch.group import MonarchWorkerGroup
 

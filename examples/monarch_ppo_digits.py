@@ -27,10 +27,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p)
 sys.path.insert(0, _HERE)
 
+import ppo_core_monarch  # noqa: E402  (before monarch, which reads its supervision poll at import)
+
+# isort: split
 import ppo_digits as task  # noqa: E402
 import torch  # noqa: E402
 
-import ppo_core_monarch  # noqa: E402  (before monarch: 1 s supervision poll)
 from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
 from ppo_core.workers import WorkerSpec  # noqa: E402
 from ppo_core.workers.torch import TorchActorWorker, TorchCriticWorker  # noqa: E402

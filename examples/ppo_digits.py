@@ -8,7 +8,7 @@ The task (verifiable, rule-based reward in [0, 1]):
 
 The model is a randomly initialised 2-layer ``TinyGPT``. Before RL it gets a short *supervised warm-up on the
 format only*: it imitates random digit triples followed by ``<eos>`` (digits independent of the target), so it
-leaves the warm-up writing well-formed answers with a mean reward of about 0.3. Everything after that is RL:
+leaves the warm-up writing well-formed answers with a mean reward of about 0.35. Everything after that is RL:
 the policy must discover from the reward alone that the digits should depend on the target.
 
 RL runs through ``ppo_core.trainer.BasePPOTrainer`` on the local backend; this file only supplies the task, the
@@ -134,7 +134,10 @@ def format_warmup(steps: int, generator: torch.Generator, batch_size: int = 128)
         loss.backward()
         opt.step()
     logging.info(
-        "format warm-up: %d steps, final cross-entropy %.3f (uniform digits: %.3f)", steps, float(loss), 1.842
+        "format warm-up: %d steps, final cross-entropy %.3f (uniform digits: %.3f)",
+        steps,
+        float(loss.detach()),
+        1.842,
     )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

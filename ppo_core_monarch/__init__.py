@@ -13,6 +13,7 @@ import sys as _sys
 if "monarch" not in _sys.modules:
     _os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
+from ppo_core_monarch.calls import GroupCall
 from ppo_core_monarch.config import MonarchConfig
 from ppo_core_monarch.errors import (
     CallTimeout,
@@ -22,6 +23,7 @@ from ppo_core_monarch.errors import (
     SpawnError,
     WorkerLost,
 )
+from ppo_core_monarch.group import MonarchResult, MonarchWorkerGroup
 from ppo_core_monarch.launch import (
     Hosts,
     WorkerLoops,
@@ -31,6 +33,8 @@ from ppo_core_monarch.launch import (
     start_worker_loops,
 )
 from ppo_core_monarch.topology import MeshTopology
+from ppo_core_monarch.trainer import MonarchPPOTrainer
+from ppo_core_monarch.worker import RankInfo
 
 __all__ = [
     "CallTimeout",

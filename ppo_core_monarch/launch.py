@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -43,7 +44,7 @@ class Hosts:
     owned: bool
     """True for attached worker loops and jobs the group created; False for ``this_host()``."""
     job: Any = None
-    """The ``monarch.job`` job, when the hosts come from one (killed by :meth:`shutdown` when owned)."""
+    """The ``monarch.job`` job the hosts come from, if any (its lifetime stays with the caller)."""
 
     def shutdown(self, timeout_s: float) -> None:
         """Shut owned hosts down (their worker loops exit); a no-op for the local host."""
@@ -85,9 +86,10 @@ def attach_hosts(addresses: Sequence[str], *, timeout_s: float = 60.0) -> Hosts:
     return Hosts(mesh=mesh, owned=True)
 
 
-def job_hosts(job: Any, name: str) -> Hosts:
+def job_hosts(job: Any, name: str, *, owned: bool = True) -> Hosts:
     """The host mesh ``name`` of a ``monarch.job`` job (``SlurmJob``, ``KubernetesJob``, ``LocalJob``...).
 
+    ``owned``: shut the hosts down with the group (default; pass False when other groups use the same job).
     ``LocalJob`` maps every name to this machine, so its mesh has no host dimension, like :func:`local_hosts`.
     """
     state = job.state()
@@ -95,10 +97,7 @@ def job_hosts(job: Any, name: str) -> Hosts:
     if mesh is None:
         names = sorted(k for k in vars(state) if not k.startswith("_")) if hasattr(state, "__dict__") else []
         raise ValueError(f"job has no host mesh {name!r}; valid names: {names}")
-    from monarch.actor import this_host
-
-    local = mesh is this_host()
-    return Hosts(mesh=mesh, owned=not local, job=job)
+    return Hosts(mesh=mesh, owned=owned, job=job)
 
 
 @dataclass
@@ -137,6 +136,18 @@ class WorkerLoops:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the starting process dies, so simulated hosts never outlive it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the loops end only through WorkerLoops.stop()
+        pass
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -82,7 +82,8 @@ class FaultMonitor:
             report = str(failure)
         with self._lock:
             # Monarch prefixes derived meshes ("proc_mesh_controller_<name>-..."): match the name anywhere
-            matches = [w for w in self._watches if w.prefix in name]
+            # Some failures carry no mesh name ("<none>") but name the mesh in the report
+            matches = [w for w in self._watches if w.prefix in name or w.prefix in report]
         for w in matches:
             w.reports.append(report)
             w.event.set()
@@ -90,14 +91,16 @@ class FaultMonitor:
             logger.log(level, "worker mesh %s failed: %s", name, report)
         if matches:
             return
-        if _OWN_PREFIX in name or (self._installed and name.startswith("logger-")):
+        if _OWN_PREFIX in name or _OWN_PREFIX in report or name.startswith("logger-"):
             # a mesh of ours that was already shut down (a stop that timed out reports late), or Monarch's
             # per-proc logger mesh, whose failure is always followed by that of the actor mesh on the same proc
             logger.debug("ignoring failure of mesh %s: %s", name, report)
             return
         previous = self._previous
         if previous is not None:
-            logger.warning("failure of mesh %r is not ppo_core_monarch's; passing it to the previous hook", name)
+            logger.warning(
+                "failure of mesh %r is not ppo_core_monarch's; passing it to the previous hook", name
+            )
             previous(failure)
 
 

@@ -107,7 +107,8 @@ class _Block(nn.Module):
     ) -> torch.Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(self.ln_attn(x_BTD)).split(D, dim=-1)
-        q_BHTK, k_BHTK, v_BHTK = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        K = D // self.n_heads
+        q_BHTK, k_BHTK, v_BHTK = (t.view(B, T, self.n_heads, K).transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k_BHTK, v_BHTK = cache.append(layer, k_BHTK, v_BHTK)
         a_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, attn_mask=allowed_B1TS)

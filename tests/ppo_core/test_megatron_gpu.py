@@ -215,10 +215,10 @@ def test_actor_checkpoint_round_trip_and_log_probs_match_full_vocab(single_rank,
     scored = actor.compute_log_prob(batch).cpu()
     # reference: full-vocabulary log-probs of the same forward pass
     mask = batch["attention_mask"].cuda()
-    from ppo_core.workers.megatron.workers import _position_ids, megatron_attention_mask
+    from ppo_core.workers.megatron.workers import megatron_attention_mask, position_ids
 
     with torch.no_grad():
-        logits = actor.module(batch["input_ids"].cuda(), _position_ids(mask), megatron_attention_mask(mask))
+        logits = actor.module(batch["input_ids"].cuda(), position_ids(mask), megatron_attention_mask(mask))
     ref = logprobs_from_logits(logits[:, -6:-1, :50], batch["responses"].cuda()).cpu()
     torch.testing.assert_close(scored["old_log_probs"], ref, rtol=1e-4, atol=1e-4)
     batch.update(scored)

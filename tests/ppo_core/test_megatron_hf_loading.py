@@ -189,7 +189,7 @@ def cpu_megatron(monkeypatch):
 def test_safetensors_checkpoint_gives_reference_logits(cpu_megatron, tmp_path, family):
     safetensors = pytest.importorskip("safetensors.torch")
     from ppo_core.workers.megatron import build_gpt_model, load_hf_checkpoint
-    from ppo_core.workers.megatron.workers import _position_ids
+    from ppo_core.workers.megatron.workers import position_ids
 
     cfg = _config(qkv_bias=family != "llama", tie_word_embeddings=family != "llama", rotary_base=1e4)
     hf = _random_hf(cfg, 3)
@@ -201,12 +201,12 @@ def test_safetensors_checkpoint_gives_reference_logits(cpu_megatron, tmp_path, f
     load_hf_checkpoint(model, str(tmp_path), cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(ids, _position_ids(torch.ones_like(ids)), None)[..., : cfg.vocab_size]
+        ours = model(ids, position_ids(torch.ones_like(ids)), None)[..., : cfg.vocab_size]
     ref = _reference_llama(hf, cfg, ids)
     rel = (ours.double() - ref).norm() / ref.norm()
     assert rel < 1e-5, float(rel)
     # the padded vocabulary rows were zero-filled: their logits are exactly 0
-    assert bool((model(ids, _position_ids(torch.ones_like(ids)), None)[..., cfg.vocab_size :] == 0).all())
+    assert bool((model(ids, position_ids(torch.ones_like(ids)), None)[..., cfg.vocab_size :] == 0).all())
 
 
 def test_loading_rejects_an_incomplete_checkpoint(cpu_megatron, tmp_path):

@@ -115,27 +115,31 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, cases: list[dict], out: dict) -> None:
+    """Every case over the whole group (TP = world) and over pairs of ranks (TP = 2, two groups)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = []
-        for c in cases:
-            shard = c["logits"].chunk(world, dim=-1)[rank].clone().requires_grad_()
-            lp, ent = vocab_parallel_log_probs_and_entropy(
-                shard, c["labels"], dist.group.WORLD, vocab_size=c["vocab_size"]
-            )
-            (c["a"] * lp).sum().add((c["b"] * ent).sum()).backward()
-            results.append((lp.detach(), ent.detach(), shard.grad))
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+        results = {}
+        for tp, group in ((world, dist.group.WORLD), (2, pairs[rank // 2])):
+            tp_rank = rank % tp
+            for i, c in enumerate(cases):
+                shard = c["logits"].chunk(tp, dim=-1)[tp_rank].clone().requires_grad_()
+                lp, ent = vocab_parallel_log_probs_and_entropy(
+                    shard, c["labels"], group, vocab_size=c["vocab_size"]
+                )
+                (c["a"] * lp).sum().add((c["b"] * ent).sum()).backward()
+                results[(tp, i)] = (lp.detach(), ent.detach(), shard.grad)
         out[rank] = results
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_ranks_match_full_vocab_reference(world):
+def test_tensor_parallel_ranks_match_full_vocab_reference():
+    world = 4
     cases = [
         _case(1, 5, 37, 40, 2.0, False),  # padded vocabulary: the last rank holds padding columns
         _case(2, 7, 40, 40, 50.0, True),  # large logits and masked (-inf) entries
@@ -143,19 +147,21 @@ def test_tensor_parallel_ranks_match_full_vocab_reference(world):
         _case(4, 0, 8, 8, 1.0, False),  # no rows
         _case(5, 64, 1000, 1024, 5.0, False),
     ]
-    cases = [c for c in cases if c["logits"].shape[-1] % world == 0]
-    ctx = mp.get_context("spawn")
+    # fork: the children reuse this process's imports (spawn would re-import torch in each, ~10 s here)
+    ctx = mp.get_context("fork")
     with ctx.Manager() as manager:
         out = manager.dict()
         mp.start_processes(
-            _rank_main, args=(world, _free_port(), cases, out), nprocs=world, start_method="spawn"
+            _rank_main, args=(world, _free_port(), cases, out), nprocs=world, start_method="fork"
         )
         results = dict(out)
-    for i, c in enumerate(cases):
-        ref_lp, ref_ent, ref_grad = _reference(c["logits"], c["labels"], c["vocab_size"], c["a"], c["b"])
-        for rank in range(world):
-            lp, ent, _ = results[rank][i]
-            torch.testing.assert_close(lp, ref_lp, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(ent, ref_ent, rtol=1e-9, atol=1e-9)
-        grad = torch.cat([results[rank][i][2] for rank in range(world)], dim=-1)
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-9)
+    for tp in (world, 2):
+        for i, c in enumerate(cases):
+            ref_lp, ref_ent, ref_grad = _reference(c["logits"], c["labels"], c["vocab_size"], c["a"], c["b"])
+            for rank in range(world):
+                lp, ent, _ = results[rank][(tp, i)]
+                torch.testing.assert_close(lp, ref_lp, rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(ent, ref_ent, rtol=1e-9, atol=1e-9)
+            for first in range(0, world, tp):  # each TP group's shards make the full gradient
+                grad = torch.cat([results[first + t][(tp, i)][2] for t in range(tp)], dim=-1)
+                torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-9)

@@ -20,6 +20,7 @@ def _ids(seed: int, batch: int, length: int) -> torch.Tensor:
 def test_shapes_logits_and_values() -> None:
     ids = _ids(0, 3, 5)
     assert MODEL(ids).shape == (3, 5, CFG.vocab_size)
+    assert MODEL(ids[:0]).shape == (0, 5, CFG.vocab_size)  # empty batches flow through
     critic = TinyGPT(TinyGPTConfig(**{**CFG.to_dict(), "value_head": True}), seed=0)
     values = critic(ids)
     assert values.shape == (3, 5)

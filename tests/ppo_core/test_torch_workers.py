@@ -259,6 +259,39 @@ def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int
     )
 
 
+def test_update_actor_ignores_everything_on_masked_tokens() -> None:
+    """NaN/garbage advantages, old log-probs and references on masked tokens (a fully masked row included) change
+    neither the gradient nor the metrics (pitfalls 10 and 12)."""
+    kwargs = {
+        "ppo_mini_batch_size": 4,
+        "use_kl_loss": True,
+        "entropy_coeff": 0.01,
+        "optim": {"grad_clip": None},
+    }
+    clean_actor, dirty_actor = _actor(**kwargs), _actor(**kwargs)
+    batch = _rollout(clean_actor, batch=4)
+    batch["response_mask"][1] = 0
+    dirty = batch.clone()
+    masked = ~batch["response_mask"].bool()
+    for key in ("advantages", "old_log_probs", "ref_log_prob"):
+        dirty[key] = torch.where(masked, torch.tensor(float("nan")), dirty[key])
+    clean_steps, dirty_steps = _capture_grads(clean_actor), _capture_grads(dirty_actor)
+    clean_metrics, dirty_metrics = clean_actor.update_actor(batch), dirty_actor.update_actor(dirty)
+    for got, want in zip(dirty_steps[0], clean_steps[0], strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert dirty_metrics == clean_metrics
+
+
+def test_empty_batch_flows_through_every_method() -> None:
+    actor = _actor(ppo_mini_batch_size=1)
+    critic = TorchCriticWorker(VALUE_MODEL, {"ppo_mini_batch_size": 1, "device": "cpu"})
+    batch = _rollout(actor, batch=0)
+    assert batch["responses"].shape == (0, 4) and batch["old_log_probs"].shape == (0, 4)
+    batch["values"] = critic.compute_values(batch)["values"]
+    assert "actor/grad_norm" not in actor.update_actor(batch)  # no optimiser step on no data
+    assert "critic/grad_norm" not in critic.update_critic(batch)
+
+
 def test_update_actor_epochs_minibatches_and_clipping() -> None:
     actor = _actor(ppo_mini_batch_size=2, ppo_epochs=3, shuffle=True, optim={"grad_clip": 1e-3})
     batch = _rollout(actor, batch=4)

@@ -37,7 +37,9 @@ HANG_DEADLINE_S = 2.0
 HANG_SLACK_S = 1.5
 HOST_BOUND_S = 15.0
 
-CFG = MonarchConfig(ready_timeout_s=180.0, shutdown_timeout_s=15.0, host_lost_timeout_s=3.0)
+CFG = MonarchConfig(
+    ready_timeout_s=180.0, shutdown_timeout_s=15.0, host_lost_timeout_s=3.0, lost_shutdown_timeout_s=2.0
+)
 
 
 def _pids_alive(pids) -> list[int]:

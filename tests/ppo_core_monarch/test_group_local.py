@@ -132,3 +132,18 @@ def test_blocking_result_inside_event_loop_is_refused(group):
         return await call
 
     assert asyncio.run(main()) == list(range(WORLD))
+
+
+def test_hosts_from_a_local_monarch_job():
+    from monarch.job import LocalJob
+
+    from ppo_core_monarch import job_hosts
+
+    job = LocalJob(hosts=("trainers",))
+    job.apply()
+    with MonarchWorkerGroup(
+        ProbeWorker, procs_per_host=2, hosts=job_hosts(job, "trainers", owned=False)
+    ) as wg:
+        assert wg.topology.num_hosts == 1  # LocalJob maps every name to this machine: no host dimension
+        assert [int(w["RANK"]) for w in wg.where()] == [0, 1]
+    assert wg.closed

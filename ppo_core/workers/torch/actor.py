@@ -172,12 +172,11 @@ class TorchActorWorker(TorchWorkerBase):
             batch has ``ref_log_prob``.
         """
         cfg = self.config
-        keys = (*_UPDATE_KEYS, "ref_log_prob") if cfg.use_kl_loss else _UPDATE_KEYS
-        _check_keys(batch, keys, "update_actor")
-        has_ref = "ref_log_prob" in batch
-        batch = batch.select(*keys, *(("ref_log_prob",) if has_ref and not cfg.use_kl_loss else ())).to(
-            self.device
+        _check_keys(
+            batch, (*_UPDATE_KEYS, "ref_log_prob") if cfg.use_kl_loss else _UPDATE_KEYS, "update_actor"
         )
+        has_ref = "ref_log_prob" in batch
+        batch = batch.select(*_UPDATE_KEYS, *(["ref_log_prob"] if has_ref else [])).to(self.device)
         mode = cfg.policy_loss.loss_agg_mode
         self.model.train()
         sums: dict[str, list[float]] = defaultdict(list)
