@@ -1,8 +1,8 @@
 # One-command set-up for a fresh machine (see README).
 #   make test   creates .venv from the project's files, installs, runs the whole suite
 #   make demo   creates .venv, installs, runs the example PPO job
-# A torch already importable from the interpreter (e.g. a CUDA build) is kept: the venv sees system
-# site-packages, and the pinned CPU wheel is installed only where no torch is found.
+# A torch already importable from the interpreter (e.g. a CUDA build) is kept: only then does the venv see the
+# system site-packages; otherwise the venv is isolated and the pinned CPU wheel is installed first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,8 @@ STAMP := $(VENV)/.ppo-core-installed
 .PHONY: install test test-fast lint format demo bench clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+	if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		$(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,monarch,megatron,examples,dev]"

@@ -10,7 +10,7 @@ Two workloads on ``--workers`` processes of this machine:
 Engines: (a) ``ours``: ``MonarchWorkerGroup`` (``DP_COMPUTE`` dispatch: split, shared memory on one host, merge);
 (b) ``monarch``: raw Monarch actors, one ``call_one`` per shard, all issued before any wait (the fastest
 plain-message pattern, see docs); (c) ``ray``: Ray actors (the engine under verl's ``RayWorkerGroup``), when
-``ray`` is importable. Times are medians in milliseconds over rounds that alternate the engines (so load drift on a shared machine
+``ray`` is importable, measured after the Monarch engines have stopped (Ray's daemons load a small machine). Times are medians in milliseconds over rounds that alternate the engines (so load drift on a shared machine
 hits all of them); ratios compare engines within this run.
 
 Usage:
@@ -126,6 +126,12 @@ def _ray(stack: contextlib.ExitStack, batch: TensorDict, n: int) -> dict | None:
     return {"empty": lambda: ray.get([a.noop.remote() for a in actors]), "dp": dp}
 
 
+def _check(engines: dict, expected: torch.Tensor) -> None:
+    for name, ops in engines.items():
+        if not torch.equal(ops["dp"](), expected):
+            raise AssertionError(f"{name} returned wrong data")
+
+
 def _interleaved_medians(engines: dict, op: str, rounds: int) -> dict[str, float]:
     """Median ms per engine; rounds alternate the engines so that load drift on a shared machine hits all."""
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -149,20 +155,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     batch = _batch(args.batch, args.seqlen)
     expected = batch["old_log_probs"] * 2
+    # Ray runs in a second phase: its daemons (raylet, GCS, idle workers) keep a 2-core machine busy and would
+    # slow the Monarch engines measured next to them (and the idle Monarch processes would slow Ray).
+    empty, dp = {}, {}
     with contextlib.ExitStack() as stack:
         engines = {"ours": _ours(stack, batch, args.workers), "monarch": _monarch(stack, batch, args.workers)}
+        _check(engines, expected)
+        empty.update(_interleaved_medians(engines, "empty", args.repeats * 5))
+        dp.update(_interleaved_medians(engines, "dp", args.repeats))
+    with contextlib.ExitStack() as stack:
         ray_ops = _ray(stack, batch, args.workers)
         if ray_ops is not None:
-            engines["ray"] = ray_ops
-        for name, ops in engines.items():
-            assert torch.equal(ops["dp"](), expected), f"{name} returned wrong data"
-        empty = _interleaved_medians(engines, "empty", args.repeats * 5)
-        dp = _interleaved_medians(engines, "dp", args.repeats)
+            engines = {"ray": ray_ops}
+            _check(engines, expected)
+            empty.update(_interleaved_medians(engines, "empty", args.repeats * 5))
+            dp.update(_interleaved_medians(engines, "dp", args.repeats))
     result: dict = {
         "workers": args.workers,
         "batch_mb": round(sum(v.nbytes for v in batch.values()) / 1e6, 1),
         "cpus": os.cpu_count(),
-        **{name: {"empty_ms": empty[name], "dp_ms": dp[name]} for name in engines},
+        **{name: {"empty_ms": empty[name], "dp_ms": dp[name]} for name in empty},
     }
     result.setdefault("ray", None)
     ours, raw, ray_ = result["ours"], result["monarch"], result["ray"]

@@ -51,7 +51,9 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
             )
 
 
-def check_mask(name: str, value: object, like: torch.Tensor | None = None, like_name: str = "") -> torch.Tensor:
+def check_mask(
+    name: str, value: object, like: torch.Tensor | None = None, like_name: str = ""
+) -> torch.Tensor:
     """Validate a mask (bool, integer or floating 0/1 weights) and return it as a boolean tensor.
 
     A floating mask is accepted when every entry is 0 or 1; any other value raises ``ValueError``, because a
@@ -77,7 +79,9 @@ def check_no_nan(name: str, value: torch.Tensor, mask: torch.Tensor | None = Non
     if mask is not None:
         nan = nan & mask
     if bool(nan.any()):
-        raise ValueError(f"{name} contains NaN" + (" at valid (mask=1) positions" if mask is not None else ""))
+        raise ValueError(
+            f"{name} contains NaN" + (" at valid (mask=1) positions" if mask is not None else "")
+        )
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:

@@ -134,7 +134,7 @@ def group_ids(draw: st.DrawFn, group_sizes: Sequence[int], kind: str | None = No
                 unique=True,
             )
         )
-    ids = [label for label, size in zip(labels, group_sizes) for _ in range(size)]
+    ids = [label for label, size in zip(labels, group_sizes, strict=True) for _ in range(size)]
     if kind == "tensor":
         return torch.tensor(ids, dtype=torch.int64)
     return ids
