@@ -212,11 +212,14 @@ class MonarchWorkerGroup(WorkerGroup):
                     runs[-1].append(i)
                     continue
             runs.append([i])
-        parts, forward = [], []
-        for run in runs:
+        parts, forward, payloads = [], [], []
+        for run in runs:  # every payload is written before the first message goes out: once a worker starts,
+            # it competes for the CPU with the copies still to make
             ranks = tuple(plan.calls[i].rank for i in run)
             first = plan.calls[run[0]]
-            payload = self._payload(ranks, first.args, first.kwargs, forward)
+            payloads.append(self._payload(ranks, first.args, first.kwargs, forward))
+        for run, payload in zip(runs, payloads, strict=True):
+            ranks = tuple(plan.calls[i].rank for i in run)
             if len(ranks) == 1:
                 future = self._rank_mesh(ranks[0]).run.call_one(method, payload)
             else:
