@@ -23,7 +23,7 @@ from ppo_core_monarch.errors import (
     SpawnError,
     WorkerLost,
 )
-from ppo_core_monarch.group import MonarchResult, MonarchWorkerGroup
+from ppo_core_monarch.group import MonarchWorkerGroup
 from ppo_core_monarch.launch import (
     Hosts,
     WorkerLoops,
@@ -45,7 +45,6 @@ __all__ = [
     "MonarchBackendError",
     "MonarchConfig",
     "MonarchPPOTrainer",
-    "MonarchResult",
     "MonarchWorkerGroup",
     "RankInfo",
     "RemoteWorkerError",

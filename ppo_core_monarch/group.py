@@ -34,7 +34,7 @@ from tensordict import TensorDictBase
 
 from ppo_core.workers.base import WorkerSpec
 from ppo_core.workers.dispatch import DispatchPlan
-from ppo_core.workers.group import GroupResult, WorkerGroup
+from ppo_core.workers.group import WorkerGroup
 from ppo_core_monarch.calls import CallPart, GroupCall
 from ppo_core_monarch.config import MonarchConfig
 from ppo_core_monarch.errors import CallTimeout, GroupBroken, SpawnError, WorkerLost
@@ -44,22 +44,11 @@ from ppo_core_monarch.topology import MeshTopology
 from ppo_core_monarch.transport import Encoded, ShmPool, compact, encode, release
 from ppo_core_monarch.worker import Failed, RankInfo, SetupArgs, WorkerActor
 
-__all__ = ["MonarchResult", "MonarchWorkerGroup"]
+__all__ = ["MonarchWorkerGroup"]
 
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[MonarchWorkerGroup] = weakref.WeakSet()
-
-
-class MonarchResult(GroupResult):
-    """A :class:`GroupResult` whose ``await`` awaits the Monarch futures directly (no helper thread)."""
-
-    def __await__(self):
-        return self._await().__await__()
-
-    async def _await(self) -> Any:
-        outputs = await self._pending.wait_async()
-        return self._collect(outputs)
 
 
 class MonarchWorkerGroup(WorkerGroup):
@@ -79,6 +68,10 @@ class MonarchWorkerGroup(WorkerGroup):
         ...     [w.rank for w in wg.call_all("worker_layout")]
         [0, 1]
     """
+
+    compacts_payloads = True
+    """:meth:`_payload` copies every tensor into shared memory (same host) or clones views before pickling
+    (other hosts), so data-parallel shards arrive as views of the batch and are copied once, not twice."""
 
     def __init__(
         self,
@@ -185,14 +178,6 @@ class MonarchWorkerGroup(WorkerGroup):
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def run_async(self, *args: Any, **kwargs: Any) -> MonarchResult:  # type: ignore[override]
-        res = super().run_async(*args, **kwargs)
-        return MonarchResult(res._pending, res._collect)
-
-    def call_rank_async(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> MonarchResult:  # type: ignore[override]
-        res = super().call_rank_async(rank, method, *args, **kwargs)
-        return MonarchResult(res._pending, res._collect)
-
     def _submit(self, method: str, plan: DispatchPlan) -> GroupCall:
         if self._broken is not None:
             raise GroupBroken(
@@ -230,16 +215,19 @@ class MonarchWorkerGroup(WorkerGroup):
         return call
 
     def _payload(self, ranks: tuple[int, ...], args: tuple, kwargs: dict, forward: list) -> Any:
+        """What one message carries. Never a tensor view as is (``compacts_payloads``): a pickled view would
+        ship its parent's whole storage, so views go to shared memory (written compactly) or are cloned."""
         if not _has_tensor((args, kwargs)):
             return (args, kwargs)  # nothing to share: skip the extra pickle (empty calls stay at raw speed)
         if self._pool is not None and all(r in self._shm_ranks for r in ranks):
-            enc = encode(
-                (args, kwargs), self._pool.directory, self.config.shm_threshold_bytes, self._pool.allocate
-            )
+            threshold = self.config.shm_threshold_bytes
+            # views too small for shared memory are pickled into the skeleton: clone those (cheap) first
+            obj = compact((tuple(args), dict(kwargs)), threshold_bytes=threshold)
+            enc = encode(obj, self._pool.directory, threshold, self._pool.allocate)
             if enc.path is not None:
                 forward.append((enc, ranks))
                 return enc
-            return (args, kwargs)
+            return obj
         return compact((tuple(args), dict(kwargs)))
 
     def _make_call(

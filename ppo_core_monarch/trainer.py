@@ -9,7 +9,7 @@ The same code runs on one machine (``hosts=None``) and on N hosts x M GPUs (``ho
 ``job_hosts(job, "trainers")``, ``procs_per_host=M``): every rank, host and device comes from the mesh.
 
 Example:
-    >>> roles = {"actor": WorkerSpec(MyActor, (cfg.actor.worker,)), "critic": WorkerSpec(MyCritic, (cfg.critic.worker,))}
+    >>> roles = {"actor": WorkerSpec(MyActor, (cfg.actor.worker,)), "critic": WorkerSpec(MyCritic, (cfg.critic.worker,))}  # doctest: +SKIP
     >>> trainer = MonarchPPOTrainer(cfg, roles=roles, procs_per_host=2, train_dataset=data, reward_fn=score)  # doctest: +SKIP
     >>> try:  # doctest: +SKIP
     ...     trainer.fit()

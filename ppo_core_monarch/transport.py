@@ -246,22 +246,40 @@ def _unlink(path: str) -> None:
 _GRAIN = 1 << 20  # pool files grow in MiB steps so that similar payloads reuse them
 
 
-def compact(obj: Any) -> Any:
+def compact(obj: Any, *, threshold_bytes: int | None = None) -> Any:
     """``obj`` with every tensor view that does not own its whole storage replaced by a compact clone.
 
     Pickling ships a tensor's whole storage, so a 1 MB row slice of a 100 MB tensor would send 100 MB.
-    Handles tensors, TensorDicts, dicts, lists and tuples; other objects are returned unchanged.
+    Handles tensors, TensorDicts, dicts, lists and tuples; other objects are returned unchanged. With
+    ``threshold_bytes``, only the views that :func:`encode` with that threshold would pickle are cloned: the
+    ones it writes to shared memory are written compactly anyway, and cloning them would copy them twice.
+
+    Example:
+        >>> rows = torch.zeros(100, 10)[:5]
+        >>> compact(rows).untyped_storage().nbytes(), compact(rows, threshold_bytes=0) is rows
+        (200, True)
     """
+    if threshold_bytes is None:
+        needs_clone = _is_view
+    else:
+
+        def needs_clone(t: torch.Tensor) -> bool:
+            return _is_view(t) and not _sharable(t, threshold_bytes)
+
+    return _compact(obj, needs_clone)
+
+
+def _compact(obj: Any, needs_clone: Callable[[torch.Tensor], bool]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.clone() if _is_view(obj) else obj
+        return obj.clone() if needs_clone(obj) else obj
     if isinstance(obj, TensorDictBase):
-        if any(_is_view(t) for t in obj.values(include_nested=True, leaves_only=True)):
-            return obj.apply(lambda t: t.clone() if _is_view(t) else t)
+        if any(needs_clone(t) for t in obj.values(include_nested=True, leaves_only=True)):
+            return obj.apply(lambda t: t.clone() if needs_clone(t) else t)
         return obj
     if isinstance(obj, Mapping) and type(obj) in (dict,):
-        return {k: compact(v) for k, v in obj.items()}
+        return {k: _compact(v, needs_clone) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(compact(v) for v in obj)
+        return type(obj)(_compact(v, needs_clone) for v in obj)
     return obj
 
 

@@ -1,8 +1,11 @@
 """Data-parallel split and merge: one compact shard per DP rank, and the inverse.
 
 ``split_for_dp`` cuts a batch of ``B`` rows into ``dp_size`` contiguous shards of equal size in rank order (rank
-``r`` gets rows ``r*S : (r+1)*S``). Each shard is a clone with its own compact storage, so sending it to a worker
-serializes ``~1/dp_size`` of the batch rather than the parent's whole storage. When ``B`` is not a multiple of
+``r`` gets rows ``r*S : (r+1)*S``). By default each shard is a clone with its own compact storage, so sending it to
+a worker serializes ``~1/dp_size`` of the batch rather than the parent's whole storage. ``copy=False`` returns
+row-slice views instead, for a transport that copies every shard anyway (shared memory, or a compacting pickle):
+the views share storage with the (padded) batch, and pickling one as is ships the whole parent storage, so
+whoever serializes them must compact them first. When ``B`` is not a multiple of
 ``dp_size``, ``pad="repeat"`` appends copies of rows (cyclically from row 0, see
 :func:`ppo_core.batch.pad_to_multiple`) and :class:`PadInfo` records where they are; ``merge_from_dp``
 concatenates the per-rank outputs in rank order and drops them again.
@@ -68,18 +71,24 @@ class PadInfo:
 
 
 def split_for_dp(
-    batch: TensorDictBase, dp_size: int, pad: str = "error"
+    batch: TensorDictBase, dp_size: int, pad: str = "error", *, copy: bool = True
 ) -> tuple[list[TensorDictBase], PadInfo]:
-    """Split ``batch`` into ``dp_size`` compact, contiguous, equal shards in rank order.
+    """Split ``batch`` into ``dp_size`` contiguous, equal shards in rank order (compact clones by default).
 
     Args:
         batch: TensorDict with ``batch_size=[B]`` (tensors ``[B, ...]`` and non-tensor fields).
         dp_size: number of data-parallel ranks, ``>= 1``.
         pad: ``"error"`` raises when ``B % dp_size != 0``; ``"repeat"`` pads with copies of rows first.
+        copy: True: every shard is a clone with its own compact storage, safe to pickle, send or modify.
+            False: every shard is a row slice (a view) of the batch (of the padded copy when padding was
+            needed): no bytes are copied, writes to a shard write to the batch, and pickling a shard as is
+            serializes the parent's whole storage. Only for callers that compact the shards themselves
+            before they leave the process (a shared-memory transport that copies them, or a compacting
+            pickle); a worker group opts in with ``WorkerGroup.compacts_payloads``.
 
     Returns:
-        ``(shards, pad_info)``: ``dp_size`` TensorDicts of ``S = ceil(B / dp_size)`` rows each, every one a clone
-        with its own storage, and the :class:`PadInfo` to pass to :func:`merge_from_dp`.
+        ``(shards, pad_info)``: ``dp_size`` TensorDicts of ``S = ceil(B / dp_size)`` rows each (clones or views,
+        see ``copy``), and the :class:`PadInfo` to pass to :func:`merge_from_dp`.
 
     Raises:
         ValueError: ``dp_size < 1``, an unknown ``pad`` (valid names are listed), or ``pad="error"`` with a batch
@@ -92,11 +101,17 @@ def split_for_dp(
         ([[0, 1, 2], [3, 4, 0]], [3, 2])
         >>> merge_from_dp(shards, info)["x"].tolist()
         [0, 1, 2, 3, 4]
+        >>> batch = TensorDict({"x": torch.arange(4)}, batch_size=[4])
+        >>> views, _ = split_for_dp(batch, 2, copy=False)
+        >>> views[1]["x"].untyped_storage().data_ptr() == batch["x"].untyped_storage().data_ptr()
+        True
     """
     size = _check_batch("batch", batch)
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
     check_choice("pad", pad, PAD_MODES)
+    if not isinstance(copy, bool):
+        raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
     if size % dp_size != 0:
         if pad == "error":
             raise ValueError(
@@ -107,7 +122,8 @@ def split_for_dp(
     else:
         pad_size = 0
     shard_size = (size + pad_size) // dp_size
-    shards = [_slice(batch, r * shard_size, (r + 1) * shard_size) for r in range(dp_size)]
+    cut = _slice if copy else _view
+    shards = [cut(batch, r * shard_size, (r + 1) * shard_size) for r in range(dp_size)]
     info = PadInfo(batch_size=size, dp_size=dp_size, shard_size=shard_size, pad_size=pad_size)
     return shards, info
 
@@ -143,5 +159,11 @@ def merge_from_dp(parts: Sequence[TensorDictBase], pad_info: PadInfo) -> TensorD
             raise ValueError(
                 f"parts[{rank}] has {rows} rows but every shard had shard_size={pad_info.shard_size} rows"
             )
-    trimmed = [_slice(part, 0, pad_info.valid_rows(rank)) for rank, part in enumerate(parts)]
+    # views suffice: concat copies every row into new storage anyway
+    trimmed = [_view(part, 0, pad_info.valid_rows(rank)) for rank, part in enumerate(parts)]
     return concat(trimmed)
+
+
+def _view(batch: TensorDictBase, start: int, stop: int) -> TensorDictBase:
+    """Rows ``start:stop`` as a view sharing ``batch``'s storage (see ``copy`` of :func:`split_for_dp`)."""
+    return batch[start:stop]

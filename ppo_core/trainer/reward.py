@@ -64,17 +64,20 @@ def scores_to_token_level(scores: Any, response_mask: torch.Tensor) -> torch.Ten
     """
     mask = response_mask.bool()
     bsz, width = mask.shape
-    scores = torch.as_tensor(scores, dtype=torch.float32)
+    device = mask.device
+    scores = torch.as_tensor(scores, dtype=torch.float32, device=device)
     if scores.shape == (bsz, width):
         return scores
     if scores.shape != (bsz,):
         raise ValueError(
             f"reward scores must have shape [B]={bsz} or [B, R]=({bsz}, {width}), got {tuple(scores.shape)}"
         )
-    out = torch.zeros(bsz, width, dtype=torch.float32)
+    out = torch.zeros(bsz, width, dtype=torch.float32, device=device)
+    if out.numel() == 0:  # max() below cannot reduce a zero-width row
+        return out
     lengths = mask.long().sum(-1)
     # last valid position = highest index with mask 1 (masks may have interior gaps in multi-turn data)
-    positions = torch.arange(width).expand(bsz, width)
+    positions = torch.arange(width, device=device).expand(bsz, width)
     last = torch.where(mask, positions, torch.full_like(positions, -1)).max(-1).values
     has = lengths > 0
     out[has.nonzero().flatten(), last[has]] = scores[has]

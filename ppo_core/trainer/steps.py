@@ -60,8 +60,9 @@ def merge_generation(prompts: TensorDictBase, generated: TensorDictBase) -> Tens
             raise KeyError(f"generate_sequences output has no {key!r}; it has {sorted(generated.keys())}")
     out = generated.clone(False)
     if "response_mask" not in out:
-        width = out["responses"].shape[-1]
-        out.set("response_mask", out["attention_mask"][:, -width:].clone())
+        # slice from P = total - R, not from -R: with R = 0, [:, -0:] would be the whole attention mask
+        start = out["attention_mask"].shape[-1] - out["responses"].shape[-1]
+        out.set("response_mask", out["attention_mask"][:, start:].clone())
     for key, value in prompts.items():
         if is_non_tensor(value) and key not in out:
             out.set(key, value)

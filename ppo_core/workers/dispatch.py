@@ -11,7 +11,8 @@ Modes (``Dispatch.<NAME>``):
   result is the list of outputs.
 - ``DP_COMPUTE``: every ``TensorDict`` argument is split by data-parallel rank with
   :func:`ppo_core.batch.split_for_dp` (non-divisible batches are padded by repeating rows); TP/PP replicas of a
-  dp rank get the same shard object; outputs of the collect ranks are merged in dp order with
+  dp rank get the same shard object: a compact clone, or a row-slice view when the backend asks for
+  ``dispatch(..., copy=False)`` because it copies payloads itself; outputs of the collect ranks are merged in dp order with
   :func:`ppo_core.batch.merge_from_dp`, which removes the padding.
 - ``DP_COMPUTE_METRIC``: same split (but a non-divisible batch is an error: padding would duplicate training
   samples); the result is one metric dict per dp rank, all of them, reduced with
@@ -162,14 +163,34 @@ CollectFn = Callable[[DPLayout, DispatchPlan, list], Any]
 
 @dataclasses.dataclass(frozen=True)
 class DispatchMode:
-    """A named ``(dispatch_fn, collect_fn)`` pair."""
+    """A named ``(dispatch_fn, collect_fn)`` pair.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> import torch
+        >>> batch = TensorDict({"x": torch.arange(4)}, batch_size=[4])
+        >>> plan = Dispatch.DP_COMPUTE.dispatch(DPLayout.trivial(2), (batch,), {}, copy=False)
+        >>> shard = plan.calls[1].args[0]["x"]  # rows 2:4 of the batch's own storage, not a clone
+        >>> shard.tolist(), shard.storage_offset(), shard.untyped_storage().data_ptr() == batch["x"].data_ptr()
+        ([2, 3], 2, True)
+    """
 
     name: str
     dispatch_fn: DispatchFn
     collect_fn: CollectFn
+    accepts_copy: bool = False
+    """Whether ``dispatch_fn`` takes a ``copy`` keyword (the DP modes: ``split_for_dp(..., copy=copy)``)."""
 
-    def dispatch(self, layout: DPLayout, args: tuple, kwargs: dict) -> DispatchPlan:
-        """Plan the per-rank calls for ``args``/``kwargs``."""
+    def dispatch(self, layout: DPLayout, args: tuple, kwargs: dict, *, copy: bool = True) -> DispatchPlan:
+        """Plan the per-rank calls for ``args``/``kwargs``.
+
+        ``copy=False`` lets a mode that splits batches hand out row-slice views instead of compact clones
+        (see :func:`ppo_core.batch.split_for_dp`): only for backends that compact or copy every payload
+        before it leaves the process (``WorkerGroup.compacts_payloads``). Modes without ``accepts_copy``
+        ignore it.
+        """
+        if self.accepts_copy:
+            return self.dispatch_fn(layout, tuple(args), dict(kwargs), copy=copy)
         return self.dispatch_fn(layout, tuple(args), dict(kwargs))
 
     def collect(self, layout: DPLayout, plan: DispatchPlan, outputs: list) -> Any:
@@ -209,7 +230,7 @@ def _first_output(layout: DPLayout, plan: DispatchPlan, outputs: list) -> Any:
     return outputs[0]
 
 
-def _split_dp(layout: DPLayout, args: tuple, kwargs: dict, pad: str) -> DispatchPlan:
+def _split_dp(layout: DPLayout, args: tuple, kwargs: dict, pad: str, copy: bool = True) -> DispatchPlan:
     from ppo_core.batch import split_for_dp
 
     named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
@@ -224,7 +245,7 @@ def _split_dp(layout: DPLayout, args: tuple, kwargs: dict, pad: str) -> Dispatch
     shards_of: dict[int, list] = {}
     pad_info = None
     for _name, td in tds:
-        shards, info = split_for_dp(td, layout.dp_size, pad=pad)
+        shards, info = split_for_dp(td, layout.dp_size, pad=pad, copy=copy)
         shards_of[id(td)] = shards
         pad_info = info if pad_info is None else pad_info
 
@@ -287,7 +308,7 @@ class Dispatch:
         """``DP_COMPUTE`` with a padding policy (``"repeat"`` rows to a multiple of dp_size, or ``"error"``)."""
         if pad not in _PADS:
             raise ValueError(f"unknown pad {pad!r}; valid values: {', '.join(_PADS)}")
-        return DispatchMode("dp_compute", functools.partial(_split_dp, pad=pad), _merge_dp)
+        return DispatchMode("dp_compute", functools.partial(_split_dp, pad=pad), _merge_dp, accepts_copy=True)
 
     @staticmethod
     def dp_compute_metric(
@@ -300,6 +321,7 @@ class Dispatch:
             "dp_compute_metric",
             functools.partial(_split_dp, pad=pad),
             functools.partial(_reduce_dp_metrics, reduce),
+            accepts_copy=True,
         )
 
     @staticmethod

@@ -135,7 +135,14 @@ class GroupResult:
         return self._await().__await__()
 
     async def _await(self) -> Any:
-        return self._collect(await self._pending.wait_async())
+        # a backend's own wait_async (e.g. awaiting Monarch futures natively) is used when it has one; a pending
+        # call without it (duck-typed, not a PendingCall) is waited on in a helper thread
+        wait_async = getattr(self._pending, "wait_async", None)
+        if wait_async is not None:
+            outputs = await wait_async()
+        else:
+            outputs = await asyncio.get_running_loop().run_in_executor(None, self._pending.result)
+        return self._collect(outputs)
 
 
 def _fixed_mode_names() -> tuple[str, ...]:
@@ -146,7 +153,9 @@ class WorkerGroup(abc.ABC):
     """A set of ranks running one worker class (or one colocated set of roles), driven by the controller.
 
     Subclasses implement :attr:`world_size`, :meth:`_submit` and :meth:`_shutdown`; they call
-    ``super().__init__(spec)`` after they can serve calls.
+    ``super().__init__(spec)`` after they can serve calls. A backend whose ``_submit`` copies or compacts every
+    tensor payload before it leaves the process sets :attr:`compacts_payloads` to receive data-parallel shards
+    as views (one copy of the batch fewer).
 
     Example:
         >>> from ppo_core.backends.local import LocalWorkerGroup
@@ -155,6 +164,12 @@ class WorkerGroup(abc.ABC):
         ...     wg.call_all("worker_layout")[1].dp_rank
         1
     """
+
+    compacts_payloads: bool = False
+    """True when ``_submit`` never sends a tensor view as is (it copies payloads into shared memory, or clones
+    views before pickling): DP modes then plan row-slice views (``split_for_dp(copy=False)``) instead of
+    compact clones. Keep False for backends that pickle or hand over arguments unchanged: a pickled view ships
+    its parent's whole storage, and an in-process worker writing to a view would write to the caller's batch."""
 
     def __init__(self, spec: WorkerSpec, *, method_prefix: str = "") -> None:
         if not isinstance(spec, WorkerSpec):
@@ -207,7 +222,7 @@ class WorkerGroup(abc.ABC):
         self._check_open(method)
         mode = resolve_dispatch(mode)
         layout = DPLayout.trivial(self.world_size) if mode.name in _fixed_mode_names() else self.layout
-        plan = mode.dispatch(layout, tuple(args), dict(kwargs or {}))
+        plan = mode.dispatch(layout, tuple(args), dict(kwargs or {}), copy=not self.compacts_payloads)
         if Execute(execute) is Execute.RANK_ZERO:
             plan = DispatchPlan([c for c in plan.calls if c.rank == 0], plan.context, plan.uniform)
         for call in plan.calls:
@@ -337,6 +352,10 @@ class _RoleView(WorkerGroup):
     @property
     def world_size(self) -> int:
         return self._parent.world_size
+
+    @property
+    def compacts_payloads(self) -> bool:  # type: ignore[override]
+        return self._parent.compacts_payloads
 
     @property
     def closed(self) -> bool:

@@ -1,4 +1,4 @@
-"""split_for_dp / merge_from_dp: round trips, rank order, compact shards, padding bookkeeping."""
+"""split_for_dp / merge_from_dp: round trips, rank order, compact shards or views, padding bookkeeping."""
 
 from __future__ import annotations
 
@@ -95,6 +95,55 @@ def test_shards_do_not_alias_the_batch():
     assert batch["x"].tolist() == [0.0] * 4
 
 
+def _tensor_leaves(td):
+    return dict(td.items(include_nested=True, leaves_only=True))
+
+
+@FEW
+@given(td_batches(max_batch=13), st.integers(1, 6))
+def test_views_equal_copies_share_storage_and_round_trip(batch, dp):
+    """``copy=False``: same rows and PadInfo as the clones, but each shard is a row slice of one storage."""
+    size = batch.batch_size[0]
+    copies, info = split_for_dp(batch, dp, pad="repeat")
+    views, view_info = split_for_dp(batch, dp, pad="repeat", copy=False)
+    assert view_info == info
+    rows = _padded_rows(size, dp)
+    for r, (view, shard) in enumerate(zip(views, copies, strict=True)):
+        assert_batch_rows(view, batch, rows[r * info.shard_size : (r + 1) * info.shard_size])
+        assert_batch_rows(view, shard, list(range(info.shard_size)))
+    # without padding the views are slices of the batch itself; with padding, of one padded copy of it
+    parents = _tensor_leaves(batch) if info.pad_size == 0 else _tensor_leaves(views[0])
+    for r, view in enumerate(views):
+        for key, leaf in _tensor_leaves(view).items():
+            parent = parents[key]
+            assert leaf.untyped_storage().data_ptr() == parent.untyped_storage().data_ptr(), key
+            if leaf.numel():
+                offset = leaf.storage_offset() - parent.storage_offset()
+                assert offset == r * info.shard_size * parent.stride(0), key
+    assert_batch_rows(merge_from_dp(views, view_info), batch, list(range(size)))
+
+
+def test_views_write_through_and_pickle_the_parent_storage():
+    """What the ``copy=False`` caveat warns about: in-place writes reach the batch, pickles drag its storage."""
+    batch = TensorDict({"x": torch.zeros(4096)}, batch_size=[4096])
+    views, _ = split_for_dp(batch, 4, copy=False)
+    copies, _ = split_for_dp(batch, 4)
+    views[1]["x"][0] = 7.0
+    assert batch["x"][1024].item() == 7.0
+    assert len(pickle.dumps(views[2])) > 3 * len(pickle.dumps(copies[2]))  # whole 16 KB parent, not 4 KB
+    compacted = views[2].clone()
+    assert len(pickle.dumps(compacted)) < 1.2 * len(pickle.dumps(copies[2]))
+
+
+def test_merge_of_views_does_not_alias_the_parts():
+    batch = TensorDict({"x": torch.arange(6.0)}, batch_size=[6])
+    views, info = split_for_dp(batch, 4, pad="repeat", copy=False)
+    merged = merge_from_dp(views, info)
+    merged["x"].add_(100.0)
+    assert batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(v["x"].max().item() < 100.0 for v in views)
+
+
 def test_merge_keeps_fields_added_by_workers_and_uses_rank_order():
     batch = TensorDict({"x": torch.arange(5.0)}, batch_size=[5])
     shards, info = split_for_dp(batch, 2, pad="repeat")
@@ -135,3 +184,5 @@ def test_argument_errors():
         merge_from_dp([batch], {"dp_size": 1})
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         split_for_dp(batch, 2)[1].valid_rows(2)
+    with pytest.raises(TypeError, match="copy must be a bool"):
+        split_for_dp(batch, 2, copy="no")

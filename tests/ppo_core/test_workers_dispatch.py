@@ -85,6 +85,42 @@ def test_dp_compute_shards_are_contiguous_in_dp_order(dp, size):
     )  # equal shards (padding repeats rows)
 
 
+@given(layouts(), st.integers(0, 11), st.sampled_from(["dp_compute", "dp_compute_metric"]))
+def test_dp_modes_with_copy_false_plan_views_of_the_same_rows(layout, size, name):
+    """``copy=False`` (backends that compact payloads): the same plan, each shard a row slice of the batch."""
+    mode = (
+        Dispatch.dp_compute(pad="repeat")
+        if name == "dp_compute"
+        else Dispatch.dp_compute_metric(pad="repeat")
+    )
+    assert mode.accepts_copy
+    batch = batch_of(size)
+    copies = mode.dispatch(layout, (batch,), {"scale": 2.0})
+    views = mode.dispatch(layout, (batch,), {"scale": 2.0}, copy=False)
+    assert views.context == copies.context
+    padded = size % layout.dp_size != 0
+    for c, v in zip(copies.calls, views.calls, strict=True):
+        assert (v.rank, v.kwargs) == (c.rank, c.kwargs)
+        assert v.args[0]["x"].tolist() == c.args[0]["x"].tolist()
+        assert v.args[0].get("uid").tolist() == c.args[0].get("uid").tolist()
+        shares = v.args[0]["x"].untyped_storage().data_ptr() == batch["x"].untyped_storage().data_ptr()
+        assert shares == (not padded)  # a padded batch is sliced from its one padded copy instead
+        if size:  # empty tensors have no storage to compare
+            assert c.args[0]["x"].untyped_storage().data_ptr() != batch["x"].untyped_storage().data_ptr()
+    for d in range(layout.dp_size):  # TP/PP peers still share one shard object
+        assert len({id(views.calls[r].args[0]) for r in layout.ranks_of(d)}) == 1
+
+
+def test_copy_is_ignored_by_modes_that_do_not_split():
+    layout = DPLayout.trivial(2)
+    x = torch.arange(4)
+    for mode in (Dispatch.ONE_TO_ALL, Dispatch.RANK_ZERO):
+        assert not mode.accepts_copy
+        assert all(c.args[0] is x for c in mode.dispatch(layout, (x,), {}, copy=False).calls)
+    custom = Dispatch.custom(lambda lay, a, k: DispatchPlan([RankCall(0, a, k)]), lambda lay, p, o: o)
+    assert custom.dispatch(layout, (x,), {}, copy=False).calls[0].args[0] is x
+
+
 @given(st.integers(1, 6), st.integers(1, 13))
 def test_dp_compute_metric_keeps_every_dp_rank(dp, size):
     """verl pitfall 27: padding trimmed whole rank entries from the metric list; here every dp rank counts."""

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.workers import (
     ColocatedWorker,
+    CompletedCall,
     Dispatch,
     Execute,
     FuturesCall,
@@ -143,6 +144,45 @@ def test_tensor_parallel_peers_get_the_same_shard_and_one_is_collected():
     torch.testing.assert_close(out["y"], 2 * torch.arange(6.0))
 
 
+class _RecordingGroup(LocalWorkerGroup):
+    """The local backend, recording the arguments ``_submit`` is handed."""
+
+    def _submit(self, method, plan):
+        self.submitted = [call.args for call in plan.calls]
+        return super()._submit(method, plan)
+
+
+class _CompactingGroup(_RecordingGroup):
+    """A backend that promises to compact payloads itself (as ``MonarchWorkerGroup`` does)."""
+
+    compacts_payloads = True
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("compacting", [False, True])
+def test_only_backends_that_compact_payloads_get_dp_shards_as_views(compacting):
+    batch = TensorDict({"x": torch.arange(6.0)}, batch_size=[6])
+    with (_CompactingGroup if compacting else _RecordingGroup)(Counter, world_size=3) as wg:
+        out = wg.double(batch)
+    submitted = wg.submitted
+    assert [args[0]["x"].tolist() for args in submitted] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert all(_shares_storage(args[0]["x"], batch["x"]) == compacting for args in submitted)
+    torch.testing.assert_close(out["y"], 2 * batch["x"])  # same result either way
+
+
+def test_role_views_follow_their_group_on_compacting_payloads():
+    roles = {"actor": WorkerSpec(Counter)}
+    with _CompactingGroup(WorkerSpec(ColocatedWorker, kwargs={"roles": roles}), world_size=2) as group:
+        actor = group.role("actor")
+        assert actor.compacts_payloads and not LocalWorkerGroup.compacts_payloads
+        batch = TensorDict({"x": torch.arange(4.0)}, batch_size=[4])
+        actor.double(batch)
+        assert all(_shares_storage(args[0]["x"], batch["x"]) for args in group.submitted)
+
+
 def test_worker_errors_name_rank_and_method():
     with LocalWorkerGroup(Counter, world_size=3) as wg:
         with pytest.raises(WorkerCallError, match=r"rank 1 failed in 'fail': KeyError") as info:
@@ -185,6 +225,28 @@ def test_await_of_a_pending_call_does_not_block_the_loop():
     value, ticks = asyncio.run(main())
     pool.shutdown()
     assert value == 8 and ticks > 0
+
+
+def test_await_uses_the_pending_calls_own_wait_async_or_a_thread():
+    class NativeCall(CompletedCall):
+        awaited = False
+
+        async def wait_async(self):
+            NativeCall.awaited = True
+            return [41]
+
+    class DuckCall:  # not a PendingCall: no wait_async
+        def result(self, timeout=None):
+            return [9]
+
+        def done(self):
+            return True
+
+    async def main():
+        return await GroupResult(NativeCall([0]), lambda o: o[0] + 1), await GroupResult(DuckCall(), sum)
+
+    assert asyncio.run(main()) == (42, 9)
+    assert NativeCall.awaited  # the backend's own wait, not result() in a helper thread
 
 
 def test_futures_call_timeout():

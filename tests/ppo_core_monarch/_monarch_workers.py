@@ -68,6 +68,11 @@ class ProbeWorker(Worker):
             batch_size=[n],
         )
 
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def shard_bytes(self, batch: TensorDict) -> tuple[int, int]:
+        """``(bytes of the received x, bytes of the storage behind it)``: equal when the shard came compact."""
+        return batch["x"].nbytes, batch["x"].untyped_storage().nbytes()
+
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def stats(self, batch: TensorDict) -> dict:
         return {"rows": float(batch.batch_size[0])}

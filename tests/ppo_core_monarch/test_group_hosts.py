@@ -64,6 +64,16 @@ def test_dp_dispatch_across_hosts(group, n):
     assert bool((out["rank"][1:] >= out["rank"][:-1]).all())
 
 
+def test_dp_shards_planned_as_views_arrive_compact(group):
+    # MonarchWorkerGroup.compacts_payloads: the shards are row slices of the batch, and the pickled path must
+    # clone them, or every rank would receive the whole batch's storage
+    assert group.compacts_payloads
+    n = 4 * group.world_size
+    batch = TensorDict({"x": torch.arange(n * 1024).reshape(n, 1024)}, batch_size=[n])
+    for nbytes, storage in group.shard_bytes(batch):
+        assert nbytes == storage == 4 * 1024 * 8
+
+
 def test_views_are_sent_compactly(group):
     # a 2-row view of a large tensor must not ship the whole storage (it would still be correct, only slow)
     base = torch.arange(1 << 20)

@@ -89,6 +89,25 @@ def test_compact_clones_only_views():
     assert out["l"][0].untyped_storage().nbytes() == 16 and out["n"] == 3
 
 
+def test_compact_with_a_threshold_clones_only_the_views_encode_would_pickle(shm_dir):
+    """``MonarchWorkerGroup`` receives DP shards as views: large ones go to shared memory (written compactly,
+    not cloned first); small ones would be pickled with their parent's whole storage, so they are cloned."""
+    big, small = torch.arange(1 << 14), torch.arange(64)
+    td = TensorDict({"big": big.view(64, -1), "small": small}, batch_size=[64])[16:32]
+    out = compact((td,), threshold_bytes=1024)[0]
+    assert out["big"].untyped_storage().data_ptr() == big.untyped_storage().data_ptr()  # not copied
+    assert out["small"].untyped_storage().nbytes() == out["small"].nbytes == 16 * 8
+    assert out["big"].untyped_storage().nbytes() > out["big"].nbytes
+    tiny = small[:4]
+    assert (
+        compact(tiny, threshold_bytes=0) is tiny
+    )  # at threshold 0 encode writes every tensor to shared memory
+    enc = encode(out, shm_dir, threshold_bytes=1024)
+    assert enc.nbytes == out["big"].nbytes and len(enc.skeleton) < 4096  # neither parent storage travels
+    back = decode(enc, unlink=True)
+    assert torch.equal(back["big"], td["big"]) and torch.equal(back["small"], td["small"])
+
+
 def test_borrowed_decode_releases_only_when_nothing_kept(shm_dir):
     pool = ShmPool(shm_dir, max_bytes=1 << 24)
     obj = {"x": torch.arange(4096, dtype=torch.float32)}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import nn
 
-from ppo_core.batch import iter_minibatches
+from ppo_core.workers._minibatching import global_loss_denominators, local_minibatches
 from ppo_core.workers.base import Worker
 from ppo_core.workers.megatron.hf_loading import load_hf_checkpoint
 from ppo_core.workers.megatron.model import build_gpt_model
@@ -211,32 +211,29 @@ class MegatronWorkerBase(Worker):
 
     def _global_denominators(self, mask: torch.Tensor) -> dict[str, Any]:
         """agg_loss keywords normalising a mini-batch by its size over all dp ranks (pitfall 13)."""
-        counts = torch.stack(
-            [
-                mask.sum().to(torch.float64),
-                torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device),
-            ]
+
+        def all_reduce_sum(counts: torch.Tensor) -> torch.Tensor:
+            if self.dp_size > 1:
+                dist.all_reduce(counts, group=self._dp_group)
+            return counts
+
+        return global_loss_denominators(
+            mask,
+            dp_size=self.dp_size,
+            loss_scale_factor=self.config.loss_scale_factor,
+            all_reduce_sum=all_reduce_sum,
         )
-        if self.dp_size > 1:
-            dist.all_reduce(counts, group=self._dp_group)
-        return {
-            "dp_size": self.dp_size,
-            "batch_num_tokens": counts[0],
-            "global_batch_size": counts[1],
-            "loss_scale_factor": self.config.loss_scale_factor,
-        }
 
     def _minibatches(self, batch: TensorDictBase) -> Iterator[TensorDictBase]:
         cfg = self.config
-        local = cfg.ppo_mini_batch_size // self.dp_size
-        n = int(batch.batch_size[0])
-        if n % local:
-            raise ValueError(
-                f"the batch of {n} rows on dp rank {self.dp_rank} is not a multiple of the local mini-batch size "
-                f"{local} (ppo_mini_batch_size={cfg.ppo_mini_batch_size} / dp_size={self.dp_size})"
-            )
-        return iter_minibatches(
-            batch, local, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, generator=self.shuffle_generator
+        return local_minibatches(
+            batch,
+            ppo_mini_batch_size=cfg.ppo_mini_batch_size,
+            ppo_epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            generator=self.shuffle_generator,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
         )
 
     def _optimizer_step(self) -> float:

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from ppo_core.batch import iter_minibatches
+from ppo_core.workers._minibatching import global_loss_denominators, local_minibatches
 from ppo_core.workers.base import Worker
 from ppo_core.workers.torch.config import ActorCriticCommon, OptimConfig
 from ppo_core.workers.torch.distributed import (
@@ -92,32 +92,24 @@ class TorchWorkerBase(Worker):
     def _minibatches(self, batch: TensorDictBase) -> Iterator[TensorDictBase]:
         """This rank's mini-batches for every epoch (each 1/dp_size of ``ppo_mini_batch_size`` rows)."""
         cfg = self.config
-        local = cfg.ppo_mini_batch_size // self.dp_size
-        n = int(batch.batch_size[0])
-        if n % local:
-            raise ValueError(
-                f"the batch of {n} rows on dp rank {self.dp_rank} is not a multiple of the local mini-batch size "
-                f"{local} (ppo_mini_batch_size={cfg.ppo_mini_batch_size} / dp_size={self.dp_size})"
-            )
-        return iter_minibatches(
-            batch, local, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, generator=self.shuffle_generator
+        return local_minibatches(
+            batch,
+            ppo_mini_batch_size=cfg.ppo_mini_batch_size,
+            ppo_epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            generator=self.shuffle_generator,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
         )
 
     def _global_denominators(self, mask: torch.Tensor) -> dict[str, Any]:
         """agg_loss keywords normalising a mini-batch by its size over all dp ranks (pitfall 13)."""
-        counts = torch.stack(
-            [
-                mask.sum().to(torch.float64),
-                torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device),
-            ]
+        return global_loss_denominators(
+            mask,
+            dp_size=self.dp_size,
+            loss_scale_factor=self.config.loss_scale_factor,
+            all_reduce_sum=lambda t: all_reduce_sum(t, self.data_parallel),
         )
-        counts = all_reduce_sum(counts, self.data_parallel)
-        return {
-            "dp_size": self.dp_size,
-            "batch_num_tokens": counts[0],
-            "global_batch_size": counts[1],
-            "loss_scale_factor": self.config.loss_scale_factor,
-        }
 
     def _optimizer_step(self) -> float:
         """Clip the gradient norm, step if it is finite (else skip, as verl does), clear gradients; returns the norm."""

@@ -1,0 +1,30 @@
+"""Doctests of the packages run with the suite: give them ``torch`` and skip what this machine cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+# Optional extras: their modules are only collected (for doctests) when the extra is installed.
+collect_ignore_glob: list[str] = []
+if importlib.util.find_spec("megatron") is None:
+    collect_ignore_glob.append("ppo_core/workers/megatron/*")
+if importlib.util.find_spec("monarch") is None:
+    collect_ignore_glob.append("ppo_core_monarch/*")
+collect_ignore_glob += ["examples/*", "benchmarks/*"]
+
+
+@pytest.fixture(autouse=True)
+def _doctest_torch(doctest_namespace: dict) -> None:
+    doctest_namespace["torch"] = torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    needs_cuda = pytest.mark.skip(reason="the example runs on a CUDA device")
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and "triton_scan" in item.name:
+            item.add_marker(needs_cuda)
