@@ -168,10 +168,11 @@ class WorkerActor(Actor):
         env.update(args.env)
         os.environ.update(env)
         local_rank = topo.local_rank_of(self._rank)
-        if args.torch_threads > 0:
+        threads = _torch_threads(args.torch_threads, topo.local_size)
+        if threads > 0:
             import torch
 
-            torch.set_num_threads(args.torch_threads)
+            torch.set_num_threads(threads)
         device = _select_device(args.device, local_rank)
         self._shm = _probe_shared_memory(args.shm_dir, args.shm_token, args.shm_threshold_bytes)
         with worker_context(rank=self._rank, world_size=topo.world_size, local_rank=local_rank):
@@ -233,6 +234,25 @@ class WorkerActor(Actor):
             return self._fail("close", exc)
         finally:
             self._store = None
+
+
+def _torch_threads(requested: int, local_size: int) -> int:
+    """Intra-op threads for this worker (``MonarchConfig.torch_threads``); 0 leaves torch as it is.
+
+    Automatic (``requested == 0``): a positive ``OMP_NUM_THREADS`` in the environment (``worker_env``
+    included) wins; else the usable cores are shared by the ``local_size`` workers of this host (torchrun
+    likewise sets one thread per process when it starts several).
+    """
+    if requested > 0:
+        return requested
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_size))
 
 
 def _select_device(device: str, local_rank: int) -> str:

@@ -8,8 +8,9 @@ Backends (all with the semantics of :mod:`ppo_core.kernels.reference`, checked a
   (:mod:`ppo_core.kernels.chunked`);
 - ``"reference"``: the per-timestep loop, the oracle.
 
-``"auto"`` picks ``chunked`` when autograd must flow through the inputs, else ``triton`` on CUDA, ``cpu`` on CPU,
-each when available, and ``chunked`` otherwise.
+``"auto"`` picks ``chunked`` when autograd must flow through the inputs or for float64 inputs on CUDA (Triton
+takes gamma and lam as fp32 scalars), else ``triton`` on CUDA, ``cpu`` on CPU, each when available, and ``chunked``
+otherwise.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _resolve(backend: str, device: torch.device, tensors: tuple[torch.Tensor, ..
     available = available_backends(device)
     if backend == "auto":
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return "chunked"
+        if available[0] == "triton" and any(t.dtype == torch.float64 for t in tensors):
+            # Triton passes gamma and lam as fp32 scalars: float64 inputs would lose ~1e-8 of precision
             return "chunked"
         return available[0]
     if backend not in available:

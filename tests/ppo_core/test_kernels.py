@@ -275,3 +275,13 @@ def test_triton_junk_and_dtypes() -> None:
         assert out.dtype == dtype
         assert _max_err(out, want) < (TOL if dtype == torch.float64 else 0.01 * (1 + want.abs().max().item()))
     assert _max_err(triton_scan.gae_scan_triton(r, v, m, 0.99, 0.95, accumulate_fp64=True)[0], ref) < TOL
+
+
+def test_auto_never_sends_float64_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Triton takes gamma/lam as fp32 scalars, so float64 inputs must take an exact path even where Triton exists.
+    from ppo_core.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "available_backends", lambda device: ["triton", "chunked", "reference"])
+    f64, f32 = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3)
+    assert dispatch._resolve("auto", torch.device("cpu"), (f64, f64)) == "chunked"
+    assert dispatch._resolve("auto", torch.device("cpu"), (f32, f32)) == "triton"

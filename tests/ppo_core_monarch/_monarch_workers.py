@@ -68,6 +68,10 @@ class ProbeWorker(Worker):
             batch_size=[n],
         )
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def torch_threads(self) -> int:
+        return torch.get_num_threads()
+
     @register(dispatch=Dispatch.DP_COMPUTE)
     def shard_bytes(self, batch: TensorDict) -> tuple[int, int]:
         """``(bytes of the received x, bytes of the storage behind it)``: equal when the shard came compact."""

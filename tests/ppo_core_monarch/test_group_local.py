@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -90,6 +91,14 @@ def test_remote_exception_names_rank_host_method_and_traceback(group):
     assert isinstance(err, WorkerCallError) and isinstance(err.__cause__, ValueError)
     # the group stays usable after an application error
     assert group.call_all("dp.boom", "x", rank=99) == list(range(WORLD))
+
+
+def test_workers_share_the_cores_of_their_host_by_default(group):
+    # torch's default (a thread per core in every worker) oversubscribes the host; the automatic setting
+    # splits the cores, unless OMP_NUM_THREADS says otherwise
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    expected = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(os.sched_getaffinity(0)) // WORLD)
+    assert group.call_all("dp.torch_threads") == [expected] * WORLD
 
 
 def test_large_results_come_back_through_shared_memory(group):
