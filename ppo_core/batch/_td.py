@@ -94,8 +94,11 @@ def _values_equal(a: object, b: object) -> bool:
 
 
 def _rows(batch: TensorDictBase, index: torch.Tensor) -> TensorDictBase:
-    """Rows ``index`` (``[n]`` int64) of ``batch`` as a new batch with its own compact storage."""
-    return batch[index].clone()
+    """Rows ``index`` (``[n]`` int64) of ``batch`` as a new batch with its own compact storage.
+
+    Integer-tensor indexing already gathers every tensor into new storage, so no further clone is needed.
+    """
+    return batch[index]
 
 
 def _slice(batch: TensorDictBase, start: int, stop: int) -> TensorDictBase:
