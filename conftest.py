@@ -15,6 +15,11 @@ if importlib.util.find_spec("monarch") is None:
     collect_ignore_glob.append("ppo_core_monarch/*")
 collect_ignore_glob += ["examples/*", "benchmarks/*"]
 
+if importlib.util.find_spec("monarch") is not None:
+    # Monarch reads its supervision poll at import: ppo_core_monarch must set it before any test imports monarch,
+    # or a dead worker is detected only after Monarch's 10 s default.
+    import ppo_core_monarch  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _doctest_torch(doctest_namespace: dict) -> None:
