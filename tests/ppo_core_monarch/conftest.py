@@ -14,6 +14,7 @@ import os
 import time
 
 import pytest
+from _procs import STARTED_PIDS
 
 import ppo_core_monarch  # noqa: F401  (must precede any monarch import: it sets the supervision poll)
 
@@ -22,7 +23,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p)
 
 _TEST_LIMIT_S = 240.0
-_STARTED_PIDS: list[int] = []
 
 
 def _children(pid: int) -> set[int]:
@@ -53,11 +53,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def remember_pids(pids: list[int]) -> None:
-    """Register processes a fixture started (checked by the session guard)."""
-    _STARTED_PIDS.extend(pids)
-
-
 @pytest.fixture(autouse=True)
 def _watchdog():
     faulthandler.dump_traceback_later(_TEST_LIMIT_S, exit=True)
@@ -71,7 +66,7 @@ def _no_process_left_behind():
     yield
     deadline = time.monotonic() + 20.0
     while True:
-        left = sorted((_children(os.getpid()) - before) | {p for p in _STARTED_PIDS if _alive(p)})
+        left = sorted((_children(os.getpid()) - before) | {p for p in STARTED_PIDS if _alive(p)})
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from _monarch_workers import ProbeWorker
-from conftest import remember_pids
+from _procs import remember_pids
 
 from ppo_core.workers import WorkerSpec
 from ppo_core_monarch import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _monarch_workers import ProbeWorker
-from conftest import remember_pids
+from _procs import remember_pids
 from tensordict import TensorDict
 
 from ppo_core_monarch import MonarchConfig, attach_hosts, start_worker_loops
