@@ -62,7 +62,8 @@ class ActorConfig(ConfigBase):
     world_size: int = 1
     """Ranks of the actor group (read by ``init_workers()``; also the ``n_gpus`` of throughput metrics)."""
     use_kl_loss: bool = False
-    """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_prob``."""
+    """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_prob``.
+    The worker's loss reads its own ``worker["use_kl_loss"]``, which must agree when given."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the ``actor/entropy`` metric over the batch (the worker's loss has its own setting)."""
     worker: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +72,14 @@ class ActorConfig(ConfigBase):
     def __post_init__(self) -> None:
         _int_at_least("actor.world_size", self.world_size, 1)
         _bool("use_kl_loss", self.use_kl_loss)
+        # The trainer must compute reference log-probs exactly when the worker's loss uses them. The flag is not
+        # copied into ``worker``: custom workers' constructors need not accept it.
+        given = self.worker.get("use_kl_loss")
+        if given is not None and bool(given) != self.use_kl_loss:
+            raise ValueError(
+                f"actor.worker.use_kl_loss={given!r} disagrees with actor.use_kl_loss={self.use_kl_loss!r}; "
+                "the trainer computes reference log-probs only for actor.use_kl_loss=True"
+            )
 
 
 @dataclass(kw_only=True)

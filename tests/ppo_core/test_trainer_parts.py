@@ -322,3 +322,14 @@ def test_tensorboard_logger_writes_events_or_warns_when_missing(tmp_path, caplog
         assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
     else:
         assert "tensorboard is not installed" in caplog.text
+
+
+def test_kl_loss_switches_of_trainer_and_worker_must_agree() -> None:
+    from ppo_core.trainer.config import ActorConfig
+
+    assert ActorConfig(use_kl_loss=True, worker={"use_kl_loss": True}).use_kl_loss
+    assert ActorConfig(use_kl_loss=True).worker == {}  # custom workers need not accept the flag
+    with pytest.raises(ValueError, match=r"actor\.worker\.use_kl_loss"):
+        ActorConfig(use_kl_loss=False, worker={"use_kl_loss": True})
+    with pytest.raises(ValueError, match=r"actor\.use_kl_loss=True"):
+        ActorConfig(use_kl_loss=True, worker={"use_kl_loss": False})
