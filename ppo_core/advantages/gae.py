@@ -82,7 +82,7 @@ def compute_gae(
     # zeroing masked inputs first keeps any kernel's arithmetic masking from turning masked NaN/inf into NaN
     r = zero_outside(rewards.to(dtype), mask).contiguous()
     v = zero_outside(values.to(dtype), mask).contiguous()
-    raw = kernels.masked_gae_scan(r, v, mask.contiguous(), gamma, lam)
-    returns = zero_outside(raw + v, mask)
+    raw, returns = kernels.masked_gae_returns_scan(r, v, mask.contiguous(), gamma, lam)
+    returns = zero_outside(returns, mask)
     advantages = masked_whiten(raw, mask) if whiten else raw
     return zero_outside(advantages, mask), returns
