@@ -17,15 +17,16 @@ MFU is ``6 N tokens / s / 989e12`` with ``N`` the parameters that do matrix work
 counted once, as the output layer) — the convention of the issue's anchors; ``mfu_with_attention`` adds the
 causal attention FLOPs ``6 L S D`` per token (forward + backward, half the ``S x S`` scores).
 
-Measured (one H100 80GB HBM3, torch 2.11, transformers 5.17, megatron-core 0.16.1, batch 4 x 2048, prompt 512,
-median of 8 steps; 2026-11-29): ours 208 ms/step, 39.3k tokens/s, MFU 0.295 (0.311 with attention), 41 GiB;
-HF 217 ms/step, 37.7k tokens/s, MFU 0.282, 26 GiB; ours/HF 1.04. Before the logits window and the compiled
-log-prob kernels ours was 256 ms (32.0k tokens/s, MFU 0.240). The profile of ours: matrix products 73 ms/step
-(~790 TFLOP/s), attention 13 ms, fused AdamW 13 ms, and ~80 ms of unfused element-wise work (RoPE, RMSNorm,
-SwiGLU, casts, residual adds, fp32 gradient accumulation) -- the gap to 40% MFU (154 ms/step). Note that ours
-projects only the response positions onto the vocabulary (``logits_window``) while HF computes all logits.
+Measured (one H200, torch 2.11, transformers 5.17, megatron-core 0.16.1, batch 4 x 2048, prompt 512, median of
+15 steps; 2026-12-01; ``results_h200_actor_update.json``): ours 141 ms/step, 58.0k tokens/s, MFU 0.435 (0.458 with
+attention), 34 GiB; ``fused_kernels=False`` 152 ms, MFU 0.405; HF 196 ms, 41.9k tokens/s, MFU 0.314; ours/HF
+1.38. Before the fused layers of ``ppo_core.workers.megatron.fused`` / ``.linear`` / ``.optim`` ours was 184 ms
+here (MFU 0.333; 208 ms on an H100). Profile of a step now: matrix products ~72 ms (~800 TFLOP/s), cuDNN
+attention ~13 ms, fused AdamW ~10 ms, and ~45 ms of the rest (compiled norms / rotary / SwiGLU, log-probs,
+optimizer copies, launch gaps). Note that ours projects only the response positions onto the vocabulary
+(``logits_window``) while HF computes all logits; the MFU counts the full ``6 N`` either way.
 
-Usage: ``python benchmarks/actor_update.py [--steps 10] [--warmup 3] [--local] [--out FILE]`` (CUDA only).
+Usage: ``python benchmarks/actor_update.py [--steps 10] [--warmup 3] [--unfused] [--local] [--out FILE]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -116,13 +117,13 @@ def _summary(times: list[float], tokens: int, n_params: int, attn_flops_per_toke
 
 
 def bench_ours(
-    args: argparse.Namespace, attention: str, distributed_optimizer: bool
+    args: argparse.Namespace, attention: str, distributed_optimizer: bool, fused: bool = True
 ) -> tuple[list[float], dict]:
     from ppo_core.workers.base import worker_context
     from ppo_core.workers.megatron import MegatronActorWorker
 
     cfg = {
-        "model": {**MODEL, "attention": attention},
+        "model": {**MODEL, "attention": attention, "fused_kernels": fused},
         "ppo_mini_batch_size": args.batch,
         "micro_batch_size": args.batch,
         "use_reference": False,
@@ -140,7 +141,7 @@ def bench_ours(
 
     torch.cuda.reset_peak_memory_stats()
     times = _time(step, args.steps, args.warmup)
-    if args.profile and attention == "sdpa" and not distributed_optimizer:
+    if args.profile and attention == "sdpa" and not distributed_optimizer and fused:
         _profile(step, args.profile)
     actor.close()
     return times, last
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--local", action="store_true", help="also time megatron's unfused local attention")
     p.add_argument("--distributed-optimizer", action="store_true", help="also time the distributed optimizer")
+    p.add_argument("--unfused", action="store_true", help="also time fused_kernels=False")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", default=None, help="write a CUDA op profile of ours to this file")
     p.add_argument("--out", default=None)
@@ -223,14 +225,16 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": {**MODEL, "batch": args.batch, "seq": args.seq, "prompt": args.prompt, "params": n_params},
         "peak_tflops": PEAK_FLOPS / 1e12,
     }
-    variants = [("ours", "sdpa", False)]
+    variants = [("ours", "sdpa", False, True)]
+    if args.unfused:
+        variants.append(("ours_unfused_kernels", "sdpa", False, False))
     if args.distributed_optimizer:
-        variants.append(("ours_distributed_optimizer", "sdpa", True))
+        variants.append(("ours_distributed_optimizer", "sdpa", True, True))
     if args.local:
-        variants.append(("ours_local_attention", "local", False))
-    for name, attention, dist_opt in variants:
+        variants.append(("ours_local_attention", "local", False, True))
+    for name, attention, dist_opt, fused in variants:
         try:
-            times, last = bench_ours(args, attention, dist_opt)
+            times, last = bench_ours(args, attention, dist_opt, fused)
             result[name] = {**_summary(times, tokens, n_params, attn), "last_metrics": last}
         except Exception as exc:  # a failed variant is reported, the others still run
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -3,11 +3,14 @@
 Modules: :mod:`~ppo_core.workers.megatron.config` (model shape, parallel layout, worker configs),
 :mod:`~ppo_core.workers.megatron.parallel` (megatron parallel state from the backend's ranks),
 :mod:`~ppo_core.workers.megatron.model` (GPTModel with fused SDPA attention, value head),
+:mod:`~ppo_core.workers.megatron.fused` (compiled RMSNorm and rotary embeddings, norms in the model dtype),
+:mod:`~ppo_core.workers.megatron.linear` (linear layers accumulating weight gradients into fp32 main grads),
+:mod:`~ppo_core.workers.megatron.optim` (megatron's optimizer without Apex: multi-tensor norm, clip, copy),
 :mod:`~ppo_core.workers.megatron.vocab_parallel` (log-probs / entropy without gathering the vocabulary),
 :mod:`~ppo_core.workers.megatron.hf_loading` (Hugging Face Llama/Qwen2 safetensors),
 :mod:`~ppo_core.workers.megatron.workers` (``MegatronActorWorker``, ``MegatronCriticWorker``).
 
-Only ``config``, ``parallel`` and ``vocab_parallel`` import without megatron-core; the model, loading and worker
+Only ``config``, ``parallel``, ``fused``, ``optim`` and ``vocab_parallel`` import without megatron-core; the model, loading and worker
 modules import it lazily (on first use of their functions) or at import time (``workers``).
 
 Example:

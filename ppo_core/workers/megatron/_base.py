@@ -3,7 +3,8 @@ the forward/backward driver over megatron's pipeline schedules, PPO mini-batches
 
 Forward and backward run through ``get_forward_backward_func`` (no pipelining for PP = 1, 1F1B otherwise) over
 micro-batches; gradients go through megatron's ``DistributedDataParallel`` (fp32 gradient buffers, averaged over
-dp) and its mixed-precision optimizer (fp32 master weights, AdamW, optionally sharded over dp).
+dp) and its mixed-precision optimizer (fp32 master weights, AdamW, optionally sharded over dp), with the
+multi-tensor kernels of :mod:`~ppo_core.workers.megatron.optim` where megatron would fall back to Python loops.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ppo_core.workers._minibatching import global_loss_denominators, local_minib
 from ppo_core.workers.base import Worker
 from ppo_core.workers.megatron.hf_loading import load_hf_checkpoint
 from ppo_core.workers.megatron.model import build_gpt_model
+from ppo_core.workers.megatron.optim import clip_grads, grad_norm, speed_up_megatron_optimizer
 from ppo_core.workers.megatron.parallel import destroy_megatron_parallel, init_megatron_parallel
 from ppo_core.workers.torch._common import split_rows
 from ppo_core.workers.torch.distributed import resolve_device
@@ -131,7 +133,7 @@ class MegatronWorkerBase(Worker):
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, [model])
-        _use_fused_adamw(optimizer, self.device)
+        speed_up_megatron_optimizer(optimizer, self.device)
         return model, optimizer
 
     @property
@@ -238,19 +240,17 @@ class MegatronWorkerBase(Worker):
 
     def _optimizer_step(self) -> float:
         """Clip and step (skipped, as in verl, when the gradient norm is not finite); returns the norm."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         opt = self.optimizer
         found_inf = opt.prepare_grads()
-        grad_norm = float(opt.get_grad_norm()) if not found_inf else math.inf
+        norm = grad_norm(opt) if not found_inf else math.inf
         clip = self.config.optim.grad_clip
-        if math.isfinite(grad_norm):
+        if math.isfinite(norm):
             if clip is not None:
-                clip_grad_by_total_norm_fp32(opt.get_parameters(), clip, grad_norm)
+                clip_grads(opt, clip, norm)
             opt.step_with_ready_grads()
         self.model.zero_grad_buffer()
         opt.zero_grad()
-        return grad_norm
+        return norm
 
     def _train(
         self, batch: TensorDictBase, keys: tuple[str, ...], step_loss: Callable
@@ -304,15 +304,3 @@ class MegatronWorkerBase(Worker):
     def close(self) -> None:
         self.optimizer.zero_grad()
         destroy_megatron_parallel()
-
-
-def _use_fused_adamw(optimizer: Any, device: torch.device) -> None:
-    """Without Apex/TE megatron falls back to ``torch.optim.AdamW`` (foreach); its fused CUDA kernel is faster."""
-    if device.type != "cuda":
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.AdamW):
-            inner.defaults.update(fused=True, foreach=False)
-            for group in inner.param_groups:
-                group.update(fused=True, foreach=False)

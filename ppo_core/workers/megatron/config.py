@@ -73,6 +73,11 @@ class MegatronModelConfig(ConfigBase):
     attention: str = "sdpa"
     """``"sdpa"``: fused ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient);
     ``"local"``: megatron-core's unfused attention (materialises ``S x S`` scores; CUDA only)."""
+    fused_kernels: bool = True
+    """On CUDA, megatron's ``torch.compile`` fusions of SwiGLU and the residual adds, and linear layers that
+    accumulate weight gradients inside their matrix products into the fp32 gradient buffers; False: megatron's
+    unfused code for those. (Norms and rotary embeddings are always fused kernels on CUDA; set
+    ``TORCHDYNAMO_DISABLE=1`` to run everything eagerly.)"""
     init_method_std: float = 0.02
     """Standard deviation of the random initialisation."""
     seed: int = 1234
@@ -154,13 +159,15 @@ class MegatronModelConfig(ConfigBase):
             )
 
     def transformer_config(self, parallel: ParallelConfig | None = None, **overrides: Any) -> Any:
-        """The ``megatron.core`` ``TransformerConfig`` of this model (fusions that need Apex/TE are off)."""
+        """The ``megatron.core`` ``TransformerConfig`` of this model (fusions that need Apex/TE are off; megatron's
+        ``torch.compile`` fusions of SwiGLU and the residual add follow ``fused_kernels`` on CUDA)."""
         import torch.nn.functional as F
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         parallel = parallel or ParallelConfig()
         self.check_parallel(parallel)
         dtype = self.torch_dtype
+        compiled = self.fused_kernels and torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -185,9 +192,10 @@ class MegatronModelConfig(ConfigBase):
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
-            # fusions below need Apex / Transformer Engine, which the "megatron" extra does not install
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
+            # megatron compiles these two with torch.compile; pointless (and slow to build) on the CPU
+            bias_activation_fusion=compiled,
+            bias_dropout_fusion=compiled,
+            # the fusions below need Apex / Transformer Engine, which the "megatron" extra does not install
             masked_softmax_fusion=False,
             persist_layer_norm=False,
             gradient_accumulation_fusion=False,

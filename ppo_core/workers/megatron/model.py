@@ -1,11 +1,15 @@
 """Megatron-core ``GPTModel`` for the actor (vocab-parallel logits) and the critic (a value head), with fused
-attention.
+attention and fused element-wise kernels.
 
 megatron-core's local layer spec computes attention as ``softmax(Q K^T) V`` with the ``[B, H, S, S]`` scores in
 memory; without Transformer Engine that is its only attention. :class:`SDPACoreAttention` is a drop-in
-``core_attention`` calling ``torch.nn.functional.scaled_dot_product_attention``, which picks the flash kernel for
-causal attention without padding and the memory-efficient kernel with a padding mask (never ``S x S`` in
-memory for the former; both fused). :func:`gpt_layer_spec` is the local spec with that attention.
+``core_attention`` calling ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN kernels for causal
+attention without padding, the memory-efficient kernel with a padding mask; never ``S x S`` in memory for the
+former). It also applies the rotary position embedding, fused into one kernel for ``q`` and ``k``
+(:mod:`~ppo_core.workers.megatron.fused`), so the model is built without megatron's unfused rotary embedding.
+:func:`gpt_layer_spec` is the local spec with that attention, :class:`~ppo_core.workers.megatron.fused.FusedNorm`
+norms (parameters in the model dtype) and, with ``fused_kernels``, linear layers that accumulate their weight
+gradients straight into megatron's fp32 buffers (:mod:`~ppo_core.workers.megatron.linear`).
 
 Shapes (megatron's convention inside the model): ``s`` sequence, ``b`` batch, ``h`` heads, ``g`` key/value
 groups, ``d`` head width; the model takes ``input_ids [B, S]`` and returns ``[B, S, V/TP]`` logits (actor) or
@@ -25,11 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.workers.megatron.config import MegatronModelConfig, ParallelConfig
+from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rotary_tables
 
 __all__ = [
     "SDPACoreAttention",
     "ValueHead",
     "build_gpt_model",
+    "gpt_block_spec",
     "gpt_layer_spec",
     "logits_window",
     "padded_vocab_size",
@@ -42,6 +48,10 @@ class SDPACoreAttention(nn.Module):
     Takes ``query [s, b, h/TP, d]``, ``key``/``value [s, b, g/TP, d]`` and megatron's boolean
     ``attention_mask`` (``True`` = masked out, ``[b, 1, s, s]``) or None for plain causal attention; returns
     ``[s, b, h/TP * d]``. Grouped-query attention is handled by SDPA (``enable_gqa``), without repeating keys.
+
+    With ``rotary_base`` set, ``query`` and ``key`` are first rotated by their positions ``0 .. s - 1`` (what
+    megatron's rotary embedding does; with left padding only relative positions matter, and those are the
+    same), so the model must be built with ``position_embedding_type="none"``.
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class SDPACoreAttention(nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        rotary_base: float | None = None,
     ) -> None:
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
@@ -63,6 +74,14 @@ class SDPACoreAttention(nn.Module):
         self.config = config
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.rotary_base = rotary_base
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [s_max, 1, 1, d] (fp32)
+
+    def _rotary_tables(self, s: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rotary is None or self._rotary[0].shape[0] < s or self._rotary[0].device != device:
+            self._rotary = rotary_tables(s, d, self.rotary_base, device)
+        cos, sin = self._rotary
+        return cos[:s], sin[:s]
 
     def forward(
         self,
@@ -77,6 +96,8 @@ class SDPACoreAttention(nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
         s, b, h, d = query.shape
+        if self.rotary_base is not None:
+            query, key = apply_rotary(query, key, *self._rotary_tables(s, d, query.device))
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         allowed = None if attention_mask is None else ~attention_mask
         out_bhsd = F.scaled_dot_product_attention(
@@ -93,13 +114,37 @@ class SDPACoreAttention(nn.Module):
 
 
 def gpt_layer_spec(config: MegatronModelConfig) -> Any:
-    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` (unless ``attention="local"``)."""
+    """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` (which applies the rotary embedding;
+    ``attention="local"`` keeps megatron's attention), :class:`~ppo_core.workers.megatron.fused.FusedNorm`
+    norms, and main-grad linear layers when ``config.fused_kernels``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = get_gpt_layer_local_spec(normalization=config.norm)
+    layer = spec.submodules
+    attention, mlp = layer.self_attention.submodules, layer.mlp.submodules
     if config.attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        attention.core_attention = ModuleSpec(
+            module=SDPACoreAttention, params={"rotary_base": config.rotary_base}
+        )
+    layer.input_layernorm = layer.pre_mlp_layernorm = FusedNorm
+    if config.fused_kernels:
+        from ppo_core.workers.megatron.linear import MainGradColumnParallelLinear, MainGradRowParallelLinear
+
+        attention.linear_qkv = mlp.linear_fc1 = MainGradColumnParallelLinear
+        attention.linear_proj = mlp.linear_fc2 = MainGradRowParallelLinear
     return spec
+
+
+def gpt_block_spec(config: MegatronModelConfig, transformer_config: Any) -> Any:
+    """This pipeline stage's layers (:func:`gpt_layer_spec`) and a :class:`FusedNorm` final norm."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(transformer_config)
+    return TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(config)] * layers, layer_norm=FusedNorm)
 
 
 class ValueHead(nn.Module):
@@ -181,13 +226,14 @@ def _gpt(
 ) -> nn.Module:
     return cls(
         config=tc,
-        transformer_layer_spec=gpt_layer_spec(config),
+        transformer_layer_spec=gpt_block_spec(config, tc),
         vocab_size=padded_vocab_size(config, parallel.tensor_model_parallel_size),
         max_sequence_length=config.max_position_embeddings,
         pre_process=pre,
         post_process=post,
         share_embeddings_and_output_weights=config.tie_word_embeddings and not value_head,
-        position_embedding_type="rope",
+        # SDPACoreAttention applies the rotary embedding itself (fused); megatron's own only for "local"
+        position_embedding_type="none" if config.attention == "sdpa" else "rope",
         rotary_base=config.rotary_base,
     )
 

@@ -22,21 +22,19 @@ Example:
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
+
+from ppo_core.workers.megatron._compiled import cuda_compiled
 
 __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_log_probs",
     "vocab_parallel_log_probs_and_entropy",
 ]
-
-logger = logging.getLogger(__name__)
 
 _CHUNK_ROWS = 2048
 
@@ -57,6 +55,7 @@ def _chunks(n: int) -> Iterator[slice]:
         yield slice(start, min(n, start + _CHUNK_ROWS))
 
 
+@cuda_compiled
 def _chunk_sums(
     chunk: torch.Tensor,
     m: torch.Tensor,
@@ -77,6 +76,7 @@ def _chunk_sums(
     return torch.stack([total, ez, picked])
 
 
+@cuda_compiled
 def _chunk_grad(
     chunk: torch.Tensor,
     lse: torch.Tensor,
@@ -100,28 +100,6 @@ def _chunk_grad(
     return (torch.where(hit, g1.unsqueeze(-1), 0.0) - p * coeff).to(chunk.dtype)
 
 
-_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def _run_kernel(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``fn(*args)``; on CUDA through ``torch.compile`` (one fused pass over the chunk instead of ~10 eager ones),
-    falling back to eager if compilation fails."""
-    if not args[0].is_cuda:
-        return fn(*args)
-    name = fn.__name__
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn)
-    compiled = _COMPILED[name]
-    if compiled is fn:
-        return fn(*args)
-    try:
-        return compiled(*args)
-    except Exception:  # an environment without a working compiler (no Triton, no C compiler)
-        logger.warning("torch.compile of %s failed; using eager kernels", name, exc_info=True)
-        _COMPILED[name] = fn
-        return fn(*args)
-
-
 class _VocabParallel(torch.autograd.Function):
     """Outputs ``(log_prob [N], entropy [N])``; the entropy is zeros when ``with_entropy`` is False."""
 
@@ -141,8 +119,8 @@ class _VocabParallel(torch.autograd.Function):
         local_label = torch.where(owned, local_label, torch.zeros_like(local_label))
         sums = torch.zeros(3, n, dtype=dtype, device=logits.device)  # S, E, z_y - m
         for rows in _chunks(n):
-            sums[:, rows] = _run_kernel(
-                _chunk_sums, logits[rows], m[rows], local_label[rows], owned[rows], bool(with_entropy), dtype
+            sums[:, rows] = _chunk_sums(
+                logits[rows], m[rows], local_label[rows], owned[rows], bool(with_entropy), dtype
             )
         _all_reduce(sums, dist.ReduceOp.SUM, group, size)
         log_s = sums[0].log()
@@ -163,8 +141,7 @@ class _VocabParallel(torch.autograd.Function):
         g2 = grad_ent.to(dtype) if with_entropy else torch.zeros_like(lse)
         grad = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0]):
-            grad[rows] = _run_kernel(
-                _chunk_grad,
+            grad[rows] = _chunk_grad(
                 logits[rows],
                 lse[rows],
                 entropy[rows],
