@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
+from _megatron import tiny_config
+
 from ppo_core.workers.megatron import _compiled
 from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rms_norm, rotary_tables
 from ppo_core.workers.megatron.optim import clip_grads, grad_norm
@@ -162,31 +164,6 @@ def test_accumulate_weight_grad_adds_the_product_in_place():
     torch.testing.assert_close(acc32, (g.bfloat16().T @ x.bfloat16()).float())
 
 
-@pytest.fixture
-def cpu_megatron(monkeypatch):
-    from ppo_core.workers.megatron import ParallelConfig, destroy_megatron_parallel, init_megatron_parallel
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cpu"))
-    yield
-    destroy_megatron_parallel()
-
-
-def _tiny(**kw):
-    from ppo_core.workers.megatron import MegatronModelConfig
-
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=70,
-        dtype="float32",
-    )
-    return MegatronModelConfig(**{**base, **kw})
-
-
 def _loss(model, ids):
     from ppo_core.workers.megatron.workers import position_ids
 
@@ -199,7 +176,7 @@ def test_main_grad_linears_accumulate_what_autograd_computes(cpu_megatron):
     from ppo_core.workers.megatron import ParallelConfig, build_gpt_model
     from ppo_core.workers.megatron.linear import MainGradColumnParallelLinear, MainGradRowParallelLinear
 
-    model = build_gpt_model(_tiny(), ParallelConfig())
+    model = build_gpt_model(tiny_config(), ParallelConfig())
     layer = model.decoder.layers[0]
     assert isinstance(layer.self_attention.linear_qkv, MainGradColumnParallelLinear)
     assert isinstance(layer.mlp.linear_fc2, MainGradRowParallelLinear)
@@ -230,7 +207,7 @@ def test_fused_and_megatron_linears_give_the_same_model(cpu_megatron):
     from ppo_core.workers.megatron import ParallelConfig, build_gpt_model
 
     ids = torch.randint(0, 70, (2, 9), generator=torch.Generator().manual_seed(1))
-    fused, plain = (build_gpt_model(_tiny(fused_kernels=f), ParallelConfig()) for f in (True, False))
+    fused, plain = (build_gpt_model(tiny_config(fused_kernels=f), ParallelConfig()) for f in (True, False))
     assert type(plain.decoder.layers[0].self_attention.linear_qkv).__name__ == "ColumnParallelLinear"
     assert fused.state_dict().keys() == plain.state_dict().keys()
     plain.load_state_dict(fused.state_dict())
@@ -249,7 +226,7 @@ def test_frozen_weights_take_megatrons_path(cpu_megatron, monkeypatch):
     fused_apply = linear._LinearMainGrad.apply
     monkeypatch.setattr(linear._LinearMainGrad, "apply", lambda *a: calls.append(1) or fused_apply(*a))
     ids = torch.randint(0, 70, (1, 5), generator=torch.Generator().manual_seed(2))
-    model = build_gpt_model(_tiny(), ParallelConfig())
+    model = build_gpt_model(tiny_config(), ParallelConfig())
     with torch.no_grad():
         trainable = _loss(model, ids)
     assert len(calls) == 4 * 2  # qkv, proj, fc1, fc2 of both layers
@@ -273,13 +250,12 @@ def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, ids: torch.
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.cuda.current_device = lambda: "cpu"  # megatron asks for it even on the CPU (this child only)
     parallel = ParallelConfig(tensor_model_parallel_size=world)
     init_megatron_parallel(parallel, rank=rank, world_size=world, device=torch.device("cpu"))
     try:
         from megatron.core import parallel_state as ps
 
-        cfg = _tiny()
+        cfg = tiny_config()
         model = build_gpt_model(cfg, parallel)
         if hf is not None:
             model.load_state_dict(hf_to_megatron(hf, cfg, tp_rank=rank, tp_size=world), strict=False)
@@ -323,11 +299,11 @@ def test_tensor_parallel_fused_model_matches_one_rank():
 
     ids = torch.randint(0, 70, (3, 10), generator=torch.Generator().manual_seed(4))
     ref_loss, ref_grads, hf = _run_ranks(1, None, ids)[0]
-    ref = megatron_to_hf([ref_grads], _tiny())
+    ref = megatron_to_hf([ref_grads], tiny_config())
     results = _run_ranks(2, hf, ids)
     for rank in range(2):
         assert results[rank][0] == pytest.approx(ref_loss, rel=1e-5)
-    got = megatron_to_hf([results[r][1] for r in range(2)], _tiny())
+    got = megatron_to_hf([results[r][1] for r in range(2)], tiny_config())
     assert set(got) == set(ref)
     for name, value in ref.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
@@ -453,7 +429,7 @@ def test_cuda_compiled_raises_the_inputs_own_errors_and_keeps_compiling(monkeypa
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_megatron_fusions_follow_fused_kernels_on_cuda_only(monkeypatch, fused):
-    cfg = _tiny(fused_kernels=fused)
+    cfg = tiny_config(fused_kernels=fused)
     off = cfg.transformer_config()
     assert not off.bias_activation_fusion and not off.bias_dropout_fusion  # no CUDA here: no torch.compile
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,23 +12,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
+from _megatron import tiny_config
+
 from ppo_core.workers.megatron import MegatronModelConfig, ParallelConfig
 from ppo_core.workers.megatron.hf_loading import hf_to_megatron, megatron_to_hf
-
-
-def _config(**kw) -> MegatronModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=70,
-        max_position_embeddings=32,
-        dtype="float32",
-        make_vocab_size_divisible_by=8,
-    )
-    return MegatronModelConfig(**{**base, **kw})
 
 
 def _random_hf(cfg: MegatronModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -80,7 +67,7 @@ def _random_hf(cfg: MegatronModelConfig, seed: int) -> dict[str, torch.Tensor]:
     seed=st.integers(0, 1000),
 )
 def test_shards_round_trip_exactly(tp, pp, qkv_bias, tied, norm, groups, seed):
-    cfg = _config(qkv_bias=qkv_bias, tie_word_embeddings=tied, norm=norm, num_query_groups=groups)
+    cfg = tiny_config(qkv_bias=qkv_bias, tie_word_embeddings=tied, norm=norm, num_query_groups=groups)
     hf = _random_hf(cfg, seed)
     back: dict[str, torch.Tensor] = {}
     for stage in range(pp):
@@ -98,7 +85,9 @@ def test_shards_round_trip_exactly(tp, pp, qkv_bias, tied, norm, groups, seed):
 
 
 def test_qkv_fusion_puts_each_group_query_heads_before_its_key_and_value():
-    cfg = _config(num_attention_heads=4, num_query_groups=2, hidden_size=8, ffn_hidden_size=8, num_layers=1)
+    cfg = tiny_config(
+        num_attention_heads=4, num_query_groups=2, hidden_size=8, ffn_hidden_size=8, num_layers=1
+    )
     hf = _random_hf(cfg, 0)
     d = cfg.head_dim  # 2
     a = "model.layers.0.self_attn."
@@ -110,7 +99,7 @@ def test_qkv_fusion_puts_each_group_query_heads_before_its_key_and_value():
 
 
 def test_missing_or_misshapen_tensors_are_named():
-    cfg = _config()
+    cfg = tiny_config()
     hf = _random_hf(cfg, 0)
     del hf["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
@@ -172,18 +161,6 @@ def _reference_llama(
     return x @ head.T
 
 
-@pytest.fixture
-def cpu_megatron(monkeypatch):
-    """Megatron parallel state for one CPU rank. megatron-core's rotary embedding moves its table to
-    ``torch.cuda.current_device()`` even for a CPU model; that call is pointed at the CPU here."""
-    from ppo_core.workers.megatron import destroy_megatron_parallel, init_megatron_parallel
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cpu"))
-    yield
-    destroy_megatron_parallel()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
 def test_safetensors_checkpoint_gives_reference_logits(cpu_megatron, tmp_path, family):
@@ -191,7 +168,7 @@ def test_safetensors_checkpoint_gives_reference_logits(cpu_megatron, tmp_path, f
     from ppo_core.workers.megatron import build_gpt_model, load_hf_checkpoint
     from ppo_core.workers.megatron.workers import position_ids
 
-    cfg = _config(qkv_bias=family != "llama", tie_word_embeddings=family != "llama", rotary_base=1e4)
+    cfg = tiny_config(qkv_bias=family != "llama", tie_word_embeddings=family != "llama", rotary_base=1e4)
     hf = _random_hf(cfg, 3)
     names = sorted(hf)
     # two shards, as large checkpoints come
@@ -213,7 +190,7 @@ def test_loading_rejects_an_incomplete_checkpoint(cpu_megatron, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     from ppo_core.workers.megatron import build_gpt_model, load_hf_checkpoint
 
-    cfg = _config()
+    cfg = tiny_config()
     model = build_gpt_model(cfg, ParallelConfig())
     with pytest.raises(ValueError, match="holds no"):
         load_hf_checkpoint(model, str(tmp_path), cfg)

@@ -1,0 +1,17 @@
+"""Fixtures shared by the tests of ``ppo_core``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def cpu_megatron():
+    """Megatron parallel state for one CPU rank (gloo), torn down afterwards."""
+    pytest.importorskip("megatron.core")
+    from ppo_core.workers.megatron import ParallelConfig, destroy_megatron_parallel, init_megatron_parallel
+
+    init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cpu"))
+    yield
+    destroy_megatron_parallel()
