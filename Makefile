@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 		$(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,monarch,megatron,examples,dev]"
+	$(PY) -m pip install -q -e ".[test,monarch,megatron,hf,ray,examples,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
