@@ -15,3 +15,13 @@ def cpu_megatron():
     init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cpu"))
     yield
     destroy_megatron_parallel()
+
+
+@pytest.fixture
+def restore_global_rngs():
+    """Restore the global torch / NumPy / Python RNG states after a test that seeds or draws from them on purpose."""
+    from ppo_core.trainer.checkpoint import capture_rng_state, restore_rng_state
+
+    state = capture_rng_state()
+    yield
+    restore_rng_state(state)

@@ -1,4 +1,6 @@
-"""One test per verl pitfall (inventory section 16, items 1-11 and 35) pinning the behaviour we chose."""
+"""Advantage estimator edge cases (singleton and constant groups, low variance, group labels, fully masked rows,
+rewards on masked positions, whitening 0 or 1 tokens, multi-turn gaps, explicit gamma/alpha), each pinning the
+behaviour we chose; where it differs from verl, ``docs/semantics.md`` says how and why."""
 
 from __future__ import annotations
 
@@ -39,20 +41,20 @@ def _col(*xs: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.tensor(xs, dtype=dtype).unsqueeze(-1)
 
 
-def test_pitfall_01_grpo_singleton() -> None:
+def test_grpo_singleton_group_divides_its_score_by_one_plus_epsilon() -> None:
     adv, ret = compute_grpo_advantage(_col(5.0), torch.ones(1, 1), ["only"])
     assert float(adv) == pytest.approx(5.0 / (1 + 1e-6), abs=1e-12)  # 4.999995, as verl
     assert float(adv) == pytest.approx(4.999995, abs=1e-6)
     torch.testing.assert_close(ret, adv)
     dr, _ = compute_grpo_advantage(_col(5.0), torch.ones(1, 1), ["only"], norm_by_std=False)
     assert float(dr) == 5.0
-    # a group whose other row has no valid token behaves as a singleton (pitfall 7)
+    # a group whose other row has no valid token behaves as a singleton (that row leaves the group statistics)
     mixed, _ = compute_grpo_advantage(_col(5.0, 3.0), torch.tensor([[1], [0]]), ["g", "g"])
     assert float(mixed[0]) == pytest.approx(5.0 / (1 + 1e-6), abs=1e-12) and float(mixed[1]) == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_pitfall_02_grpo_identical_rewards(dtype: torch.dtype) -> None:
+def test_group_estimators_give_exactly_zero_for_identical_rewards(dtype: torch.dtype) -> None:
     rewards = _col(1.0, 1.0, 0.1, 0.1, 0.1, 0.7, 0.7, dtype=dtype)
     index = [0, 0, 1, 1, 1, 2, 2]
     for epsilon in (1e-6, 0.0):
@@ -63,7 +65,7 @@ def test_pitfall_02_grpo_identical_rewards(dtype: torch.dtype) -> None:
 
 
 @given(st.floats(-1e6, 1e6, allow_nan=False), st.integers(2, 6))
-def test_pitfall_02_constant_groups_are_exactly_zero(score: float, size: int) -> None:
+def test_constant_groups_are_exactly_zero(score: float, size: int) -> None:
     rewards = _col(*([score] * size))
     for fn in (compute_grpo_advantage, compute_rloo_advantage, compute_opo_advantage, compute_gpg_advantage):
         adv, _ = fn(rewards, torch.ones_like(rewards), ["u"] * size)
@@ -71,7 +73,7 @@ def test_pitfall_02_constant_groups_are_exactly_zero(score: float, size: int) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_pitfall_03_grpo_low_variance(dtype: torch.dtype) -> None:
+def test_grpo_low_variance_groups_keep_their_precision(dtype: torch.dtype) -> None:
     rewards = _col(1.0, 1.00001, 2.0, 2.00001, dtype=dtype)
     gap = float(rewards[1] - rewards[0])  # the gap as stored in this dtype
     sign = torch.tensor([-1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
@@ -84,7 +86,7 @@ def test_pitfall_03_grpo_low_variance(dtype: torch.dtype) -> None:
     assert abs((gap / 2) / (gap / math.sqrt(2)) - 0.7071) < 1e-3
 
 
-def test_pitfall_04_dr_grpo_flag_reaches_the_estimator() -> None:
+def test_dr_grpo_flag_reaches_the_estimator() -> None:
     rewards = _col(1.0, 0.0, 0.0, 0.0, 3.0, 1.0)
     index = ["a", "a", "a", "a", "b", "b"]
     fn = get_advantage_estimator("grpo")
@@ -107,7 +109,7 @@ def test_pitfall_04_dr_grpo_flag_reaches_the_estimator() -> None:
         )
 
 
-def test_pitfall_05_group_labels() -> None:
+def test_group_labels_are_compared_by_equality() -> None:
     rewards = _col(1.0, 1.0, 0.0, 0.0)
     mask = torch.ones_like(rewards)
     # each group is a constant pair -> all 0; merging "01" with "1" (verl's vectorized path) would give ±0.5
@@ -125,7 +127,7 @@ def test_pitfall_05_group_labels() -> None:
         assert torch.equal(got, adv)
 
 
-def test_pitfall_06_rloo_singleton() -> None:
+def test_rloo_singleton_keeps_its_raw_score() -> None:
     rewards = _col(-2.0, 2.0, 0.7)
     adv, _ = compute_rloo_advantage(rewards, torch.ones_like(rewards), [0, 0, 1])
     # pair: -2 - 2 = -4 and 2 - (-2) = 4; the singleton keeps its raw score (verl's loop version), not 0
@@ -140,7 +142,7 @@ def test_pitfall_06_rloo_singleton() -> None:
     batch=ppo_batches(dtype=torch.float64, min_batch=2, max_batch=8, max_len=6, allow_empty_rows=False),
     data=st.data(),
 )
-def test_pitfall_07_fully_masked_rows_leave_the_group(batch: PPOBatch, data: st.DataObject) -> None:
+def test_fully_masked_rows_leave_the_group(batch: PPOBatch, data: st.DataObject) -> None:
     """Adding rejected rows (no valid token, any reward) to existing groups changes no other row and gives them 0."""
     labels = list(batch.index.tolist() if isinstance(batch.index, torch.Tensor) else batch.index)
     extra = data.draw(st.lists(st.sampled_from(labels), min_size=1, max_size=3))
@@ -164,7 +166,7 @@ def test_pitfall_07_fully_masked_rows_leave_the_group(batch: PPOBatch, data: st.
         assert torch.equal(grown[batch.batch_size :], torch.zeros_like(grown[batch.batch_size :])), name
 
 
-def test_pitfall_07_examples() -> None:
+def test_fully_masked_rows_leave_the_group_examples() -> None:
     rewards = _col(1.0, 0.0, 5.0)
     mask = torch.tensor([[1], [1], [0]])
     # the rejected row (reward 5) does not drag the group mean: Dr.GRPO gives ±0.5, not (1 - 2, 0 - 2)
@@ -185,7 +187,7 @@ def test_pitfall_07_examples() -> None:
     )
 
 
-def test_pitfall_08_reward_on_a_masked_position() -> None:
+def test_reward_on_a_masked_position_counts_for_outcome_estimators_only() -> None:
     # the response ends with a tool observation (last column masked) that carries the outcome reward 1
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
@@ -203,7 +205,7 @@ def test_pitfall_08_reward_on_a_masked_position() -> None:
 
 
 @pytest.mark.parametrize("n_valid", [0, 1])
-def test_pitfall_09_whitening_with_zero_or_one_valid_token(n_valid: int) -> None:
+def test_whitening_with_zero_or_one_valid_token_gives_zero(n_valid: int) -> None:
     mask = torch.zeros(3, 4, dtype=torch.bool)
     mask[1, 2] = n_valid == 1
     rewards = torch.full((3, 4), 2.0, dtype=torch.float64)
@@ -219,7 +221,7 @@ def test_pitfall_09_whitening_with_zero_or_one_valid_token(n_valid: int) -> None
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ORACLES))
-def test_pitfall_10_outputs_are_zero_on_masked_positions(name: str) -> None:
+def test_outputs_are_zero_on_masked_positions(name: str) -> None:
     mask = torch.tensor(
         [[1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool
     )
@@ -240,7 +242,7 @@ def test_pitfall_10_outputs_are_zero_on_masked_positions(name: str) -> None:
         assert torch.isfinite(out).all(), name
 
 
-def test_pitfall_11_multi_turn_gae_verl_case() -> None:
+def test_multi_turn_gae_ignores_values_in_observation_gaps() -> None:
     """verl's test: values differing only at masked positions give identical advantages and masked returns."""
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
     gen = torch.Generator().manual_seed(1)
@@ -254,7 +256,7 @@ def test_pitfall_11_multi_turn_gae_verl_case() -> None:
 
 
 @pytest.mark.parametrize("gap", [1, 2, 5])
-def test_pitfall_11_one_gamma_step_across_a_gap(gap: int) -> None:
+def test_one_gamma_step_across_a_gap(gap: int) -> None:
     # tokens: act, <gap observation tokens>, act(reward 1); V = 0, lam = 1 -> A_0 = gamma * 1 whatever the gap
     mask = torch.tensor([[True] + [False] * gap + [True]])
     rewards = torch.zeros(1, gap + 2, dtype=torch.float64)
@@ -266,7 +268,7 @@ def test_pitfall_11_one_gamma_step_across_a_gap(gap: int) -> None:
     assert float(g[0, 0]) == 0.5
 
 
-def test_pitfall_35_explicit_gamma_and_alpha_are_honoured() -> None:
+def test_explicit_gamma_and_alpha_are_honoured() -> None:
     rewards = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.bool)
     fn = get_advantage_estimator("reinforce_plus_plus")

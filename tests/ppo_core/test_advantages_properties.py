@@ -56,7 +56,7 @@ def assert_pair_equal(a: tuple, b: tuple, name: str, atol: float = 0.0) -> None:
 
 @given(batch=f64_batches, seed=st.integers(0, 2**16))
 def test_masked_inputs_never_change_token_level_outputs(batch: PPOBatch, seed: int) -> None:
-    """Rewards and values at masked positions (even NaN/inf) change nothing (pitfalls 8, 10, 11)."""
+    """Rewards and values at masked positions (even NaN/inf) change nothing: estimators ignore them and output 0 there."""
     mask = batch.response_mask
     dirty_r = torch.where(mask, batch.token_level_rewards, garbage_like(mask.double(), seed, finite=False))
     dirty_v = torch.where(mask, batch.values, garbage_like(mask.double(), seed + 1, finite=False))
@@ -68,7 +68,7 @@ def test_masked_inputs_never_change_token_level_outputs(batch: PPOBatch, seed: i
 
 @given(batch=f64_batches, data=st.data())
 def test_outcome_estimators_only_see_row_sums(batch: PPOBatch, data: st.DataObject) -> None:
-    """Moving a row's outcome reward to any column, masked or not, changes nothing (pitfall 8)."""
+    """Moving a row's outcome reward to any column, masked or not, changes nothing: outcome estimators sum every position."""
     columns = data.draw(
         st.lists(st.integers(0, batch.seq_len - 1), min_size=batch.batch_size, max_size=batch.batch_size)
     )
@@ -88,7 +88,7 @@ def test_appending_padding_columns_changes_nothing(batch: PPOBatch, extra: int, 
     pad = garbage_like(pad_mask.double(), seed, finite=False)
     for name in NAMES:
         base = run(name, **inputs(batch, name))
-        # outcome estimators count every position (pitfall 8), so their padding rewards must be 0
+        # outcome estimators count every position, masked ones included, so their padding rewards must be 0
         pad_r = pad if name in TOKEN_LEVEL else torch.zeros_like(pad)
         wide = run(
             name,
@@ -175,7 +175,7 @@ def _compact(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @given(batch=f64_batches)
 def test_removing_gaps_changes_no_valid_output(batch: PPOBatch) -> None:
-    """A run of masked tokens costs one gamma step whatever its length, so deleting it changes nothing (pitfall 11)."""
+    """A run of masked tokens costs one gamma step whatever its length, so deleting it changes nothing."""
     mask = batch.response_mask
     compact_mask = _compact(mask, mask)
     for name in TOKEN_LEVEL:

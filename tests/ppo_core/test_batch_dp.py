@@ -161,7 +161,7 @@ def test_merge_keeps_fields_added_by_workers_and_uses_rank_order():
 
 
 def test_per_rank_metrics_keep_every_rank_and_weight_by_valid_rows():
-    """Pitfall 27: 5 rows on 4 ranks; no rank's entry is dropped, padding rows never count."""
+    """5 rows on 4 ranks; no rank's entry is dropped, padding rows never count."""
     batch = TensorDict({"x": torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0])}, batch_size=[5])
     shards, info = split_for_dp(batch, 4, pad="repeat")
     assert info.valid_counts == [2, 2, 1, 0]

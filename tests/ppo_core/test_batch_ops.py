@@ -125,7 +125,7 @@ def test_select_errors_name_the_bad_index():
 @FEW
 @given(td_batches(max_batch=6))
 def test_union_with_itself_and_with_new_keys(batch):
-    """Pitfall 26: identical tensors and objects holding NaN are equal, so a batch unions with its copy."""
+    """Identical tensors and objects holding NaN are equal, so a batch unions with its copy."""
     size = batch.batch_size[0]
     assert_batch_rows(union(batch, batch.clone()), batch, list(range(size)))
     extra = TensorDict({"new": torch.arange(size), "tag": NonTensorStack(*["t"] * size)}, batch_size=[size])

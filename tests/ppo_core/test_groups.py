@@ -144,7 +144,7 @@ def test_group_weighted_mean_matches_loop(
 
 
 def test_group_stats_low_variance_float32_is_centred() -> None:
-    # pitfall 3: naive float32 sum-of-squares collapses this variance; the centred float64 path does not
+    # low variance: naive float32 sum-of-squares collapses this variance; the centred float64 path does not
     scores = torch.tensor([1.0, 1.00001, 2.0, 2.00001], dtype=torch.float32)
     groups = factorize_index([0, 0, 1, 1], batch_size=4)
     stats = group_stats(scores, groups)

@@ -58,7 +58,7 @@ def test_k3_is_non_negative_and_bounded(pair: tuple) -> None:
 
 
 def test_verl_example_values_derived_from_the_formulas() -> None:
-    """Inventory §2.4: logprob=(0, -1, -30), ref=(-0.5, -1, 0)."""
+    """logprob=(0, -1, -30), ref=(-0.5, -1, 0): each value follows from its formula, as verl computes it."""
     logprob, ref = [0.0, -1.0, -30.0], [-0.5, -1.0, 0.0]
     deltas = [a - b for a, b in zip(logprob, ref, strict=True)]
     lp, rp = torch.tensor([logprob]), torch.tensor([ref])
@@ -102,7 +102,7 @@ def test_k3_gradient_is_one_minus_ratio_and_zero_when_clamped(pair: tuple) -> No
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-9)
 
 
-def test_pitfall_21_clamped_k3_and_its_straight_through_variant() -> None:
+def test_clamped_k3_and_its_straight_through_variant() -> None:
     logprob = torch.tensor([[-30.0]], requires_grad=True)
     ref = torch.tensor([[0.0]])
     value = kl_penalty(logprob, ref, "k3")

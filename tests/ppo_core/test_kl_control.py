@@ -73,7 +73,7 @@ def test_adaptive_direction_and_magnitude() -> None:
     assert ctrl.value == pytest.approx(0.1 * 1.02 * 0.95)
 
 
-def test_pitfall_22_beta_never_negative(caplog: pytest.LogCaptureFixture) -> None:
+def test_adaptive_beta_never_turns_negative(caplog: pytest.LogCaptureFixture) -> None:
     """verl: beta=0.1, n=1000, horizon=100, KL=0 gives beta = 0.1 * (1 - 0.2 * 10) = -0.1. We clamp at 0 and warn."""
     ctrl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=100)
     with caplog.at_level(logging.WARNING, logger="ppo_core.kl_control"):
@@ -201,7 +201,7 @@ def _apply_oracle(b: PPOBatch, beta: float, estimator: str) -> tuple[torch.Tenso
     row_means = []
     for i, row in enumerate(mask):
         valid = [kld[i][t] for t, m in enumerate(row) if m]
-        row_means.append(sum(valid) / len(valid) if valid else 0.0)  # all-masked row counts as 0 (pitfall 23)
+        row_means.append(sum(valid) / len(valid) if valid else 0.0)  # all-masked row counts as 0, as in verl
         for t, m in enumerate(row):
             if m:
                 rewards[i][t] -= beta * kld[i][t]
@@ -245,7 +245,7 @@ def test_apply_kl_penalty_matches_loop_oracle_and_ignores_padding(
     assert metrics_junk == metrics
 
 
-def test_pitfall_23_all_masked_row_counts_as_zero() -> None:
+def test_reward_kl_metric_counts_an_all_masked_row_as_zero() -> None:
     batch = TensorDict(
         {
             "token_level_scores": torch.zeros(2, 2),

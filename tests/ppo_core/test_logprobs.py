@@ -148,7 +148,7 @@ def test_backward_keeps_no_upcast_copy_of_the_logits() -> None:
 def test_documented_examples() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
     torch.testing.assert_close(logprobs_from_logits(logits, torch.tensor([1])).exp(), torch.tensor([0.25]))
-    # pitfall 25: -inf logits are 0 * log 0 = 0, the entropy of a fair coin remains
+    # -inf logits are 0 * log 0 = 0 (never NaN), the entropy of a fair coin remains
     h = entropy_from_logits(torch.tensor([[0.0, 0.0, NEG_INF]]))
     torch.testing.assert_close(h, torch.tensor([math.log(2.0)]))
 

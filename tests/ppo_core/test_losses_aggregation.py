@@ -1,4 +1,4 @@
-"""agg_loss: against the loop oracle, micro-batch/DP invariance (pitfall 13), all-masked (pitfall 12), bad input."""
+"""agg_loss: against the loop oracle, micro-batch/DP invariance, all-masked input gives exactly 0, bad input."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _split_rows(n_rows: int, cuts: list[int]) -> list[slice]:
     st.lists(st.integers(0, 12), max_size=4),
     st.booleans(),
 )
-def test_pitfall_13_micro_batches_and_dp_ranks_sum_to_the_mini_batch_loss(data, mode, dp_size, cuts, trim):
+def test_micro_batches_and_dp_ranks_sum_to_the_mini_batch_loss(data, mode, dp_size, cuts, trim):
     """Rows dealt to ``dp_size`` ranks, each split into micro-batches (optionally re-padded to their own width):
     with the global denominators, the DP average of the per-rank sums of micro-batch losses is the full loss."""
     loss, mask = data
@@ -111,7 +111,7 @@ def test_pitfall_13_micro_batches_and_dp_ranks_sum_to_the_mini_batch_loss(data, 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("global_info", [False, True])
-def test_pitfall_12_all_masked_gives_zero_and_zero_gradient(mode, global_info):
+def test_all_masked_gives_zero_and_zero_gradient(mode, global_info):
     loss = torch.full((3, 4), float("nan"), requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
     kwargs = {"loss_scale_factor": 4.0} if mode == "seq-mean-token-sum-norm" else {}

@@ -167,7 +167,7 @@ def _args(**overrides):
 )
 def test_bad_inputs_name_the_argument(name, overrides, exc, arg):
     kwargs = {"generator": torch.Generator().manual_seed(0)} | overrides
-    if name == "geo_mean" and arg == "loss_scale_factor":  # geo_mean ignores loss_agg_mode (pitfall 16)
+    if name == "geo_mean" and arg == "loss_scale_factor":  # geo_mean ignores loss_agg_mode
         get_policy_loss(name)(**_args(**kwargs))
         return
     with pytest.raises(exc, match=arg):

@@ -157,7 +157,7 @@ def _poison(t: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> torch.
 @pytest.mark.parametrize("name", sorted(ORACLES))
 @settings(max_examples=25)
 @given(inputs=policy_loss_inputs(), seed=st.integers(0, 2**31 - 1))
-def test_pitfall_10_padding_values_never_change_loss_metrics_or_gradient(name, inputs, seed):
+def test_padding_values_never_change_loss_metrics_or_gradient(name, inputs, seed):
     mask = inputs.response_mask
     clean_new = inputs.log_prob.clone().requires_grad_(True)
     loss, metrics = _call(
@@ -184,7 +184,7 @@ def test_pitfall_10_padding_values_never_change_loss_metrics_or_gradient(name, i
 
 
 @pytest.mark.parametrize("name", sorted(ORACLES))
-def test_pitfall_12_all_masked_batch_gives_zero_loss_and_finite_gradient(name):
+def test_all_masked_batch_gives_zero_loss_and_finite_gradient(name):
     new = torch.full((3, 4), -1.0, requires_grad=True)
     inputs = PolicyLossInputs(torch.full((3, 4), float("nan")), new, torch.ones(3, 4), torch.zeros(3, 4))
     for mode in LOSS_AGG_MODES:
@@ -199,7 +199,7 @@ def test_pitfall_12_all_masked_batch_gives_zero_loss_and_finite_gradient(name):
 @pytest.mark.parametrize("name", ROW_LOCAL)
 @settings(max_examples=25)
 @given(data=st.data())
-def test_pitfall_13_micro_batch_losses_sum_to_the_mini_batch_loss(name, data):
+def test_micro_batch_losses_sum_to_the_mini_batch_loss(name, data):
     inputs = data.draw(policy_loss_inputs(max_batch=10))
     mode = data.draw(st.sampled_from(LOSS_AGG_MODES))
     n_rows = inputs.response_mask.shape[0]
@@ -220,7 +220,7 @@ def test_pitfall_13_micro_batch_losses_sum_to_the_mini_batch_loss(name, data):
 
 @pytest.mark.parametrize("name", sorted(ORACLES))
 @pytest.mark.parametrize("delta", [100.0, -100.0])
-def test_pitfall_15_huge_log_ratio_gives_finite_loss_and_gradient(name, delta):
+def test_huge_log_ratio_gives_finite_loss_and_gradient(name, delta):
     old = torch.full((2, 3), -50.0, dtype=torch.float32) if delta > 0 else torch.full((2, 3), -0.01)
     new = (old + delta).clamp(max=0.0) if delta > 0 else old + delta
     new = new.detach().requires_grad_(True)
@@ -233,7 +233,7 @@ def test_pitfall_15_huge_log_ratio_gives_finite_loss_and_gradient(name, delta):
 
 
 # kl_cov is left out: its top-k selection ties for two valid tokens (their covariances are equal), so a finite
-# difference can move the penalty between tokens; its gradient is pinned in test_losses_pitfalls.py.
+# difference can move the penalty between tokens; its gradient is pinned in test_losses_policy_edge_cases.py.
 @pytest.mark.parametrize("name", ["vanilla", "gpg", "sapo", "geo_mean", "clip_cov"])
 @settings(max_examples=10)
 @given(inputs=policy_loss_inputs(max_batch=4, max_len=5), mode=st.sampled_from(LOSS_AGG_MODES))

@@ -1,4 +1,6 @@
-"""Pinned behaviour of the policy losses for the pitfalls of the verl inventory (14-20) and their gradients."""
+"""Policy-loss edge cases and their gradients: dual clip, log-ratio clamp, which losses honour ``loss_agg_mode``,
+clip-bound defaults, dppo truncation, kl_cov metrics and clip_cov randomness. Where the behaviour differs from
+verl, ``docs/semantics.md`` says how and why."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _grad(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.autograd.grad(loss, x)[0]
 
 
-def test_pitfall_14_dual_clip_reference_example():
+def test_dual_clip_reference_example():
     ratio = [0.5, 1.0, 1.5, 5.0, 0.5, 5.0]
     adv = [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
     eps, c = 0.2, 3.0
@@ -63,7 +65,7 @@ def test_pitfall_14_dual_clip_reference_example():
 
 
 @pytest.mark.parametrize("clip_ratio_c", [1.0, 0.5, -3.0])
-def test_pitfall_14_clip_ratio_c_must_exceed_one(clip_ratio_c):
+def test_clip_ratio_c_must_exceed_one(clip_ratio_c):
     with pytest.raises(ValueError, match="clip_ratio_c"):
         PolicyLossConfig(clip_ratio_c=clip_ratio_c)
 
@@ -92,7 +94,7 @@ def test_vanilla_gradient_is_exactly_zero_on_clipped_tokens(inputs, eps):
 @pytest.mark.parametrize(
     "name", ["vanilla", "cispo", "sapo", "dppo_tv", "dppo_kl", "gspo", "kl_cov", "clip_cov"]
 )
-def test_pitfall_15_log_ratio_is_clamped_at_20(name):
+def test_log_ratio_is_clamped_at_20(name):
     """Δ = 100 gives exactly the loss of Δ = 20 (the clamp), and a finite gradient."""
     fn = get_policy_loss(name)
     old = torch.full((1, 2), -120.0, dtype=torch.float64)
@@ -121,7 +123,7 @@ def _rows_of_different_lengths():
 
 
 @pytest.mark.parametrize("fn", [gspo_policy_loss, sapo_policy_loss])
-def test_pitfall_16_gspo_and_sapo_honour_loss_agg_mode(fn):
+def test_gspo_and_sapo_honour_loss_agg_mode(fn):
     old, new, adv, mask = _rows_of_different_lengths()
     config = PolicyLossConfig(clip_ratio=0.5)
     token_mean, _ = fn(old, new, adv, mask, config=config, loss_agg_mode="token-mean")
@@ -139,7 +141,7 @@ def test_pitfall_16_gspo_and_sapo_honour_loss_agg_mode(fn):
     assert via_config.item() == pytest.approx(per_token_sum)
 
 
-def test_pitfall_16_geo_mean_ignores_loss_agg_mode_and_token_count():
+def test_geo_mean_ignores_loss_agg_mode_and_token_count():
     old, new, adv, mask = _rows_of_different_lengths()
     losses = []
     for mode in LOSS_AGG_MODES:
@@ -161,7 +163,7 @@ def test_pitfall_16_geo_mean_ignores_loss_agg_mode_and_token_count():
         ({"clip_ratio_low": 0.1, "clip_ratio_high": 0.4}, 0.1, 0.4),
     ],
 )
-def test_pitfall_17_clip_ratio_is_the_default_for_low_and_high(kwargs, low, high):
+def test_clip_ratio_is_the_default_for_low_and_high(kwargs, low, high):
     config = PolicyLossConfig(**kwargs)
     assert (config.eps_low, config.eps_high) == (low, high)
     # ratios just inside and just outside each bound: clipfrac counts exactly the two outside ones
@@ -176,7 +178,7 @@ def test_pitfall_17_clip_ratio_is_the_default_for_low_and_high(kwargs, low, high
 
 
 @pytest.mark.parametrize(("clip_ratio_c", "truncation"), [(None, 3.0), (20.0, 6.0), (1.5, 1.5)])
-def test_pitfall_18_dppo_truncates_the_ratio_at_clip_ratio_c(clip_ratio_c, truncation):
+def test_dppo_truncates_the_ratio_at_clip_ratio_c(clip_ratio_c, truncation):
     """p: 0.05 -> 0.3 (ratio 6), A = −1: inside the TV region (p − p_old = 0.25 ≥ −0.2); weight min(6, c)."""
     config = PolicyLossConfig() if clip_ratio_c is None else PolicyLossConfig(clip_ratio_c=clip_ratio_c)
     old = torch.log(torch.tensor([[0.05]], dtype=torch.float64))
@@ -188,7 +190,7 @@ def test_pitfall_18_dppo_truncates_the_ratio_at_clip_ratio_c(clip_ratio_c, trunc
     assert metrics["pg_clipfrac_lower"].item() == (1.0 if truncation < 6.0 else 0.0)
 
 
-def test_pitfall_19_kl_cov_metrics_and_default_coefficient():
+def test_kl_cov_metrics_and_default_coefficient():
     old = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
     delta = torch.tensor([[-0.5, 0.25]], dtype=torch.float64)
     new = (old + delta).requires_grad_(True)
@@ -228,7 +230,7 @@ def _clip_cov_inputs():
     return old, old.clone(), adv, torch.ones(8, 16)
 
 
-def test_pitfall_20_clip_cov_needs_a_generator_and_leaves_the_global_rng_alone():
+def test_clip_cov_needs_a_generator_and_leaves_the_global_rng_alone():
     old, new, adv, mask = _clip_cov_inputs()
     config = PolicyLossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=100.0)
     with pytest.raises(TypeError, match="generator"):
@@ -290,7 +292,7 @@ def test_gspo_cispo_dppo_gradients_follow_their_stop_gradient_definitions(inputs
 
 
 def test_gspo_fully_clipped_row_has_zero_gradient():
-    """Inventory example: ε = (3e-4, 4e-4), sequence log-ratio +0.005: the whole row is clipped."""
+    """ε = (3e-4, 4e-4), sequence log-ratio +0.005 (also verl's behaviour): the whole row is clipped."""
     old = torch.log(torch.tensor([[0.5, 0.25, 0.125]], dtype=torch.float64))
     new = (old + 0.005).requires_grad_(True)
     config = PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4)

@@ -1,4 +1,4 @@
-"""compute_value_loss (pitfall 24) and compute_entropy_loss against their loop oracles, plus edge cases."""
+"""compute_value_loss and compute_entropy_loss against their loop oracles, plus edge cases."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ppo_core.testing import response_masks
 from ppo_core.testing.loss_oracles import entropy_loss_oracle, value_loss_oracle
 
 
-def test_pitfall_24_value_loss_reference_example():
+def test_value_loss_reference_example():
     vpreds = torch.tensor([[1.0, 2.0]], requires_grad=True)
     zeros = torch.zeros(1, 2)
     c = 0.5

@@ -29,7 +29,7 @@ def test_majority_vote_matches_oracle(pairs):
 
 
 def test_majority_vote_tie_goes_to_first_seen_vote_and_its_first_value():
-    """Pitfall 32: (B, A, A, B) is a tie; B is seen first, so the first B's value wins."""
+    """(B, A, A, B) is a tie; B is seen first, so the first B's value wins."""
     assert majority_vote(["B", "A", "A", "B"], [0.1, 0.2, 0.3, 0.4]) == 0.1
     assert majority_vote(["A", "A", "B"], [0.9, 0.8, 0.1]) == 0.9
     with pytest.raises(ValueError, match="non-empty and of equal length"):
@@ -139,7 +139,7 @@ def test_invariant_to_the_order_of_prompts(case, rnd):
 
 
 def test_mixed_n_produces_separate_means_and_a_shared_best_at_2():
-    """Pitfall 30: uids with 4 and 2 responses give mean@4, mean@2 and a best@2 averaged over both."""
+    """Mixed n: uids with 4 and 2 responses give mean@4, mean@2 and a best@2 averaged over both."""
     uids = ["a"] * 4 + ["b"] * 2
     got = process_validation_metrics(["ds"] * 6, uids, {"acc": [1, 0, 0, 0, True, False]}, n_bootstrap=200)[
         "ds"
@@ -149,7 +149,7 @@ def test_mixed_n_produces_separate_means_and_a_shared_best_at_2():
 
 
 def test_best_at_n_is_the_with_replacement_estimate():
-    """Pitfall 30: one correct of 4, best@4 ~ 1 - (3/4)^4 = 0.684 (not pass@4 = 1)."""
+    """best@N resamples with replacement: one correct of 4, best@4 ~ 1 - (3/4)^4 = 0.684 (not pass@4 = 1)."""
     got = process_validation_metrics(["ds"] * 4, ["u"] * 4, {"acc": [1, 0, 0, 0]}, n_bootstrap=20000)
     assert abs(got["ds"]["acc"]["best@4/mean"] - (1 - 0.75**4)) < 0.01
 

@@ -235,7 +235,7 @@ def _manual_actor_grads(lm: torch.nn.Module, batch: TensorDict, cfg: TorchActorC
     seed=st.integers(0, 1000),
 )
 def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int | None, seed: int) -> None:
-    """Micro-batches with global denominators accumulate exactly the gradient of the mini-batch loss (pitfall 13)."""
+    """Micro-batches with global denominators accumulate exactly the gradient of the mini-batch loss."""
     actor = _actor(
         micro_batch_size=micro,
         ppo_mini_batch_size=6,
@@ -261,7 +261,7 @@ def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int
 
 def test_update_actor_ignores_everything_on_masked_tokens() -> None:
     """NaN/garbage advantages, old log-probs and references on masked tokens (a fully masked row included) change
-    neither the gradient nor the metrics (pitfalls 10 and 12)."""
+    neither the gradient nor the metrics."""
     kwargs = {
         "ppo_mini_batch_size": 4,
         "use_kl_loss": True,

@@ -238,7 +238,7 @@ def crash_at(step: int):
     return reward
 
 
-@pytest.mark.parametrize("killed_after", [2, 3, 4])  # 3 is an epoch boundary (pitfall 33)
+@pytest.mark.parametrize("killed_after", [2, 3, 4])  # 3 is an epoch boundary
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, reference_run, killed_after):
     cfg = make_config(tmp_path)
     with pytest.raises(RewardFunctionError, match=f"step {killed_after + 1}"):

@@ -103,7 +103,7 @@ def drain(loader: PromptDataLoader, n: int) -> list[list[int]]:
 
 @given(st.integers(2, 12), st.integers(1, 4), st.integers(0, 9), st.booleans())
 def test_loader_resumes_exactly_from_any_position(size, batch, cut, shuffle):
-    """Epoch boundaries included (pitfall 33): a restored state continues with the very next batch."""
+    """Epoch boundaries included: a restored state continues with the very next batch."""
     total = 3 * (size // batch)
     if size // batch == 0:
         return
@@ -301,7 +301,7 @@ def test_compute_advantages_uses_uids_and_values():
         batch_size=[3],
     )
     grpo = compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False))
-    # grouped by uid: "a" is centred; "b" is a singleton, whose baseline is 0 (verl, pitfall 1)
+    # grouped by uid: "a" is centred; "b" is a singleton, whose baseline is 0 (as in verl)
     assert grpo["advantages"][:, 0].tolist() == [0.5, -0.5, 3.0]
     gae = compute_advantages(batch, AlgorithmConfig(adv_estimator="gae"))
     assert gae["returns"][:, 0].tolist() == [1.0, 0.0, 3.0]  # gamma = lam = 1: return = sum of rewards

@@ -123,7 +123,7 @@ def test_copy_is_ignored_by_modes_that_do_not_split():
 
 @given(st.integers(1, 6), st.integers(1, 13))
 def test_dp_compute_metric_keeps_every_dp_rank(dp, size):
-    """verl pitfall 27: padding trimmed whole rank entries from the metric list; here every dp rank counts."""
+    """In verl, padding trimmed whole rank entries from the metric list; here every dp rank counts."""
     layout = DPLayout(
         dp_ranks=tuple(r // 2 for r in range(2 * dp)), collect=tuple(r % 2 == 1 for r in range(2 * dp))
     )

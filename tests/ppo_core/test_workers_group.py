@@ -127,7 +127,7 @@ def test_dp_compute_through_a_group_matches_the_whole_batch(world, size):
 
 
 def test_non_blocking_dp_results_are_unpadded_too():
-    """verl pitfall 27: a non-blocking DataProtoFuture output was never trimmed; a GroupResult always is."""
+    """In verl, a non-blocking DataProtoFuture output was never trimmed; a GroupResult always is."""
     with LocalWorkerGroup(Counter, world_size=4) as wg:
         handle = wg.double_later(TensorDict({"x": torch.arange(5.0)}, batch_size=[5]))
         assert isinstance(handle, GroupResult)
