@@ -4,13 +4,14 @@ A batch of ``B`` responses carries one group label per row (``index``: the promp
 responses). :func:`factorize_index` turns the labels into dense ids ``0..G-1``; the statistics are then O(B)
 scatter/index-add operations, with no Python loop over rows or groups.
 
-Label semantics (deliberately stricter than verl's vectorized path, pitfall 5): labels are compared by Python
-equality/hash or by integer value, never coerced: ``"01"`` and ``"1"`` are two groups, negative and huge integers
-work, and a label of ``10**9`` costs one bucket, not ``10**9``.
+Label semantics (deliberately stricter than verl's vectorized GRPO, which coerces numeric-looking labels to
+integers and sizes its buckets by the largest id): labels are compared by Python equality/hash or by integer
+value, never coerced: ``"01"`` and ``"1"`` are two groups, negative and huge integers work, and a label of
+``10**9`` costs one bucket, not ``10**9``.
 
 Statistics are accumulated in float64 around a per-group shift (the group minimum), so a group of identical
-scores centres to exactly 0 and low-variance groups keep their precision (pitfall 3). Rows flagged invalid (no
-valid response token, pitfall 7) are left out of every statistic.
+scores centres to exactly 0 and low-variance groups keep their precision (``(1, 1.00001)`` still has std
+``7.07e-6``). Rows flagged invalid (no valid response token) are left out of every statistic.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ With ``d = logprob - ref_logprob`` (log pi(y) - log pi_ref(y) of the sampled tok
 ==========================  =======================================================================================
 
 Deviation from verl: ``"full"`` is implemented (verl raises ``NotImplementedError``), and unknown names raise
-``ValueError`` listing the valid names (verl: ``NotImplementedError``). Pitfall 21.
+``ValueError`` listing the valid names (verl: ``NotImplementedError``).
 """
 
 from __future__ import annotations

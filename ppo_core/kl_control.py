@@ -5,15 +5,15 @@ The adaptive rule (arXiv 1909.08593, as in verl): ``e = clip(KL / target_kl - 1,
 
 Deviations from verl (``docs/semantics.md``):
 
-- pitfall 22: the multiplier is clamped at 0, so beta never turns negative (verl: with ``n_steps / horizon > 5``
+- the multiplier is clamped at 0, so beta never turns negative (verl: with ``n_steps / horizon > 5``
   and a KL far below target, beta becomes negative and the penalty rewards divergence). A beta of 0 stays 0 under
   the multiplicative rule, so a warning is logged; keep ``horizon`` well above the batch size. Arguments are
   validated (verl: ``target_kl = 0`` is a ``ZeroDivisionError``), and a non-finite ``current_kl`` raises instead
   of turning beta into NaN.
-- pitfall 23 (kept): the metric ``actor/reward_kl_penalty`` is the mean over rows of per-row masked means, an
+- kept from verl: the metric ``actor/reward_kl_penalty`` is the mean over rows of per-row masked means, an
   all-masked row counting as 0; :func:`apply_kl_penalty` returns a new TensorDict instead of writing into its input
   and raises on a non-finite penalty at a valid token.
-- pitfall 33: both controllers have ``state_dict`` / ``load_state_dict`` so beta survives a resume.
+- both controllers have ``state_dict`` / ``load_state_dict`` so beta survives a resume.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Conventions (shared by both functions):
 - computation is in fp32 for fp16/bf16/fp32 logits and in fp64 for fp64 logits; the result has that dtype (so
   half-precision logits give fp32 log-probs and entropies);
 - ``-inf`` logits (masked vocabulary entries) have probability 0 and contribute ``0 · log 0 = 0`` to the entropy,
-  with a zero gradient (verl's ``entropy_from_logits`` returns NaN there, pitfall 25);
+  with a zero gradient (verl's ``entropy_from_logits`` returns NaN there);
 - a row whose log-sum-exp is not finite (every logit ``-inf``, or a NaN or ``+inf`` logit) raises ``ValueError``
   instead of returning NaN;
 - the backward is first-order only (no double backward);

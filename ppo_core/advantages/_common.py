@@ -63,8 +63,8 @@ def prepare_outcome(
     """Shared front end of the group estimators.
 
     Returns ``(rewards, mask, scores, valid, groups)``: ``scores`` is the float64 per-row sum of the rewards over
-    all ``T`` positions, masked ones included (verl's outcome semantics, pitfall 8), ``valid`` flags rows with at
-    least one valid token (pitfall 7: only those enter group statistics).
+    all ``T`` positions, masked ones included (verl's outcome semantics), ``valid`` flags rows with at
+    least one valid token (only those enter group statistics).
     """
     rewards, mask = check_rewards_and_mask(rewards, response_mask)
     # every position enters the score, so a NaN anywhere would poison a whole group

@@ -37,16 +37,16 @@ def compute_gae(
 
     where ``V_next``/``A_next`` belong to the next *valid* token: a run of masked tokens inside a response
     (multi-turn observation tokens) costs exactly one ``gamma`` (and one ``gamma * lam``) step, whatever its
-    length (pitfall 11). ``returns = A_raw + V``; ``advantages = masked_whiten(A_raw)`` over all valid tokens of
-    the batch when ``whiten``.
+    length, as in verl. ``returns = A_raw + V``; ``advantages = masked_whiten(A_raw)`` over all valid tokens
+    of the batch when ``whiten``.
 
     Semantics pinned by tests (see ``docs/semantics.md``):
 
-    - rewards and values on masked positions are ignored, even NaN/inf (pitfall 8: a reward placed on a masked
+    - rewards and values on masked positions are ignored, even NaN/inf (a reward placed on a masked
       token is dropped, as in verl; put outcome rewards on a valid token);
     - both outputs are exactly 0 on masked positions (deviation from verl, which leaves whitened padding and
-      ``returns = V`` there; pitfall 10);
-    - 0 or 1 valid tokens in the batch: the whitened advantages are 0, never NaN (verl raises; pitfall 9);
+      ``returns = V`` there, so every consumer has to mask);
+    - 0 or 1 valid tokens in the batch: the whitened advantages are 0, never NaN (verl raises ``ValueError``);
     - NaN/inf in ``rewards`` or ``values`` on a valid token raises ``ValueError`` naming the argument.
 
     Args:

@@ -33,7 +33,7 @@ def compute_rloo_advantage(
 
     ``a_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_g)`` for ``n >= 2``. A singleton group gets its raw
     score ``s_i`` (baseline 0): verl's loop version does this while its vectorized version returns 0
-    (pitfall 6, verl issue #7793); we pick the raw score so ``rollout.n = 1`` still trains and RLOO agrees with
+    (verl issue #7793); we pick the raw score so ``rollout.n = 1`` still trains and RLOO agrees with
     GRPO's and the other estimators' singleton convention.
 
     Args:
@@ -64,7 +64,7 @@ def compute_reinforce_pp_baseline_advantage(
     """REINFORCE++-baseline: ``s_i - mean_g`` on every valid token, then whitened over the batch's valid tokens.
 
     The whitening is token-weighted (long responses weigh more), as in verl. With 0 or 1 valid tokens in the batch
-    the advantages are 0 (verl raises, pitfall 9). ``returns`` equals ``advantages``.
+    the advantages are 0 (verl raises ``ValueError``). ``returns`` equals ``advantages``.
 
     Args:
         rewards: ``[B, T]`` floating token-level rewards.
@@ -130,8 +130,8 @@ def compute_gpg_advantage(
 
     ``alpha`` defaults to ``B_valid / max(#{rows with s_i != 0}, 1)`` over the rows with a valid token, which
     rescales the batch gradient for the rows that carry no signal. verl ignores an ``alpha`` argument and always
-    uses this value (pitfall 35); here an explicit ``alpha`` is honoured. ``B_valid`` counts only rows with a
-    valid token (verl counts all ``B`` rows, pitfall 7). Because ``alpha`` is batch-global, splitting a batch
+    uses this value; here an explicit ``alpha`` is honoured. ``B_valid`` counts only rows with a
+    valid token (verl counts all ``B`` rows). Because ``alpha`` is batch-global, splitting a batch
     changes the advantages unless ``alpha`` is given.
 
     Args:

@@ -2,11 +2,12 @@
 
 Shared group semantics (all estimators in :mod:`ppo_core.advantages.group_outcome` follow them too):
 
-- the score of a row is the sum of its rewards over all ``T`` positions, masked ones included (as in verl,
-  pitfall 8), so an outcome reward placed on a trailing observation token still counts;
-- ``index`` is factorised without coercion (pitfall 5): ``"01"`` and ``"1"`` are different groups;
+- the score of a row is the sum of its rewards over all ``T`` positions, masked ones included (as in verl's
+  outcome estimators), so an outcome reward placed on a trailing observation token still counts;
+- ``index`` is factorised without coercion: ``"01"`` and ``"1"`` are different groups (verl's vectorized GRPO
+  merges them);
 - rows without any valid token are left out of the group statistics and get advantage 0 (verl lets them into the
-  mean and std, pitfall 7), so a group's "size" below is its number of rows with a valid token;
+  mean and std), so a group's "size" below is its number of rows with a valid token;
 - NaN/inf anywhere in ``rewards`` raises ``ValueError``; both outputs are exactly 0 on masked tokens.
 """
 
@@ -31,10 +32,10 @@ def compute_grpo_advantage(
     """GRPO advantages ``(s_i - mean_g) / (std_g + epsilon)``, or Dr.GRPO ``s_i - mean_g`` when not ``norm_by_std``.
 
     ``std_g`` is the unbiased (``n - 1``) standard deviation of the group's scores. A group of one row uses mean 0
-    and std 1, as verl does (pitfall 1): ``s / (1 + epsilon)``, or ``s`` for Dr.GRPO. A group of identical scores
-    gives exactly 0 (pitfall 2); statistics are float64 and centred, so ``(1, 1.00001)`` gives ``±0.7071``
-    (pitfall 3). The advantage is broadcast over the row's valid tokens; ``returns`` equals ``advantages`` (a
-    separate tensor).
+    and std 1, as verl does: ``s / (1 + epsilon)``, or ``s`` for Dr.GRPO. A group of identical scores gives
+    exactly 0, even with ``epsilon = 0``; statistics are float64 and centred, so ``(1, 1.00001)`` gives
+    ``±0.7071`` with ``epsilon = 0`` (an uncentred float32 variance gives about ``±0.005``). The advantage is
+    broadcast over the row's valid tokens; ``returns`` equals ``advantages`` (a separate tensor).
 
     Args:
         rewards: ``[B, T]`` floating token-level rewards (outcome score usually on the last valid token).
@@ -81,7 +82,7 @@ def compute_grpo_passk_advantage(
     margin when not ``norm_by_std``); every other row gets 0, and a tie for the maximum gives 0 to everyone.
 
     Every group of ``index`` must have at least two rows (``ValueError`` otherwise, as in verl: pass@k needs
-    ``n >= 2``). A group left with fewer than two rows *with a valid token* (pitfall 7) gets 0.
+    ``n >= 2``). A group left with fewer than two rows *with a valid token* gets 0.
 
     Args:
         rewards: ``[B, T]`` floating token-level rewards.

@@ -13,8 +13,10 @@ Calling convention: every registered estimator is called with keyword arguments 
 An estimator ignores the inputs and options it does not use, raises ``ValueError`` naming an input it needs but
 did not get (``values`` for ``gae``, ``index`` for the group estimators, ``reward_baselines`` for ``remax``), and
 raises ``TypeError`` for a keyword that is not a field of :class:`AdvantageInputs` (so a misspelt option such as
-``norm_adv_by_std=False`` can never be silently dropped, unlike verl's pitfall 4). A custom estimator should
-accept ``**kwargs`` and parse them with ``AdvantageInputs(**kwargs)`` to get the same behaviour.
+``norm_adv_by_std=False`` can never be silently dropped; verl's dispatcher does not even pass
+``norm_adv_by_std_in_grpo=False`` to ``grpo_vectorized`` or GDPO, which then still divide by the std). A
+custom estimator should accept ``**kwargs`` and parse them with ``AdvantageInputs(**kwargs)`` to get the same
+behaviour.
 """
 
 from __future__ import annotations

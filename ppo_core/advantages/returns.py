@@ -25,11 +25,11 @@ def compute_reinforce_pp_advantage(
     """REINFORCE++ (Hu, 2025): discounted reward-to-go, whitened over the valid tokens of the batch.
 
     ``G_t = r_t + gamma * G_next`` over the valid tokens of each row (a masked run costs one ``gamma`` step and
-    its rewards are dropped, pitfall 8); ``advantages = masked_whiten(G)``, ``returns = G``.
+    its rewards are dropped, as in verl); ``advantages = masked_whiten(G)``, ``returns = G``.
 
     ``gamma`` is an explicit argument (verl reads ``config.gamma`` and ignores the ``gamma`` passed to its
-    dispatcher, pitfall 35). Both outputs are 0 on masked tokens; with 0 or 1 valid tokens in the batch the
-    advantages are 0 (verl raises, pitfall 9). NaN/inf rewards on valid tokens raise ``ValueError``.
+    dispatcher). Both outputs are 0 on masked tokens; with 0 or 1 valid tokens in the batch the advantages are
+    0 (verl's whitening raises ``ValueError``). NaN/inf rewards on valid tokens raise ``ValueError``.
 
     Args:
         rewards: ``[B, T]`` floating token-level rewards.
@@ -64,7 +64,7 @@ def compute_remax_advantage(
 
     ``G_t = sum of r_k over valid k >= t``; ``advantages = G_t - b_i`` on valid tokens, ``returns = G``. No
     whitening. Rewards on masked tokens are dropped (as in verl). Both outputs are 0 on masked tokens (verl leaves
-    ``G_t`` there, pitfall 10).
+    ``G_t`` there).
 
     Args:
         rewards: ``[B, T]`` floating token-level rewards.

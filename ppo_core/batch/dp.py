@@ -12,7 +12,7 @@ concatenates the per-rank outputs in rank order and drops them again.
 
 Padding rows always sit at the end of the padded batch, so they are a suffix of the last shard(s): rank ``r``
 holds ``pad_info.valid_rows(r)`` real rows followed by padding. Per-rank *metrics* must never be trimmed by
-dropping list entries (verl's DP_COMPUTE_METRIC collection drops whole ranks, pitfall 27): keep one entry per
+dropping list entries (verl's DP_COMPUTE_METRIC collection drops whole ranks' entries): keep one entry per
 rank and weight it by ``pad_info.valid_counts`` (``reduce_metrics(per_rank, weights=pad_info.valid_counts)``),
 or mask rows with ``pad_info.row_mask()``.
 

@@ -17,7 +17,9 @@ from ppo_core.masked import masked_mean
 __all__ = ["LOG_RATIO_CLAMP"]
 
 LOG_RATIO_CLAMP = 20.0
-"""Every loss clamps the log-ratio ``Δ = log_prob − old_log_prob`` to ``[−20, 20]`` before exponentiating (pitfall 15)."""
+"""Every loss clamps the log-ratio ``Δ = log_prob − old_log_prob`` to ``[−20, 20]`` before exponentiating.
+
+So a huge ``Δ`` gives a finite loss and gradient."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ mode                        loss
 ``seq-mean-token-sum-norm`` ``Σ_i S_i / G · dp / loss_scale_factor`` (``loss_scale_factor`` is required)
 =========================== ============================================================================
 
-Micro-batching (pitfall 13): pass the *global* denominators of the mini-batch (``batch_num_tokens`` = Σ mask over
+Micro-batching: pass the *global* denominators of the mini-batch (``batch_num_tokens`` = Σ mask over
 the whole mini-batch on all data-parallel ranks, ``global_batch_size`` = its number of rows on all ranks, and
 ``dp_size``); then the losses of the micro-batches of one rank sum to that rank's share, and the data-parallel
 gradient *average* times ``dp`` gives the gradient of the whole-mini-batch loss. ``global_batch_size`` counts every
@@ -21,10 +21,10 @@ row, all-masked ones included; the local default counts only rows with a valid t
 
 Deviations from verl (see ``docs/semantics.md``):
 
-- all-masked input never gives NaN (pitfall 12): every denominator is clamped to at least 1, so the loss is exactly
+- all-masked input never gives NaN: every denominator is clamped to at least 1, so the loss is exactly
   0 and its gradient is finite (zero);
 - ``seq-mean-token-mean`` divides by ``n_i`` exactly (verl adds 1e-8);
-- ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises ``ValueError`` (pitfall 13): verl then divides by
+- ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises ``ValueError``: verl then divides by
   the padded width ``T`` of the tensor, so the loss would depend on padding and on how micro-batches are padded.
 """
 

@@ -1,6 +1,6 @@
 """``PolicyLossConfig``: the knobs of every registered policy loss, with verl's defaults.
 
-Clip bounds (pitfall 17, a deliberate deviation from verl): ``clip_ratio_low`` and ``clip_ratio_high`` default to
+Clip bounds (a deliberate deviation from verl): ``clip_ratio_low`` and ``clip_ratio_high`` default to
 None and then take the value of ``clip_ratio``, so setting ``clip_ratio=0.3`` alone gives the range [0.7, 1.3]. An
 explicit ``clip_ratio_low``/``clip_ratio_high`` wins over ``clip_ratio``. In verl both default to 0.2, so overriding
 only ``clip_ratio`` silently keeps [0.8, 1.2]. Use :attr:`PolicyLossConfig.eps_low` / :attr:`eps_high` to read the

@@ -32,9 +32,9 @@ def clip_cov_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torc
     ``k = max(int(clip_cov_ratio · n_valid), 1)``, the detached tokens are the candidates (listed in row-major order)
     at ``torch.randperm(n_candidates, generator=generator)[:k]``; their loss is multiplied by 0.
 
-    ``generator`` is **required** (pitfall 20: verl draws from the global torch RNG). The same seed gives the same
+    ``generator`` is **required** (verl draws from the global torch RNG). The same seed gives the same
     selection, which :func:`ppo_core.testing.loss_oracles.clip_cov_policy_loss_oracle` reproduces. The log-ratio is clamped at
-    ±20 (pitfall 15; verl does not clamp here). Metrics: ``pg_clipfrac`` is the fraction of valid tokens whose
+    ±20 (verl does not clamp here). Metrics: ``pg_clipfrac`` is the fraction of valid tokens whose
     gradient was detached by the covariance rule (not PPO clipping, as in verl), ``ppo_kl``.
 
     Example:
@@ -70,11 +70,11 @@ def clip_cov_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torc
 def kl_cov_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: the unclipped surrogate ``−A·r`` plus ``ppo_kl_coef·|Δ|`` on the top-covariance tokens.
 
-    ``r = exp(Δ)`` with ``Δ = clamp(log_prob − old_log_prob, ±20)`` (pitfall 15; verl does not clamp here). The
+    ``r = exp(Δ)`` with ``Δ = clamp(log_prob − old_log_prob, ±20)`` (verl does not clamp here). The
     ``k = max(int(kl_cov_ratio · n_valid), 1)`` valid tokens of largest ``cov`` are penalised; ties go to the
     earlier token in row-major order (deterministic). No valid token, or ``kl_cov_ratio = 0``: no penalty.
 
-    Metrics (pitfall 19, a deviation from verl): ``ppo_kl`` is the signed ``mean(old − new)`` as for every other
+    Metrics (a deviation from verl): ``ppo_kl`` is the signed ``mean(old − new)`` as for every other
     loss; verl's ``ppo_kl`` here, ``mean(|Δ|)``, is reported as ``ppo_kl_abs``. ``ppo_kl_coef`` defaults to 0.1
     (verl's config default; its code fallback 1.0 does not exist here).
 

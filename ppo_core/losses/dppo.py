@@ -1,7 +1,7 @@
 """DPPO (arXiv 2602.04879): trust regions on the token probability, total variation (``dppo_tv``) or KL (``dppo_kl``).
 
 Both compute ``L = −A · sg(min(r, c)) · log_prob · sg(valid)`` with ``r = exp(clamp(Δ, ±20))`` and
-``c = config.clip_ratio_c`` (3.0 by default: pitfall 18, verl's 20.0 fallback only applies to configs without the
+``c = config.clip_ratio_c`` (3.0 by default; verl's 20.0 fallback only applies to configs without the
 key), where ``valid`` says the token is still inside the trust region (``ε_lo``/``ε_hi`` are divergence thresholds
 here, not ratio bounds). ``A = 0`` uses the negative-advantage branch. The loss *value* is ``−A r̃ log p``, not a
 surrogate of ``r``. Metrics: ``pg_clipfrac = mean(1 − valid)``, ``pg_clipfrac_lower = mean([r > c] ∧ valid)``,

@@ -27,7 +27,8 @@ def compute_entropy_loss(
     :mod:`ppo_core.logprobs`); masked positions change neither the value nor any gradient as long as their logits
     are finite (``-inf`` vocabulary entries are fine: 0·log 0 = 0). A position whose logits hold NaN or ``+inf``,
     or are all ``-inf``, raises ``ValueError`` (from :func:`~ppo_core.logprobs.entropy_from_logits`), masked or not.
-    Unlike verl's ``compute_entropy_loss``, the global-denominator keywords are accepted (pitfall 13).
+    Unlike verl's ``compute_entropy_loss``, the global-denominator keywords are accepted, so micro-batch
+    losses sum to the mini-batch loss.
 
     Args:
         logits: ``[B, T, V]`` floating logits of the response tokens.

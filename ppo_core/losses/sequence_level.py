@@ -24,9 +24,9 @@ def gspo_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Te
         s_{i,t} = exp(log_prob_t − sg(log_prob_t) + sg(Δ̄_i))   # value: sequence ratio; gradient: ∇log_prob_t
         L = max(−A·s, −A·clip(s, 1 − ε_lo, 1 + ε_hi))        (× rollout_is_weights) → agg_loss
 
-    Deviations from verl (pitfalls 15 and 16): ``loss_agg_mode`` is honoured (verl forces
-    ``seq-mean-token-mean``; pass that mode, as the paper does, to reproduce it) and the sequence log-ratio is bounded
-    by the ±20 token clamp (verl clamps it at +10 only). Metrics: ``pg_clipfrac``, ``ppo_kl``.
+    ``loss_agg_mode`` is honoured, as in verl 0.9.1 (pass ``seq-mean-token-mean`` for the paper's
+    sequence-level mean). Deviation from verl: the sequence log-ratio is bounded by the ±20 token clamp (verl
+    clamps ``log s`` at +10 only). Metrics: ``pg_clipfrac``, ``ppo_kl``.
 
     Example:
         >>> old = torch.zeros(1, 2)
@@ -55,7 +55,7 @@ def geo_mean_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torc
         loss = Σ_i L_i / G · dp_size      (G = global_batch_size, default: rows with a valid token)
 
     ``loss_agg_mode``, ``batch_num_tokens`` and ``loss_scale_factor`` are ignored: the objective is a mean over
-    sequences (pitfall 16, as in verl, which also ignores them). Unlike verl, ``dp_size`` and ``global_batch_size``
+    sequences (as in verl, which also ignores them). Unlike verl, ``dp_size`` and ``global_batch_size``
     are honoured, so micro-batch losses sum to the mini-batch loss, and locally all-masked rows do not count in
     ``G`` (verl takes the plain mean over all rows). Metrics: ``pg_clipfrac`` (``Δ`` outside ``[−ε_lo, ε_hi]``
     with ``A > 0``), ``pg_clipfrac_lower`` (same with ``A < 0``), ``ppo_kl``.

@@ -30,8 +30,8 @@ def compute_value_loss(
 
     ``v_clip = clamp(vpreds, values − c, values + c)``, ``l1 = (vpreds − returns)²``, ``l2 = (v_clip − returns)²``,
     ``loss = ½ · agg_loss(max(l1, l2), response_mask, loss_agg_mode, ...)`` and ``clipfrac = mean([l2 > l1])`` over
-    valid tokens (pitfall 24). Masked entries (``returns`` at padding equal ``values`` after GAE, or hold anything)
-    change neither result nor any gradient.
+    valid tokens, as in verl. Masked entries (``returns`` at padding equal ``values`` after verl's GAE, or
+    hold anything) change neither result nor any gradient.
 
     Args:
         vpreds: ``[B, T]`` current critic predictions (differentiated).

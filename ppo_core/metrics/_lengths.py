@@ -1,7 +1,7 @@
 """Prompt and response lengths of a batch, shared by the data, timing and throughput metrics.
 
 Lengths come from ``attention_mask`` (``[B, P + T]``, prompt then response, ``T = response_mask.shape[1]``) when the
-batch has one, so tool/observation tokens of multi-turn rollouts count as response tokens as in verl (pitfall 34:
+batch has one, so tool/observation tokens of multi-turn rollouts count as response tokens as in verl (only
 these *metrics* use the attention mask, while losses and advantages use ``response_mask``). Without an
 ``attention_mask`` the response length is ``response_mask.sum(-1)`` and the prompt is unknown (``None``).
 """

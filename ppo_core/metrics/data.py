@@ -56,7 +56,7 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
     Batch keys (``B`` rows, ``T`` response tokens):
         ``response_mask`` ``[B, T]``; ``token_level_scores``, ``token_level_rewards``, ``advantages``, ``returns``
         ``[B, T]`` floats; ``values`` ``[B, T]`` when ``use_critic``; optional ``attention_mask`` ``[B, P + T]``
-        (lengths then count every attended token, tool tokens included, see pitfall 34) and ``__num_turns__``
+        (lengths then count every attended token, tool tokens included) and ``__num_turns__``
         ``[B]`` (tensor or non-tensor field).
 
     Returns:

@@ -5,15 +5,15 @@ For every data source, prompt (``uid``) and numeric variable (``reward``, ``acc`
 bootstrap estimates of the best (max) and worst (min) of ``N`` responses drawn with replacement
 (``best@N/mean``, ``best@N/std``, ``worst@N/...``) and, when a ``pred`` variable holds the answers, of the
 majority-vote value (``maj@N/...``). Each metric is then averaged over the prompts that produced it: prompts with
-different ``n`` produce different ``mean@n`` names and share the smaller ``best@N`` ones (verl §10.7, pitfall 30).
+different ``n`` produce different ``mean@n`` names and share the smaller ``best@N`` ones (as in verl).
 Note that ``best@N`` at ``N = n`` resamples with replacement, so it is ``~1 - (1 - p)^n``, not an unbiased pass@n.
 
 Randomness: a local ``numpy.random.Generator`` per (data source, uid, variable, N), seeded from ``seed`` and a
 stable hash of those names, so results do not depend on the order of prompts and the global NumPy RNG is never
-touched (verl reseeds it with 42 on every call, pitfall 31).
+touched (verl reseeds it with 42 on every call).
 
 Majority vote tie-break: among the answers with the most votes, the one that appears first wins, and its value is
-that of its first occurrence (verl's behaviour, pitfall 32: votes ``B, A, A, B`` give the first ``B``'s value).
+that of its first occurrence (verl's behaviour: votes ``B, A, A, B`` give the first ``B``'s value).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def flatten_validation_metrics(
 
     A metric goes to ``val-core/{source}/{var}/{metric}`` when ``var`` is the core variable (``core_var``, else
     ``"acc"`` if the source has it, else ``"reward"``), the metric starts with ``mean``, ``maj`` or ``best``, and
-    it is at the largest ``N`` of that variable; everything else goes to ``val-aux/...`` (verl §9.5).
+    it is at the largest ``N`` of that variable; everything else goes to ``val-aux/...`` (verl's split).
 
     Example:
         >>> flatten_validation_metrics({"ds": {"acc": {"mean@2": 0.5, "mean@1": 1.0}}})

@@ -2,7 +2,8 @@
 
 The order of an epoch depends only on ``(seed, epoch)``, so the state is two integers. A state taken right after
 the last batch of an epoch is stored as "start of the next epoch": restoring it can never yield an exhausted
-iterator that trains zero steps (verl pitfall 33, where ``data.pt`` had to be skipped at epoch boundaries).
+iterator that trains zero steps (in verl, a dataloader state saved at an epoch boundary resumes with zero
+steps).
 """
 
 from __future__ import annotations
