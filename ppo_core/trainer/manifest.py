@@ -7,8 +7,8 @@ overwritten file is reported with its path instead of loading "successfully" and
 random bytes in a weight file unpickle into garbage tensors).
 
 Files are hashed in 1 MiB chunks (constant memory), several files at a time (``hashlib`` releases the GIL);
-SHA-256 runs at about 1.4 GB/s per core on a machine with SHA extensions, so the manifest adds ~0.7 s per GB to a
-save and to a resume.
+SHA-256 runs at 0.7-1.5 GB/s per core on a machine with SHA extensions, so the manifest adds about 1 s per GB to
+a save and to a resume (less with several files on several cores).
 
 Example:
     >>> import pathlib, tempfile
