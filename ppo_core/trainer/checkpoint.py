@@ -228,6 +228,8 @@ def find_intact_checkpoint(root: str | os.PathLike[str]) -> tuple[str, dict[str,
     else:
         candidates = sorted(steps, reverse=True)
     skipped: list[str] = []
+    if latest is not None and latest not in steps and candidates:
+        skipped.append(f"{checkpoint_dir(root, latest)} is named by {LATEST_FILE} but does not exist")
     for step in candidates:
         path = checkpoint_dir(root, step)
         try:

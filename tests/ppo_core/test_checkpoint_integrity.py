@@ -208,6 +208,24 @@ def test_auto_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog
             assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
 
 
+def test_latest_file_naming_a_missing_or_damaged_folder_falls_back_with_a_warning(tmp_path, caplog):
+    for step in (1, 2, 3):
+        _published(tmp_path, step)
+    _overwrite_64_bytes(tmp_path / "global_step_2" / "actor" / "rank_0.pt")
+    (tmp_path / ckpt.LATEST_FILE).write_text("5")  # e.g. the folder was deleted by hand
+    with caplog.at_level(logging.WARNING):
+        path, state = ckpt.find_intact_checkpoint(tmp_path)
+    assert path.endswith("global_step_3") and state["global_steps"] == 3
+    assert f"{tmp_path / 'global_step_5'} is named by {ckpt.LATEST_FILE} but does not exist" in caplog.text
+    (tmp_path / ckpt.LATEST_FILE).write_text("2")  # folder 3 is above the latest step: a rewound run's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path, _ = ckpt.find_intact_checkpoint(tmp_path)
+    assert path.endswith("global_step_1")
+    assert "global_step_2/actor/rank_0.pt has a different SHA-256" in caplog.text
+    assert ckpt.find_intact_checkpoint(tmp_path / "nothing") is None
+
+
 def test_auto_resume_with_every_checkpoint_damaged_lists_them_all(tmp_path):
     cfg = _train_three_steps(tmp_path, max_ckpt_to_keep=2)
     for step in (2, 3):
