@@ -17,21 +17,34 @@ from __future__ import annotations
 
 from ppo_core.batch.balance import balance_by_seqlen, seqlen_balance_metrics
 from ppo_core.batch.dp import PAD_MODES, PadInfo, merge_from_dp, split_for_dp
+from ppo_core.batch.group_balance import balance_groups_by_seqlen
 from ppo_core.batch.minibatch import iter_minibatches
-from ppo_core.batch.ops import concat, pad_to_multiple, repeat_interleave, select, union, unpad
+from ppo_core.batch.ops import (
+    concat,
+    pad_to_multiple,
+    repeat,
+    repeat_interleave,
+    select,
+    split,
+    union,
+    unpad,
+)
 from ppo_core.batch.validate import validate_batch
 
 __all__ = [
     "PAD_MODES",
     "PadInfo",
     "balance_by_seqlen",
+    "balance_groups_by_seqlen",
     "concat",
     "iter_minibatches",
     "merge_from_dp",
     "pad_to_multiple",
+    "repeat",
     "repeat_interleave",
     "select",
     "seqlen_balance_metrics",
+    "split",
     "split_for_dp",
     "union",
     "unpad",

@@ -69,28 +69,49 @@ def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _values_equal(a: object, b: object) -> bool:
-    """Deep equality of Python objects where NaN equals NaN (floats, tensors, arrays, lists, dicts)."""
+def _values_equal(a: object, b: object, _seen: dict | None = None) -> bool:
+    """Deep equality of Python objects where NaN equals NaN (floats, tensors, arrays, lists, dicts).
+
+    Cycle-safe: an object array, list or dict that contains itself (directly or through other containers) is
+    compared as a graph. A pair of containers that is already being compared counts as equal where it recurs, so
+    two values are equal exactly when no path through them reaches a difference; a pair compared once is not
+    compared again. ``_seen`` maps ``(id(a), id(b))`` to the pair itself, which keeps both objects alive during
+    the comparison so that their ids cannot be reused by temporaries.
+    """
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_equal(a, b)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    containers = (np.ndarray, Mapping, list, tuple)
+    if not (isinstance(a, containers) and isinstance(b, containers)):
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return False
+        try:
+            return bool(a == b)
+        except (TypeError, ValueError):
+            return a is b
+    seen = {} if _seen is None else _seen
+    pair = (id(a), id(b))
+    if pair in seen:
+        return True
+    seen[pair] = (a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
             return False
-        return all(_values_equal(x, y) for x, y in zip(a.ravel().tolist(), b.ravel().tolist(), strict=True))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
+        # tolist() gives Python scalars for numeric arrays and the stored objects themselves for object arrays
+        pairs = zip(a.ravel().tolist(), b.ravel().tolist(), strict=True)
+        return all(_values_equal(x, y, seen) for x, y in pairs)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k], seen) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return (
             type(a) is type(b)
             and len(a) == len(b)
-            and all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
+            and all(_values_equal(x, y, seen) for x, y in zip(a, b, strict=True))
         )
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return a is b
+    return False
 
 
 def _rows(batch: TensorDictBase, index: torch.Tensor) -> TensorDictBase:

@@ -83,6 +83,16 @@ def _imbalance(weights: list[float], partitions: list[list[int]]) -> float:
     return max(sums) - min(sums)
 
 
+def _best_partitions(weights: list[float], k: int, equal_size: bool) -> list[list[int]]:
+    """Karmarkar-Karp or greedy, whichever is better (KK on ties), ordered by smallest index."""
+    partitions = _karmarkar_karp(weights, k, equal_size)
+    greedy = _greedy(weights, k, equal_size)
+    if _imbalance(weights, greedy) < _imbalance(weights, partitions):
+        partitions = greedy
+    partitions.sort(key=lambda p: (p[0] if p else len(weights), len(p)))
+    return partitions
+
+
 def _as_weights(seqlens: Sequence[float] | torch.Tensor) -> list[float]:
     if isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
@@ -138,11 +148,7 @@ def balance_by_seqlen(
             f"equal_size=True needs len(seqlens) divisible by k, got {size} rows and k={k}; "
             f"pad the batch to a multiple of k first (pad_to_multiple) or pass equal_size=False"
         )
-    partitions = _karmarkar_karp(weights, k, equal_size)
-    greedy = _greedy(weights, k, equal_size)
-    if _imbalance(weights, greedy) < _imbalance(weights, partitions):
-        partitions = greedy
-    partitions.sort(key=lambda p: (p[0] if p else size, len(p)))
+    partitions = _best_partitions(weights, k, equal_size)
     assert sorted(i for p in partitions for i in p) == list(range(size)), (
         "partitions must cover every row once"
     )

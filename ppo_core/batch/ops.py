@@ -1,4 +1,4 @@
-"""Row operations on batches: padding, concatenation, repetition, selection and union.
+"""Row operations on batches: padding, concatenation, splitting, repetition, selection and union.
 
 A batch is a ``tensordict.TensorDict`` with ``batch_size=[B]``: tensors ``[B, ...]`` (``responses: [B, T]``,
 ``response_mask: [B, T]``, ``scores: [B]``) and per-row Python objects as ``NonTensorStack`` fields (``uid``,
@@ -18,11 +18,12 @@ from ppo_core.batch._td import (
     _key_name,
     _leaves,
     _rows,
+    _slice,
     _tensors_equal,
     _values_equal,
 )
 
-__all__ = ["concat", "pad_to_multiple", "repeat_interleave", "select", "union", "unpad"]
+__all__ = ["concat", "pad_to_multiple", "repeat", "repeat_interleave", "select", "split", "union", "unpad"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -144,8 +145,62 @@ def concat(batches: Sequence[TensorDictBase]) -> TensorDictBase:
     return torch.cat(list(batches), dim=0)
 
 
+def split(batch: TensorDictBase, split_size: int) -> list[TensorDictBase]:
+    """Cut a batch into consecutive chunks of ``split_size`` rows; the last chunk holds the remainder.
+
+    The row-wise analogue of ``torch.split(tensor, split_size)``: 10 rows by 3 give chunks of 3, 3, 3 and 1 rows.
+    Unlike :func:`ppo_core.batch.split_for_dp` (a fixed number of equal shards), the chunk size is fixed and
+    nothing is padded. ``concat(split(batch, s))`` is ``batch`` again.
+
+    Args:
+        batch: TensorDict with ``batch_size=[B]``.
+        split_size: rows per chunk, an int ``>= 1``.
+
+    Returns:
+        ``ceil(B / split_size)`` batches, each a compact clone with its own storage; every chunk has
+        ``split_size`` rows except the last, which has ``B - (n - 1) * split_size`` (between 1 and
+        ``split_size``). An empty batch gives one empty chunk, as ``torch.split`` does.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> chunks = split(TensorDict({"x": torch.arange(10)}, batch_size=[10]), 3)
+        >>> [c["x"].tolist() for c in chunks]
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    """
+    size = _check_batch("batch", batch)
+    _check_int("split_size", split_size, 1)
+    if size == 0:
+        return [batch.clone()]
+    return [_slice(batch, start, min(start + split_size, size)) for start in range(0, size, split_size)]
+
+
+def repeat(batch: TensorDictBase, repeats: int) -> TensorDictBase:
+    """Tile the whole batch ``repeats`` times (``a, b, c, a, b, c``); see :func:`repeat_interleave` for
+    ``a, a, b, b, c, c``.
+
+    The row-wise analogue of ``Tensor.repeat`` on the batch dimension. Non-tensor fields (``uid``...) are tiled
+    with their rows.
+
+    Args:
+        batch: TensorDict with ``batch_size=[B]``.
+        repeats: copies of the batch, an int ``>= 1``.
+
+    Returns:
+        A batch of ``B * repeats`` rows with its own storage: row ``i`` is row ``i % B`` of ``batch``.
+
+    Example:
+        >>> from tensordict import NonTensorStack, TensorDict
+        >>> b = TensorDict({"uid": NonTensorStack("a", "b", "c")}, batch_size=[3])
+        >>> repeat(b, 2).get("uid").tolist()
+        ['a', 'b', 'c', 'a', 'b', 'c']
+    """
+    size = _check_batch("batch", batch)
+    _check_int("repeats", repeats, 1)
+    return _rows(batch, torch.arange(size, dtype=torch.int64).repeat(repeats))
+
+
 def repeat_interleave(batch: TensorDictBase, repeats: int | torch.Tensor) -> TensorDictBase:
-    """Repeat every row in place (``a, a, b, b``), e.g. for ``n`` responses per prompt.
+    """Repeat every row in place (``a, a, b, b``), e.g. for ``n`` responses per prompt; :func:`repeat` tiles.
 
     All fields are repeated, so the ``n`` copies of a prompt keep its ``uid`` and form one group.
 

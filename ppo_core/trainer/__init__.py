@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ppo_core.trainer.base import BasePPOTrainer
-from ppo_core.trainer.checkpoint import find_latest_checkpoint
+from ppo_core.trainer.checkpoint import find_intact_checkpoint, find_latest_checkpoint
 from ppo_core.trainer.config import (
     ActorConfig,
     CriticConfig,
@@ -14,6 +14,8 @@ from ppo_core.trainer.config import (
     TrainerConfig,
 )
 from ppo_core.trainer.data import PromptDataLoader, collate_prompts
+from ppo_core.trainer.manifest import CheckpointCorruptError
+from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError, scores_to_token_level
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation
 from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl
@@ -21,10 +23,12 @@ from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl
 __all__ = [
     "ActorConfig",
     "BasePPOTrainer",
+    "CheckpointCorruptError",
     "CriticConfig",
     "DataConfig",
     "PPOConfig",
     "PromptDataLoader",
+    "ResumeConfigError",
     "RewardFunctionError",
     "RolloutConfig",
     "Tracker",
@@ -32,6 +36,7 @@ __all__ = [
     "assign_uids",
     "collate_prompts",
     "compute_advantages",
+    "find_intact_checkpoint",
     "find_latest_checkpoint",
     "merge_generation",
     "read_metrics_jsonl",

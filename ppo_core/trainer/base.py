@@ -39,6 +39,7 @@ from ppo_core.metrics import (
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
+from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
 from ppo_core.trainer.reward import RewardFn, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation, take_outputs
 from ppo_core.trainer.tracking import Tracker
@@ -285,8 +286,11 @@ class BasePPOTrainer(abc.ABC):
 
     # ----- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
-        """Write ``global_step_{k}`` (workers, controller state, RNGs) and publish it atomically."""
-        root, step = self.config.trainer.default_local_dir, self.global_steps
+        """Write ``global_step_{k}`` (workers, controller state, RNGs, manifest) and publish it atomically; then
+        keep the newest ``trainer.max_ckpt_to_keep`` checkpoints."""
+        cfg = self.config.trainer
+        root, step = cfg.default_local_dir, self.global_steps
+        ckpt.remove_stale_saves(root)
         tmp = ckpt.checkpoint_dir(root, step) + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -302,34 +306,42 @@ class BasePPOTrainer(abc.ABC):
         }
         ckpt.save_trainer_state(tmp, state)
         path = ckpt.publish_checkpoint(tmp, root, step)
+        ckpt.prune_checkpoints(root, cfg.max_ckpt_to_keep, newest=step)
         logger.info("saved checkpoint %s", path)
         return path
 
     def _load_checkpoint(self) -> bool:
+        """Resume from the configured checkpoint: verify it whole, compare its config, then load the workers."""
         cfg = self.config.trainer
-        path: str | None = None
+        found: tuple[str, dict[str, Any]] | None = None
         if cfg.resume_mode == "auto":
-            path = ckpt.find_latest_checkpoint(cfg.default_local_dir)
+            ckpt.remove_stale_saves(cfg.default_local_dir)  # also restores a step whose re-save was cut short
+            found = ckpt.find_intact_checkpoint(cfg.default_local_dir)
         elif cfg.resume_mode == "path":
             path = cfg.resume_from_path
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"trainer.resume_from_path {path!r} does not exist")
-        if path is None:
+            found = path, ckpt.open_checkpoint(path)
+        if found is None:
             self._seed(cfg.seed)
             return False
-        step = ckpt.step_of_checkpoint(path)
-        state = ckpt.load_trainer_state(path)
-        if int(state["global_steps"]) != step:
-            raise ValueError(f"{path!r} holds the state of step {state['global_steps']}, not {step}")
+        path, state = found
+        changes = check_resume_config(
+            state.get("config"), self.config, checkpoint=path, allow=cfg.resume_allow_changes
+        )
+        loader_state = state["dataloader"]
+        old_size = changes.get("data.train_batch_size", (None,))[0]
+        if isinstance(old_size, int):  # an allowed change: the saved position counts batches of the old size
+            loader_state = rescale_loader_state(loader_state, old_size, self.config.data.train_batch_size)
         self.actor_wg.load_checkpoint(os.path.join(path, "actor"))
         if self.config.use_critic:
             self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
-        self.train_dataloader.load_state_dict(state["dataloader"])
+        self.train_dataloader.load_state_dict(loader_state)
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.restore_rng_state(state["rng"])
-        self.global_steps = step
-        logger.info("resumed from %s (step %d)", path, step)
+        self.global_steps = int(state["global_steps"])
+        logger.info("resumed from %s (step %d)", path, self.global_steps)
         return True
 
     @staticmethod

@@ -35,6 +35,16 @@ def _bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+def _dotted_keys(name: str, value: object) -> tuple[str, ...]:
+    # a lone string would otherwise be read as a list of one-letter keys
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of dotted config keys, got {type(value).__name__} {value!r}")
+    for i, key in enumerate(value):
+        if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
+            raise ValueError(f"{name}[{i}] must be a dotted config key such as 'data.seed', got {key!r}")
+    return tuple(value)
+
+
 @dataclass(kw_only=True)
 class DataConfig(ConfigBase):
     """Prompt loading."""
@@ -138,6 +148,12 @@ class TrainerConfig(ConfigBase):
     """``auto`` (latest checkpoint under ``default_local_dir``, if any), ``disable``, or ``path``."""
     resume_from_path: str | None = None
     """Checkpoint folder (``.../global_step_{k}``) to resume from when ``resume_mode == "path"``."""
+    resume_allow_changes: tuple[str, ...] = ()
+    """Dotted config keys (e.g. ``"data.train_batch_size"``) that may differ from the checkpoint's config on resume
+    although they change what the run means (see :mod:`ppo_core.trainer.resume_config`); a key covers the keys
+    below it."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only the newest this many checkpoints (older ones are deleted after each save); None keeps all."""
     seed: int = 0
     """Seeds the controller's torch, numpy and python RNGs at the start of a run (restored on resume)."""
     loggers: tuple[str, ...] = ("console", "jsonl")
@@ -159,6 +175,9 @@ class TrainerConfig(ConfigBase):
         check_choice("resume_mode", self.resume_mode, RESUME_MODES)
         if self.resume_mode == "path" and not self.resume_from_path:
             raise ValueError("resume_from_path must be set when resume_mode is 'path'")
+        self.resume_allow_changes = _dotted_keys("trainer.resume_allow_changes", self.resume_allow_changes)
+        if self.max_ckpt_to_keep is not None:
+            _int_at_least("trainer.max_ckpt_to_keep", self.max_ckpt_to_keep, 1)
         self.loggers = tuple(self.loggers)
         for name in self.loggers:
             check_choice("loggers", name, LOGGERS)

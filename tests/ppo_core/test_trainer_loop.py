@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.trainer import BasePPOTrainer, PPOConfig, RewardFunctionError, read_metrics_jsonl
 from ppo_core.trainer.checkpoint import find_latest_checkpoint, load_trainer_state
+from ppo_core.trainer.manifest import write_manifest
 from ppo_core.workers import ColocatedWorker, Dispatch, Worker, WorkerSpec, register
 
 V, R, EOS, PAD = 6, 3, 0, 0
@@ -268,6 +269,8 @@ def test_resume_without_restoring_the_kl_controller_would_differ(tmp_path, refer
     state = load_trainer_state(os.path.dirname(state_file))
     state["kl_ctrl"] = None
     torch.save(state, state_file)
+    # a deliberate edit: record it in the manifest, or the resume refuses the changed file
+    write_manifest(os.path.dirname(state_file))
     run(ToyTrainer, cfg)
     got = deterministic(read_metrics_jsonl(tmp_path))
     assert got[3]["actor/reward_kl_penalty_coeff"] != reference_run[3]["actor/reward_kl_penalty_coeff"]
