@@ -119,3 +119,10 @@ def test_strict_and_flexible_recover_any_written_number(value, commas, dollar, s
     assert extract_gsm8k_answer(response, "flexible") == value
     assert gsm8k_score(response, str(value))["acc"] == 1.0
     assert gsm8k_score(response, str(value + 1))["acc"] == 0.0
+
+
+def test_the_whole_response_is_searched():
+    # an answer followed by a long explanation is still found (a scorer that reads only the tail would miss it)
+    response = "#### 42\n" + "Let me double-check this carefully. " * 20
+    assert len(response) > 600
+    assert gsm8k_score(response, "42")["acc"] == 1.0
