@@ -207,12 +207,53 @@ def _check_dir(path: str | os.PathLike[str]) -> str:
     return path
 
 
+def _config_without_dropout(path: str) -> Any:
+    """The checkpoint's config with every dropout probability (``*dropout``, ``*pdrop``) set to 0."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    configs = [config, *(getattr(config, name) for name in ("text_config",) if hasattr(config, name))]
+    for cfg in configs:
+        for name, value in list(vars(cfg).items()):
+            if (name.endswith("dropout") or name.endswith("pdrop")) and isinstance(value, float):
+                setattr(cfg, name, 0.0)
+    return config
+
+
+def _zero_dropout_modules(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _load(
+    auto_cls: Any,
+    path: str | os.PathLike[str],
+    dtype: Any,
+    attn_implementation: str | None,
+    disable_dropout: bool,
+) -> nn.Module:
+    path = _check_dir(path)
+    kwargs: dict[str, Any] = {
+        "local_files_only": True,
+        "dtype": _dtype(dtype),
+        "attn_implementation": attn_implementation,
+    }
+    if disable_dropout:
+        kwargs["config"] = _config_without_dropout(path)
+    model = auto_cls.from_pretrained(path, **kwargs)
+    if disable_dropout:
+        _zero_dropout_modules(model)
+    return model
+
+
 def load_causal_lm(
     path: str | os.PathLike[str],
     *,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
     attn_implementation: str | None = "sdpa",
+    disable_dropout: bool = True,
 ) -> HFCausalLM:
     """Load a local Hugging Face causal-LM checkpoint as an :class:`HFCausalLM` (no network access).
 
@@ -222,12 +263,13 @@ def load_causal_lm(
             default, as the reference torch workers train in full precision.
         device: where to put the model (the workers move it to their own device anyway).
         attn_implementation: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``...; None lets transformers choose.
+        disable_dropout: set every dropout probability to 0 (config and modules), so that log-probabilities
+            recomputed in training mode equal the sampling ones and PPO ratios start at exactly 1. The exported
+            config then also says 0.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        _check_dir(path), local_files_only=True, dtype=_dtype(dtype), attn_implementation=attn_implementation
-    )
+    model = _load(AutoModelForCausalLM, path, dtype, attn_implementation, disable_dropout)
     if device is not None:
         model = model.to(device)
     return HFCausalLM(model)
@@ -239,20 +281,20 @@ def load_value_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
     attn_implementation: str | None = "sdpa",
+    disable_dropout: bool = True,
     head_init_std: float = 0.0,
     seed: int = 0,
 ) -> CausalLMWithValueHead:
     """The transformer body of a local causal-LM checkpoint (``AutoModel``, no LM head) with a value head.
 
     Args:
-        path, dtype, device, attn_implementation: as :func:`load_causal_lm` (the head is always fp32).
+        path, dtype, device, attn_implementation, disable_dropout: as :func:`load_causal_lm` (the head is
+            always fp32).
         head_init_std, seed: the head's initialisation (see :class:`CausalLMWithValueHead`).
     """
     from transformers import AutoModel
 
-    body = AutoModel.from_pretrained(
-        _check_dir(path), local_files_only=True, dtype=_dtype(dtype), attn_implementation=attn_implementation
-    )
+    body = _load(AutoModel, path, dtype, attn_implementation, disable_dropout)
     model = CausalLMWithValueHead(body, body.config.hidden_size, head_init_std=head_init_std, seed=seed)
     return model if device is None else model.to(device)
 

@@ -282,3 +282,18 @@ def test_cuda_bf16_actor_left_padding_and_export(ckpts, tmp_path):
     ids = _ids(6).cuda()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, actor.module(ids), rtol=0, atol=0)
+
+
+def test_dropout_is_disabled_by_default(tmp_path):
+    config = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=1, n_head=4)
+    assert config.resid_pdrop > 0 and config.attn_pdrop > 0
+    ids = _ids(7)
+    with torch.random.fork_rng(devices=[]):  # GPT-2's init and dropout draw from the global RNG
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+        for loader in (load_causal_lm, load_value_model):
+            model = loader(tmp_path / "gpt2", attn_implementation="eager").train()
+            assert torch.equal(model(ids), model(ids))  # training mode, yet deterministic
+        noisy = load_causal_lm(tmp_path / "gpt2", attn_implementation="eager", disable_dropout=False).train()
+        assert not torch.equal(noisy(ids), noisy(ids))
+    assert load_causal_lm(tmp_path / "gpt2").config.resid_pdrop == 0.0
