@@ -11,7 +11,8 @@ With ``num_workers=0`` scoring runs in the caller's thread and the result is ret
 ``num_workers=N`` the rows are scored by a pool of ``N`` processes (``spawn``ed on first use, kept until
 :meth:`RuleBasedReward.close`) and the call returns a ``concurrent.futures.Future``: the trainer starts it right
 after generation and awaits it before the advantages, so slow scorers overlap with the log-prob and value passes.
-Scorers must then be picklable (module-level functions or ``functools.partial`` of them).
+Scorers must then be picklable (module-level functions or ``functools.partial`` of them), and a script that
+creates the reward must guard its entry point with ``if __name__ == "__main__":`` (``spawn`` re-imports it).
 """
 
 from __future__ import annotations
