@@ -2,7 +2,9 @@
 
 The math is pure functions on ``[B, T]`` tensors (``B`` responses, ``T`` response tokens); the trainer is written
 once against a small backend protocol. Subpackages: ``advantages``, ``losses``, ``batch``, ``metrics``,
-``workers``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``.
+``workers``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; with the ``hf`` extra, ``data``
+(prompt datasets), ``rewards`` (rule-based scorers), ``models.hf`` (Hugging Face checkpoints in and out) and
+``examples`` (offline example data).
 """
 
 from __future__ import annotations

@@ -1,0 +1,137 @@
+"""The prompt-row schema (verl's): chat messages, a data source, a ground truth and free-form extra info.
+
+A row is a mapping with
+
+- ``prompt`` (the key is configurable): a non-empty list of chat messages, each a mapping with string ``role``
+  and ``content`` (other message keys, e.g. ``name``, are kept for the chat template),
+- ``data_source``: a non-empty string; the rule-based reward picks its scorer by it,
+- ``reward_model``: a mapping whose ``ground_truth`` is the reference answer (any non-null value),
+- ``extra_info`` (optional): a mapping or null, passed through untouched.
+
+Other columns (``ability``...) are ignored. Errors name the file, the row and the dotted field, e.g.
+``train.parquet row 17: prompt[1].role missing``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppo_core.data.readers import RowOrigin
+
+__all__ = ["PromptRecord", "PromptSchemaError", "parse_prompt_row"]
+
+
+class PromptSchemaError(ValueError):
+    """A row does not follow the prompt schema; the message names the file, the row and the field."""
+
+    def __init__(self, origin: RowOrigin, field_path: str, problem: str) -> None:
+        super().__init__(f"{origin}: {field_path} {problem}")
+        self.origin = origin
+        self.field_path = field_path
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptRecord:
+    """A validated row."""
+
+    messages: list[dict[str, Any]]
+    """The chat messages, in order."""
+    data_source: str
+    """Name of the dataset the row comes from (selects the reward's scorer)."""
+    ground_truth: Any
+    """Reference answer (``reward_model.ground_truth``); None only when it was not required."""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    """``extra_info`` (``{}`` when missing or null)."""
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _messages(origin: RowOrigin, key: str, value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise PromptSchemaError(origin, key, "missing")
+    if (
+        isinstance(value, (str, bytes, Mapping))
+        or not hasattr(value, "__len__")
+        or not hasattr(value, "__iter__")
+    ):
+        raise PromptSchemaError(
+            origin, key, f"must be a list of chat messages ({{'role', 'content'}}), got {_type_name(value)}"
+        )
+    messages = list(value)
+    if not messages:
+        raise PromptSchemaError(origin, key, "must hold at least one message, got an empty list")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{key}[{i}]"
+        if not isinstance(message, Mapping):
+            raise PromptSchemaError(
+                origin, where, f"must be a mapping with 'role' and 'content', got {_type_name(message)}"
+            )
+        for name in ("role", "content"):
+            if message.get(name) is None:
+                raise PromptSchemaError(origin, f"{where}.{name}", "missing")
+            if not isinstance(message[name], str):
+                raise PromptSchemaError(
+                    origin, f"{where}.{name}", f"must be a string, got {_type_name(message[name])}"
+                )
+        # parquet structs carry every field of the column's type; drop the ones this message does not set
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+def parse_prompt_row(
+    origin: RowOrigin,
+    row: Mapping[str, Any],
+    *,
+    prompt_key: str = "prompt",
+    require_ground_truth: bool = True,
+) -> PromptRecord:
+    """Validate ``row`` and return its :class:`PromptRecord`.
+
+    Args:
+        origin: where the row comes from (named in errors).
+        row: the row as read from the file.
+        prompt_key: the column holding the chat messages.
+        require_ground_truth: a missing ``reward_model.ground_truth`` is an error (True) or None (False).
+
+    Raises:
+        PromptSchemaError: (a ``ValueError``) naming the row and the dotted field.
+
+    Example:
+        >>> rec = parse_prompt_row(RowOrigin("a.jsonl", 0), {"prompt": [{"role": "user", "content": "1+1?"}],
+        ...     "data_source": "toy", "reward_model": {"ground_truth": "2"}})
+        >>> rec.messages, rec.ground_truth
+        ([{'role': 'user', 'content': '1+1?'}], '2')
+        >>> parse_prompt_row(RowOrigin("a.jsonl", 3), {"prompt": [{"content": "hi"}]})
+        Traceback (most recent call last):
+        ...
+        ppo_core.data.schema.PromptSchemaError: a.jsonl row 3: prompt[0].role missing
+    """
+    messages = _messages(origin, prompt_key, row.get(prompt_key))
+    source = row.get("data_source")
+    if source is None:
+        raise PromptSchemaError(origin, "data_source", "missing")
+    if not isinstance(source, str) or not source:
+        raise PromptSchemaError(origin, "data_source", f"must be a non-empty string, got {source!r}")
+    reward_model = row.get("reward_model")
+    ground_truth = None
+    if reward_model is not None and not isinstance(reward_model, Mapping):
+        raise PromptSchemaError(
+            origin, "reward_model", f"must be a mapping with 'ground_truth', got {_type_name(reward_model)}"
+        )
+    if reward_model is not None:
+        ground_truth = reward_model.get("ground_truth")
+    if ground_truth is None and require_ground_truth:
+        raise PromptSchemaError(
+            origin, "reward_model" if reward_model is None else "reward_model.ground_truth", "missing"
+        )
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise PromptSchemaError(origin, "extra_info", f"must be a mapping or null, got {_type_name(extra)}")
+    return PromptRecord(
+        messages=messages, data_source=source, ground_truth=ground_truth, extra_info=dict(extra or {})
+    )

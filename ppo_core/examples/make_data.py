@@ -1,0 +1,190 @@
+"""Make the offline example from nothing: task data, tokenizer and a tiny random-init Qwen2 checkpoint.
+
+``make_example_data(out_dir, seed=0)`` (or ``python -m ppo_core.examples.make_data OUT_DIR``) writes::
+
+    OUT_DIR/data/train.parquet, OUT_DIR/data/test.parquet   # verl schema, synthetic/arith_gsm8k
+    OUT_DIR/model/                                          # config.json, model.safetensors, tokenizer files
+
+The tokenizer is trained on the task's text; the model is a ``Qwen2ForCausalLM`` sized for CPU training
+(:class:`TinyModelConfig`), initialised under ``torch.random.fork_rng`` from the seed (the caller's global RNG is
+left as it was). The same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ppo_core._config import ConfigBase
+from ppo_core.examples.arith_task import ArithTaskConfig, make_arith_rows
+from ppo_core.examples.tokenizer import CHAT_TEMPLATE, train_bpe_tokenizer
+
+__all__ = ["ExampleData", "TinyModelConfig", "main", "make_example_data", "write_parquet"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig(ConfigBase):
+    """Shape of the example Qwen2 checkpoint (the vocabulary comes from the tokenizer)."""
+
+    hidden_size: int = 64
+    """Residual width."""
+    intermediate_size: int = 256
+    """MLP hidden width."""
+    num_hidden_layers: int = 2
+    """Transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads (must divide ``hidden_size``)."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention; must divide ``num_attention_heads``)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary embedding is configured for."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the LM head (as the small Qwen2 models do)."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+
+
+@dataclass(kw_only=True)
+class ExampleData:
+    """Paths of the files :func:`make_example_data` wrote."""
+
+    root: str
+    """The output directory."""
+    train_file: str
+    """Training prompts (parquet)."""
+    test_file: str
+    """Validation prompts (parquet)."""
+    model_dir: str
+    """The Hugging Face checkpoint directory (model and tokenizer)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Sizes: ``vocab_size``, ``num_parameters``, ``n_train``, ``n_test``."""
+
+
+def write_parquet(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> str:
+    """Write verl-schema rows to a parquet file with pyarrow (nested columns as structs and lists)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _corpus(rows: list[dict[str, Any]]) -> list[str]:
+    texts = []
+    for row in rows:
+        texts += [m["content"] for m in row["prompt"]]
+        texts.append(row["extra_info"]["answer"])
+    return [*texts, "user", "assistant", "system", "#### "]
+
+
+def make_example_data(
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    n_train: int = 2048,
+    n_test: int = 128,
+    task: ArithTaskConfig | None = None,
+    model: TinyModelConfig | None = None,
+    vocab_size: int = 512,
+) -> ExampleData:
+    """Write the example's train/test parquet files and its tokenizer + Qwen2 checkpoint under ``out_dir``.
+
+    Args:
+        out_dir: output directory (created).
+        seed: seeds the task (train: ``seed``, test: ``seed + 1``) and the model initialisation.
+        n_train, n_test: number of problems per split.
+        task: difficulty of the task (:class:`~ppo_core.examples.arith_task.ArithTaskConfig`).
+        model: shape of the checkpoint.
+        vocab_size: upper bound of the BPE vocabulary.
+    """
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    root = os.fspath(out_dir)
+    train_rows = make_arith_rows(n_train, seed=seed, split="train", config=task)
+    test_rows = make_arith_rows(n_test, seed=seed + 1, split="test", config=task)
+    train_file = write_parquet(train_rows, os.path.join(root, "data", "train.parquet"))
+    test_file = write_parquet(test_rows, os.path.join(root, "data", "test.parquet"))
+
+    model_dir = os.path.join(root, "model")
+    tokenizer = train_bpe_tokenizer(_corpus(train_rows), model_dir, vocab_size=vocab_size)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    shape = model or TinyModelConfig()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        **shape.to_dict(),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_sliding_window=False,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = Qwen2ForCausalLM(config)
+    lm.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    lm.save_pretrained(model_dir)
+    n_params = sum(p.numel() for p in lm.parameters())
+    logger.info(
+        "example data in %s: %d train / %d test prompts, vocab %d, %d parameters",
+        root,
+        len(train_rows),
+        len(test_rows),
+        len(tokenizer),
+        n_params,
+    )
+    return ExampleData(
+        root=root,
+        train_file=train_file,
+        test_file=test_file,
+        model_dir=model_dir,
+        extra={
+            "vocab_size": len(tokenizer),
+            "num_parameters": n_params,
+            "n_train": n_train,
+            "n_test": n_test,
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> ExampleData:
+    """Command line: ``python -m ppo_core.examples.make_data OUT_DIR [--seed S] [--n-train N] [--n-test N]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--n-test", type=int, default=128)
+    parser.add_argument("--max-operand", type=int, default=9)
+    parser.add_argument("--ops", default="+", help="operations, e.g. '+-'")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return make_example_data(
+        args.out_dir,
+        seed=args.seed,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        task=ArithTaskConfig(max_operand=args.max_operand, ops=list(args.ops)),
+    )
+
+
+if __name__ == "__main__":
+    main()
