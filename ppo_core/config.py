@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ppo_core._checks import check_choice
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.kl import KL_ESTIMATORS
 from ppo_core.kl_control import KLConfig
 

@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from ppo_core._checks import check_choice, check_floating, check_mask, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
 

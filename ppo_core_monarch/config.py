@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from ppo_core._checks import check_choice, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["SUPERVISION_POLL_ENV", "MonarchConfig"]
 

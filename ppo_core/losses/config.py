@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.losses.aggregation import _check_loss_agg_mode
 
 __all__ = ["PolicyLossConfig"]

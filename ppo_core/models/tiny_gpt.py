@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["KVCache", "TinyGPT", "TinyGPTConfig"]
 

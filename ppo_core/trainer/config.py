@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ppo_core._checks import check_choice
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
 
 __all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ppo_core._checks import check_choice, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 
 __all__ = ["NORMS", "MegatronActorConfig", "MegatronCriticConfig", "MegatronModelConfig", "ParallelConfig"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.workers.torch.sampling import SamplingConfig
 

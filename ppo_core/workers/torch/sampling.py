@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor, check_unit_interval
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["SamplingConfig", "generate", "logits_of", "sample_from_logits", "top_p_filter"]
 
