@@ -5,20 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.kl import KLEstimator
 from ppo_core.losses import PolicyLossConfig
+from ppo_core.losses.aggregation import LossAggMode
 from ppo_core.workers.torch.sampling import SamplingConfig
 
 __all__ = ["OptimConfig", "TorchActorConfig", "TorchCriticConfig"]
 
 
 def _check_batch_sizes(cfg: ActorCriticCommon) -> None:
-    if int(cfg.ppo_epochs) < 1:
+    if cfg.ppo_epochs < 1:
         raise ValueError(f"ppo_epochs must be >= 1, got {cfg.ppo_epochs}")
-    if int(cfg.ppo_mini_batch_size) < 1:
+    if cfg.ppo_mini_batch_size < 1:
         raise ValueError(f"ppo_mini_batch_size must be >= 1, got {cfg.ppo_mini_batch_size}")
     for name in ("micro_batch_size", "forward_micro_batch_size"):
         value = getattr(cfg, name)
-        if value is not None and int(value) < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
 
@@ -82,7 +84,7 @@ class TorchActorConfig(ActorCriticCommon):
     """Add ``kl_loss_coef * KL(policy || reference)`` to the actor loss (GRPO style); needs ``ref_log_prob``."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss (a name accepted by :func:`ppo_core.kl.kl_penalty`)."""
     use_reference: bool = True
     """Keep a frozen copy of the initial policy for ``compute_ref_log_prob``."""
@@ -103,7 +105,7 @@ class TorchCriticConfig(ActorCriticCommon):
     """Optimiser of the value model."""
     cliprange_value: float = 0.5
     """Clip range of the value prediction around the rollout values (verl's default)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """Aggregation of the value loss (:data:`ppo_core.losses.LOSS_AGG_MODES`)."""
 
     def __post_init__(self) -> None:
