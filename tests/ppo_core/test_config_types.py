@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 
 import ppo_core._config_base as config_base
 from ppo_core._config_base import ConfigBase
@@ -267,7 +266,7 @@ def test_worker_config_nesting():
         TorchActorConfig.from_dict({"optim": {"betas": [0.9, "0.99"]}})
     with pytest.raises(TypeError, match=r"^policy_loss\.clip_ratio must be a float, got str '0.2'$"):
         TorchActorConfig.from_dict({"policy_loss": {"clip_ratio": "0.2"}})
-    with pytest.raises(ValueError, match=r"^optim\b.*lr must be > 0"):
+    with pytest.raises(ValueError, match=r"^optim\.lr must be a finite number > 0, got -1\.0$"):
         TorchActorConfig.from_dict({"optim": {"lr": -1.0}})
     with pytest.raises(ValueError, match=r"^parallel\.tensor_model_parallel_size must be >= 1, got 0$"):
         MegatronActorConfig.from_dict({"parallel": {"tensor_model_parallel_size": 0}})
@@ -285,7 +284,8 @@ def test_normalisation_of_accepted_values():
 
 
 def test_omegaconf_containers_are_accepted_and_become_plain():
-    yaml = OmegaConf.create(
+    omegaconf = pytest.importorskip("omegaconf")
+    yaml = omegaconf.OmegaConf.create(
         {
             "trainer": {"loggers": ["console"], "seed": 3},
             "actor": {"worker": {"optim": {"lr": 1e-5, "betas": [0.9, 0.95]}}},

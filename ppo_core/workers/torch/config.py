@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ppo_core._checks import check_int, check_positive
 from ppo_core._config_base import ConfigBase
 from ppo_core.kl import KLEstimator
 from ppo_core.losses import PolicyLossConfig
@@ -14,14 +15,11 @@ __all__ = ["OptimConfig", "TorchActorConfig", "TorchCriticConfig"]
 
 
 def _check_batch_sizes(cfg: ActorCriticCommon) -> None:
-    if cfg.ppo_epochs < 1:
-        raise ValueError(f"ppo_epochs must be >= 1, got {cfg.ppo_epochs}")
-    if cfg.ppo_mini_batch_size < 1:
-        raise ValueError(f"ppo_mini_batch_size must be >= 1, got {cfg.ppo_mini_batch_size}")
+    check_int("ppo_epochs", cfg.ppo_epochs, 1)
+    check_int("ppo_mini_batch_size", cfg.ppo_mini_batch_size, 1)
     for name in ("micro_batch_size", "forward_micro_batch_size"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name), 1)
 
 
 @dataclass(kw_only=True)
@@ -40,10 +38,9 @@ class OptimConfig(ConfigBase):
     """Clip the global gradient L2 norm to this value before each step; None disables clipping."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        check_positive("lr", self.lr)
+        if self.grad_clip is not None:
+            check_positive("grad_clip", self.grad_clip)
 
 
 @dataclass(kw_only=True)
@@ -91,10 +88,8 @@ class TorchActorConfig(ActorCriticCommon):
 
     def __post_init__(self) -> None:
         _check_batch_sizes(self)
-        if self.entropy_coeff < 0 or self.kl_loss_coef < 0:
-            raise ValueError(
-                f"entropy_coeff and kl_loss_coef must be >= 0, got {self.entropy_coeff}, {self.kl_loss_coef}"
-            )
+        check_positive("entropy_coeff", self.entropy_coeff, allow_zero=True)
+        check_positive("kl_loss_coef", self.kl_loss_coef, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -110,5 +105,4 @@ class TorchCriticConfig(ActorCriticCommon):
 
     def __post_init__(self) -> None:
         _check_batch_sizes(self)
-        if not self.cliprange_value > 0:
-            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
+        check_positive("cliprange_value", self.cliprange_value)
