@@ -124,8 +124,10 @@ def _load(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """The user's leaf keys (dotted) with their resolved values (an :class:`_Unresolved` error where that failed)."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError as err:  # pragma: no cover - omegaconf is in the hf extra
-        raise ImportError("ppo_config_from_verl needs omegaconf: pip install 'ppo-core[hf]'") from err
+    except ImportError as err:  # omegaconf is in the hf extra; a plain dict without interpolations needs none
+        if isinstance(cfg, Mapping):
+            return _load_plain(cfg)
+        raise ImportError("reading a verl YAML file needs omegaconf: pip install 'ppo-core[hf]'") from err
     if isinstance(cfg, (str, os.PathLike)):
         path = os.fspath(cfg)
         if not os.path.isfile(path):
@@ -153,6 +155,17 @@ def _load(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True)
         user[key] = value
+    return user
+
+
+def _load_plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`_load` without OmegaConf: the leaves as given; an interpolation cannot be resolved."""
+    tree = _plain_keys(cfg)
+    user: dict[str, Any] = {}
+    for key in _leaf_keys(tree):
+        value = _lookup(tree, key)
+        interpolated = isinstance(value, str) and "${" in value
+        user[key] = _Unresolved("cannot resolve ${...} without omegaconf") if interpolated else value
     return user
 
 

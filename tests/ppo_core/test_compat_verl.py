@@ -410,3 +410,23 @@ def test_values_are_copied_to_their_place(values):
     cfg = ppo_config_from_verl(nested)
     for key, value in values.items():
         assert _get(cfg, PASS_THROUGH[key][0]) == value, key
+
+
+def test_plain_dicts_need_no_omegaconf(monkeypatch):
+    import builtins
+
+    data = _verl(algorithm={"adv_estimator": "grpo"}, actor_rollout_ref={"rollout.n": 3})
+    expected = ppo_config_from_verl(data)
+    real_import = builtins.__import__
+
+    def no_omegaconf(name, *args, **kwargs):
+        if name.startswith("omegaconf"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_omegaconf)
+    assert ppo_config_from_verl(data) == expected
+    with pytest.raises(ValueError, match=r"data\.train_batch_size: cannot resolve"):
+        ppo_config_from_verl(_verl(data={"train_batch_size": "${x.y}"}))
+    with pytest.raises(ImportError, match="omegaconf"):
+        ppo_config_from_verl("some.yaml")
