@@ -92,12 +92,21 @@ def _only(*allowed: Any, reason: str) -> Callable[[Any, Reader], Any]:
     return convert
 
 
+def _int(value: Any, key: str) -> int:
+    """``value`` if it is an int; :class:`Unsupported` naming ``key`` otherwise (it is used in arithmetic)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Unsupported(f"{key} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _world_size(get: Reader) -> int:
-    return int(get("trainer.nnodes")) * int(get("trainer.n_gpus_per_node"))
+    return _int(get("trainer.nnodes"), "trainer.nnodes") * _int(
+        get("trainer.n_gpus_per_node"), "trainer.n_gpus_per_node"
+    )
 
 
 def _times_n(value: Any, get: Reader) -> Any:
-    return value * get(f"{R}.n")
+    return _int(value, "the mini-batch size") * _int(get(f"{R}.n"), f"{R}.n")
 
 
 def _per_gpu(global_key: str) -> Callable[[Any, Reader], Any]:
@@ -107,7 +116,7 @@ def _per_gpu(global_key: str) -> Callable[[Any, Reader], Any]:
         total = get(global_key)
         if total is None:
             return value
-        world = _world_size(get)
+        total, world = _int(total, global_key), _world_size(get)
         if total % world:
             raise Unsupported(f"{global_key}={total} is not divisible by the {world} GPUs of the run")
         return total // world
@@ -156,7 +165,7 @@ def _use_kl_loss(value: Any, get: Reader) -> Any:
 
 
 def _disabled_as_zero(value: Any, get: Reader) -> Any:
-    return 0 if value is not None and value <= 0 else value
+    return 0 if value is not None and _int(value, "the frequency") <= 0 else value
 
 
 def _resume_mode(value: Any, get: Reader) -> Any:

@@ -82,7 +82,7 @@ def ppo_config_from_verl(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> PPO
         value = reader(rule.key)
         try:
             converted = rule.convert(value, reader)
-        except Unsupported as err:
+        except (Unsupported, TypeError) as err:  # TypeError: a value of a type the conversion cannot use
             if reader.given(rule.key) or not isinstance(rule.default, Ref):  # else the key it follows says it
                 problems.append(f"{rule.key}={value!r}: {err}")
             continue

@@ -430,3 +430,11 @@ def test_plain_dicts_need_no_omegaconf(monkeypatch):
         ppo_config_from_verl(_verl(data={"train_batch_size": "${x.y}"}))
     with pytest.raises(ImportError, match="omegaconf"):
         ppo_config_from_verl("some.yaml")
+
+
+def test_sizes_used_in_arithmetic_must_be_ints():
+    with pytest.raises(ValueError) as err:
+        ppo_config_from_verl(_verl(actor_rollout_ref={"rollout.n": "4", "actor.ppo_micro_batch_size": 1.5}))
+    message = str(err.value)
+    assert "actor_rollout_ref.rollout.n must be an int, got str '4'" in message
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size must be an int, got float 1.5" in message
