@@ -1,16 +1,81 @@
-"""Input validation shared by the public functions.
+"""Input validation shared by the public functions and the configs.
 
 Every check raises ``ValueError`` (bad value or shape) or ``TypeError`` (bad type or dtype) with a message
 that names the offending argument, so that a user who passes the wrong tensor sees which one it was.
+
+The scalar checks (:func:`check_int`, :func:`check_number`, :func:`check_positive`, ...) raise
+:class:`FieldValueError` / :class:`FieldTypeError`: ordinary ``ValueError`` / ``TypeError`` subclasses that also
+remember which name they are about, so that a config nested in another one can re-raise them under the dotted path
+(``rollout.n must be >= 1``) without parsing the message.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 __all__: list[str] = []
+
+
+class _FieldError(Exception):
+    """An error about one named field or argument: the message is ``before + field + detail``."""
+
+    def __init__(self, field: str, detail: str, before: str = "") -> None:
+        self.field, self.detail, self.before = field, detail, before
+        super().__init__(f"{before}{field}{detail}")
+
+    def within(self, section: str) -> _FieldError:
+        """The same error, one level down: the field becomes ``section.field`` (or ``section`` if unnamed)."""
+        field = f"{section}.{self.field}" if self.field else section
+        return type(self)(field, self.detail, self.before)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return type(self), (self.field, self.detail, self.before)
+
+
+class FieldValueError(_FieldError, ValueError):
+    """``ValueError`` naming a field (see :class:`_FieldError`)."""
+
+
+class FieldTypeError(_FieldError, TypeError):
+    """``TypeError`` naming a field (see :class:`_FieldError`)."""
+
+
+def describe(value: object, limit: int = 80) -> str:
+    """``"<type name> <repr>"`` for error messages, the repr cut to ``limit`` characters."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise FieldTypeError(name, f" must be an int, got {describe(value)}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise FieldValueError(name, f" must be >= {minimum}, got {value}")
+    return value
+
+
+def check_number(name: str, value: object) -> float:
+    """Return ``value`` as a ``float`` if it is a real number (not a bool), else raise ``TypeError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise FieldTypeError(name, f" must be a number, got {describe(value)}")
+    return float(value)
+
+
+def check_finite_at_least(name: str, value: object, low: float, *, strict: bool = False) -> float:
+    """Return ``value`` as a ``float`` if it is a finite number ``>= low`` (``> low`` if ``strict``)."""
+    number = check_number(name, value)
+    ok = number > low if strict else number >= low
+    if not ok or not math.isfinite(number):
+        raise FieldValueError(name, f" must be a finite number {'>' if strict else '>='} {low}, got {number}")
+    return number
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
@@ -87,23 +152,25 @@ def check_no_nan(name: str, value: torch.Tensor, mask: torch.Tensor | None = Non
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     """Raise ``ValueError`` listing the valid ``choices`` when ``value`` is not one of them."""
     if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; valid values: {', '.join(sorted(choices))}")
+        raise FieldValueError(
+            name, f" {value!r}; valid values: {', '.join(sorted(choices))}", before="unknown "
+        )
     return value
 
 
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number > 0 (or >= 0)."""
-    value = float(value)
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok or value != value or value in (float("inf"), float("-inf")):
+    """Raise naming ``name`` unless ``value`` is a finite number > 0 (or >= 0); return it as a ``float``."""
+    number = check_number(name, value)
+    ok = number >= 0 if allow_zero else number > 0
+    if not ok or not math.isfinite(number):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
-    return value
+        raise FieldValueError(name, f" must be a finite number {bound}, got {value}")
+    return number
 
 
 def check_unit_interval(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-    return value
+    """Raise naming ``name`` unless ``value`` is a number with ``0 <= value <= 1``; return it as a ``float``."""
+    number = check_number(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise FieldValueError(name, f" must be in [0, 1], got {value}")
+    return number

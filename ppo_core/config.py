@@ -7,43 +7,37 @@ post-training, not the 0.99 / 0.95 of control tasks). The policy-loss knobs live
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ppo_core._checks import check_choice
-from ppo_core._config import ConfigBase
-from ppo_core.kl import KL_ESTIMATORS
+from ppo_core._checks import check_choice, check_unit_interval
+from ppo_core._config_base import ConfigBase
 from ppo_core.kl_control import KLConfig
 
-__all__ = ["IN_REWARD_KL_ESTIMATORS", "AlgorithmConfig"]
+__all__ = ["IN_REWARD_KL_ESTIMATORS", "AlgorithmConfig", "InRewardKLEstimator"]
 
-IN_REWARD_KL_ESTIMATORS: tuple[str, ...] = tuple(
-    name for name in KL_ESTIMATORS if not name.startswith("full")
-)
-"""Estimators usable for the in-reward penalty, which only sees sampled-token log-probs (no ``"full"``)."""
+InRewardKLEstimator = Literal[
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "mse+",
+    "k2+",
+    "low_var_kl+",
+    "k3+",
+]
+"""KL estimators usable for the in-reward penalty: every :data:`ppo_core.kl.KL_ESTIMATORS` name but ``full``
+and ``full+``, because the penalty only sees the log-probs of the sampled tokens, not the full logits."""
 
-
-def _check_adv_estimator(name: object) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"adv_estimator must be a str, got {type(name).__name__}")
-    # imported lazily, so that ppo_core.advantages may import this module without a cycle
-    from ppo_core.advantages import advantage_estimator_names
-
-    check_choice("adv_estimator", name, advantage_estimator_names())
-
-
-def _check_bool(name: str, value: object) -> None:
-    # a YAML string such as "false" would otherwise be truthy
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def _check_unit(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
+IN_REWARD_KL_ESTIMATORS: tuple[str, ...] = typing.get_args(InRewardKLEstimator)
+"""The values of :data:`InRewardKLEstimator` as a tuple."""
 
 
 @dataclass(kw_only=True)
@@ -68,21 +62,16 @@ class AlgorithmConfig(ConfigBase):
     """GRPO: divide by the group standard deviation; False gives Dr.GRPO (mean-centred only)."""
     use_kl_in_reward: bool = False
     """Subtract ``beta * KL(pi_old || pi_ref)`` from the token rewards (:func:`ppo_core.kl_control.apply_kl_penalty`)."""
-    kl_penalty: str = "kl"
+    kl_penalty: InRewardKLEstimator = "kl"
     """KL estimator for the in-reward penalty, one of :data:`IN_REWARD_KL_ESTIMATORS` (verl's default: k1)."""
     kl_ctrl: KLConfig = field(default_factory=KLConfig)
     """Controller of the in-reward KL coefficient beta (fixed or adaptive)."""
 
     def __post_init__(self) -> None:
-        _check_adv_estimator(self.adv_estimator)
-        _check_unit("gamma", self.gamma)
-        _check_unit("lam", self.lam)
-        _check_bool("norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo)
-        _check_bool("use_kl_in_reward", self.use_kl_in_reward)
-        if not isinstance(self.kl_penalty, str):
-            raise TypeError(f"kl_penalty must be a str, got {type(self.kl_penalty).__name__}")
-        check_choice("kl_penalty", self.kl_penalty, IN_REWARD_KL_ESTIMATORS)
-        if isinstance(self.kl_ctrl, Mapping):
-            self.kl_ctrl = KLConfig.from_dict(self.kl_ctrl)
-        elif not isinstance(self.kl_ctrl, KLConfig):
-            raise TypeError(f"kl_ctrl must be a KLConfig or a dict, got {type(self.kl_ctrl).__name__}")
+        # (field types are checked by ConfigBase before this runs)
+        # imported lazily, so that ppo_core.advantages may import this module without a cycle
+        from ppo_core.advantages import advantage_estimator_names
+
+        check_choice("adv_estimator", self.adv_estimator, advantage_estimator_names())
+        check_unit_interval("gamma", self.gamma)
+        check_unit_interval("lam", self.lam)

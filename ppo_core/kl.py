@@ -19,6 +19,9 @@ Deviation from verl: ``"full"`` is implemented (verl raises ``NotImplementedErro
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -34,11 +37,16 @@ from ppo_core.logprobs import (
     _row_blocks,
 )
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty"]
+__all__ = ["KL_ESTIMATORS", "KLEstimator", "kl_penalty"]
 
-_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
-KL_ESTIMATORS: tuple[str, ...] = _BASE_ESTIMATORS + tuple(f"{name}+" for name in _BASE_ESTIMATORS)
-"""Every name accepted by :func:`kl_penalty`."""
+KLEstimator = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full+",
+]  # fmt: skip
+"""Every name accepted by :func:`kl_penalty` (the annotation of the config fields that hold one)."""
+
+KL_ESTIMATORS: tuple[str, ...] = typing.get_args(KLEstimator)
+"""Every name accepted by :func:`kl_penalty`: each base estimator and its straight-through ``+`` variant."""
 
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0

@@ -22,13 +22,13 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
-from ppo_core._checks import check_choice, check_floating, check_mask, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._checks import check_floating, check_mask, check_positive
+from ppo_core._config_base import ConfigBase
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
 
@@ -43,14 +43,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_KL_CONTROLLER_TYPES = ("fixed", "adaptive")
 _PROPORTIONAL_ERROR_CLIP = 0.2
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
 
 
 @runtime_checkable
@@ -79,8 +72,7 @@ class _BetaState:
         """Restore beta from :meth:`state_dict` (``KeyError`` if ``"value"`` is missing)."""
         if "value" not in state:
             raise KeyError(f"KL controller state is missing key 'value' (got keys {sorted(state)})")
-        value = _check_number("state['value']", state["value"])
-        self.value = check_positive("state['value']", value, allow_zero=True)
+        self.value = check_positive("state['value']", state["value"], allow_zero=True)
 
 
 class FixedKLController(_BetaState):
@@ -94,7 +86,7 @@ class FixedKLController(_BetaState):
     """
 
     def __init__(self, kl_coef: float) -> None:
-        self.value = check_positive("kl_coef", _check_number("kl_coef", kl_coef), allow_zero=True)
+        self.value = check_positive("kl_coef", kl_coef, allow_zero=True)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op (the coefficient is fixed); accepts the same arguments as the adaptive controller."""
@@ -119,11 +111,9 @@ class AdaptiveKLController(_BetaState):
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
-        self.value = check_positive(
-            "init_kl_coef", _check_number("init_kl_coef", init_kl_coef), allow_zero=True
-        )
-        self.target_kl = check_positive("target_kl", _check_number("target_kl", target_kl))
-        self.horizon = check_positive("horizon", _check_number("horizon", horizon))
+        self.value = check_positive("init_kl_coef", init_kl_coef, allow_zero=True)
+        self.target_kl = check_positive("target_kl", target_kl)
+        self.horizon = check_positive("horizon", horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move beta according to the KL measured on a batch of ``n_steps`` sequences.
@@ -159,7 +149,7 @@ class AdaptiveKLController(_BetaState):
 class KLConfig(ConfigBase):
     """How the in-reward KL coefficient beta is controlled (verl's ``algorithm.kl_ctrl``)."""
 
-    type: str = "fixed"
+    type: Literal["fixed", "adaptive"] = "fixed"
     """``"fixed"`` (constant ``kl_coef``) or ``"adaptive"`` (Ziegler et al. 2019)."""
     kl_coef: float = 0.001
     """beta, or its initial value for the adaptive controller; ``>= 0``."""
@@ -169,12 +159,9 @@ class KLConfig(ConfigBase):
     """Sequences over which the adaptive controller corrects the error; ``> 0``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.type, str):
-            raise TypeError(f"type must be a str, got {type(self.type).__name__}")
-        check_choice("type", self.type, _KL_CONTROLLER_TYPES)
-        check_positive("kl_coef", _check_number("kl_coef", self.kl_coef), allow_zero=True)
-        check_positive("target_kl", _check_number("target_kl", self.target_kl))
-        check_positive("horizon", _check_number("horizon", self.horizon))
+        check_positive("kl_coef", self.kl_coef, allow_zero=True)
+        check_positive("target_kl", self.target_kl)
+        check_positive("horizon", self.horizon)
 
 
 def build_kl_controller(config: KLConfig | dict[str, Any]) -> FixedKLController | AdaptiveKLController:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ppo_core._checks import check_choice, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._checks import FieldValueError, check_int, check_positive
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["SUPERVISION_POLL_ENV", "MonarchConfig"]
 
@@ -47,7 +48,7 @@ class MonarchConfig(ConfigBase):
     """Rendezvous port on rank 0's host; 0 lets the OS pick a free one (no race)."""
     master_port_retries: int = 4
     """With a fixed ``master_port`` that is taken, try this many following ports."""
-    device: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """``"auto"`` (CUDA from the local rank when present, else CPU), ``"cuda"`` or ``"cpu"``."""
     torch_threads: int = 0
     """``torch.set_num_threads`` in every worker; 0: automatic, i.e. ``OMP_NUM_THREADS`` when the worker's
@@ -77,17 +78,10 @@ class MonarchConfig(ConfigBase):
             "wait_slice_s",
         ):
             check_positive(name, getattr(self, name))
-        check_choice("device", self.device, ("auto", "cuda", "cpu"))
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
+        for name in ("torch_threads", "master_port_retries", "shm_pool_bytes", "shm_threshold_bytes"):
+            check_int(name, getattr(self, name), 0)
         if not 0 <= self.master_port < 65536:
-            raise ValueError(f"master_port must be in [0, 65536), got {self.master_port}")
-        if self.master_port_retries < 0:
-            raise ValueError(f"master_port_retries must be >= 0, got {self.master_port_retries}")
-        if self.shm_pool_bytes < 0:
-            raise ValueError(f"shm_pool_bytes must be >= 0, got {self.shm_pool_bytes}")
-        if self.shm_threshold_bytes < 0:
-            raise ValueError(f"shm_threshold_bytes must be >= 0, got {self.shm_threshold_bytes}")
+            raise FieldValueError("master_port", f" must be in [0, 65536), got {self.master_port}")
 
     def monarch_settings(self) -> dict[str, object]:
         """The ``monarch.configure`` keyword arguments derived from this config."""

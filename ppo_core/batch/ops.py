@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDictBase, is_non_tensor
 
+from ppo_core._checks import check_int
 from ppo_core.batch._td import (
     _check_batch,
     _field_values,
@@ -24,12 +25,6 @@ from ppo_core.batch._td import (
 )
 
 __all__ = ["concat", "pad_to_multiple", "repeat", "repeat_interleave", "select", "split", "union", "unpad"]
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def pad_to_multiple(batch: TensorDictBase, k: int) -> tuple[TensorDictBase, int]:
@@ -55,7 +50,7 @@ def pad_to_multiple(batch: TensorDictBase, k: int) -> tuple[TensorDictBase, int]
         ([0, 1, 2, 3, 4, 0, 1, 2], 3)
     """
     size = _check_batch("batch", batch)
-    _check_int("k", k, 1)
+    check_int("k", k, 1)
     pad_size = (-size) % k
     index = torch.arange(size + pad_size, dtype=torch.int64) % max(size, 1)
     return _rows(batch, index), pad_size
@@ -77,7 +72,7 @@ def unpad(batch: TensorDictBase, pad_size: int) -> TensorDictBase:
         [0, 1, 2, 3, 4]
     """
     size = _check_batch("batch", batch)
-    _check_int("pad_size", pad_size, 0)
+    check_int("pad_size", pad_size, 0)
     if pad_size > size:
         raise ValueError(f"pad_size={pad_size} is larger than the batch size {size}")
     return _rows(batch, torch.arange(size - pad_size, dtype=torch.int64))
@@ -228,7 +223,7 @@ def repeat_interleave(batch: TensorDictBase, repeats: int | torch.Tensor) -> Ten
             raise ValueError("repeats must be >= 0 everywhere")
         counts = repeats.to(device="cpu", dtype=torch.int64)
     else:
-        counts = torch.full((size,), _check_int("repeats", repeats, 1), dtype=torch.int64)
+        counts = torch.full((size,), check_int("repeats", repeats, 1), dtype=torch.int64)
     return _rows(batch, torch.arange(size, dtype=torch.int64).repeat_interleave(counts))
 
 

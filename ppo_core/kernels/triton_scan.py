@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 try:
     import triton

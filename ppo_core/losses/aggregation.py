@@ -30,19 +30,21 @@ Deviations from verl (see ``docs/semantics.md``):
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss"]
+__all__ = ["LOSS_AGG_MODES", "LossAggMode", "agg_loss"]
 
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+"""The valid values of ``loss_agg_mode`` (the annotation of the config fields that hold one)."""
+
+LOSS_AGG_MODES: tuple[str, ...] = typing.get_args(LossAggMode)
 """The valid values of ``loss_agg_mode``."""
 
 Number = int | float | torch.Tensor

@@ -12,18 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ppo_core._config import ConfigBase
-from ppo_core.losses.aggregation import _check_loss_agg_mode
+from ppo_core._checks import FieldValueError, check_finite_at_least
+from ppo_core._config_base import ConfigBase
+from ppo_core.losses.aggregation import LossAggMode
 
 __all__ = ["PolicyLossConfig"]
-
-
-def _finite_at_least(name: str, value: object, low: float, *, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    ok = value > low if strict else value >= low
-    if not ok or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
 
 
 @dataclass(kw_only=True)
@@ -62,33 +55,32 @@ class PolicyLossConfig(ConfigBase):
     """kl_cov: fraction of valid tokens (largest covariance) that receive the |Δ| penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of the |log-ratio| penalty (verl's config default; its code fallback is 1.0)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """Default aggregation (:data:`ppo_core.losses.LOSS_AGG_MODES`) when a loss is called without one."""
 
     def __post_init__(self) -> None:
         from ppo_core.losses.registry import _check_loss_mode
 
         _check_loss_mode(self.loss_mode)
-        _check_loss_agg_mode(self.loss_agg_mode)
-        _finite_at_least("clip_ratio", self.clip_ratio, 0.0)
+        check_finite_at_least("clip_ratio", self.clip_ratio, 0.0)
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if getattr(self, name) is not None:
-                _finite_at_least(name, getattr(self, name), 0.0)
-        _finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
-        _finite_at_least("tau_pos", self.tau_pos, 0.0, strict=True)
-        _finite_at_least("tau_neg", self.tau_neg, 0.0, strict=True)
+                check_finite_at_least(name, getattr(self, name), 0.0)
+        check_finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        check_finite_at_least("tau_pos", self.tau_pos, 0.0, strict=True)
+        check_finite_at_least("tau_neg", self.tau_neg, 0.0, strict=True)
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            _finite_at_least(name, getattr(self, name), 0.0)
+            check_finite_at_least(name, getattr(self, name), 0.0)
             if getattr(self, name) > 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        _finite_at_least("clip_cov_lb", self.clip_cov_lb, -math.inf)
-        _finite_at_least("clip_cov_ub", self.clip_cov_ub, -math.inf)
+                raise FieldValueError(name, f" must be in [0, 1], got {getattr(self, name)}")
+        check_finite_at_least("clip_cov_lb", self.clip_cov_lb, -math.inf)
+        check_finite_at_least("clip_cov_ub", self.clip_cov_ub, -math.inf)
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise ValueError(
                 f"clip_cov_lb must be < clip_cov_ub, got clip_cov_lb={self.clip_cov_lb}, "
                 f"clip_cov_ub={self.clip_cov_ub}"
             )
-        _finite_at_least("ppo_kl_coef", self.ppo_kl_coef, 0.0)
+        check_finite_at_least("ppo_kl_coef", self.ppo_kl_coef, 0.0)
 
     @property
     def eps_low(self) -> float:

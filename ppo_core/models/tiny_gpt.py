@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from ppo_core._config import ConfigBase
+from ppo_core._checks import check_int
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["KVCache", "TinyGPT", "TinyGPTConfig"]
 
@@ -56,8 +57,7 @@ class TinyGPTConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 1)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
 

@@ -8,31 +8,18 @@ e.g. :class:`ppo_core.workers.torch.TorchActorConfig`) travel in each role's fre
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from ppo_core._checks import check_choice
-from ppo_core._config import ConfigBase
+from ppo_core._checks import FieldValueError, check_int
+from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
+from ppo_core.losses.aggregation import LossAggMode
 
 __all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]
 
-RESUME_MODES = ("auto", "disable", "path")
-LOGGERS = ("console", "jsonl", "tensorboard")
-
-
-def _int_at_least(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+ResumeMode = Literal["auto", "disable", "path"]
+Logger = Literal["console", "jsonl", "tensorboard"]
 
 
 def _dotted_keys(name: str, value: object) -> tuple[str, ...]:
@@ -59,10 +46,10 @@ class DataConfig(ConfigBase):
     """Seed of the shuffling; the order depends only on (seed, epoch), so a resumed run sees the same data."""
 
     def __post_init__(self) -> None:
-        _int_at_least("train_batch_size", self.train_batch_size, 1)
+        check_int("train_batch_size", self.train_batch_size, 1)
         if self.val_batch_size is not None:
-            _int_at_least("val_batch_size", self.val_batch_size, 1)
-        _bool("shuffle", self.shuffle)
+            check_int("val_batch_size", self.val_batch_size, 1)
+        check_int("seed", self.seed, 0)  # numpy rejects negative seeds
 
 
 @dataclass(kw_only=True)
@@ -74,18 +61,17 @@ class ActorConfig(ConfigBase):
     use_kl_loss: bool = False
     """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_prob``.
     The worker's loss reads its own ``worker["use_kl_loss"]``, which must agree when given."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """Aggregation of the ``actor/entropy`` metric over the batch (the worker's loss has its own setting)."""
     worker: dict[str, Any] = field(default_factory=dict)
     """Free-form settings for the actor worker's constructor (e.g. a ``TorchActorConfig`` as a dict)."""
 
     def __post_init__(self) -> None:
-        _int_at_least("actor.world_size", self.world_size, 1)
-        _bool("use_kl_loss", self.use_kl_loss)
+        check_int("world_size", self.world_size, 1)
         # The trainer must compute reference log-probs exactly when the worker's loss uses them. The flag is not
         # copied into ``worker``: custom workers' constructors need not accept it.
         given = self.worker.get("use_kl_loss")
-        if given is not None and bool(given) != self.use_kl_loss:
+        if given is not None and given != self.use_kl_loss:
             raise ValueError(
                 f"actor.worker.use_kl_loss={given!r} disagrees with actor.use_kl_loss={self.use_kl_loss!r}; "
                 "the trainer computes reference log-probs only for actor.use_kl_loss=True"
@@ -104,9 +90,7 @@ class CriticConfig(ConfigBase):
     """Free-form settings for the critic worker's constructor."""
 
     def __post_init__(self) -> None:
-        if self.enable is not None:
-            _bool("critic.enable", self.enable)
-        _int_at_least("critic.world_size", self.world_size, 1)
+        check_int("world_size", self.world_size, 1)
 
 
 @dataclass(kw_only=True)
@@ -121,9 +105,8 @@ class RolloutConfig(ConfigBase):
     """Sample during validation; False decodes greedily (verl's default)."""
 
     def __post_init__(self) -> None:
-        _int_at_least("n", self.n, 1)
-        _int_at_least("val_n", self.val_n, 1)
-        _bool("val_do_sample", self.val_do_sample)
+        check_int("n", self.n, 1)
+        check_int("val_n", self.val_n, 1)
 
 
 @dataclass(kw_only=True)
@@ -144,7 +127,7 @@ class TrainerConfig(ConfigBase):
     """Checkpoint every this many steps (and after the last step); 0 disables checkpoints."""
     default_local_dir: str = "checkpoints"
     """Checkpoint root: ``global_step_{k}/`` folders and ``latest_checkpointed_iteration.txt``."""
-    resume_mode: str = "auto"
+    resume_mode: ResumeMode = "auto"
     """``auto`` (latest checkpoint under ``default_local_dir``, if any), ``disable``, or ``path``."""
     resume_from_path: str | None = None
     """Checkpoint folder (``.../global_step_{k}``) to resume from when ``resume_mode == "path"``."""
@@ -156,7 +139,7 @@ class TrainerConfig(ConfigBase):
     """Keep only the newest this many checkpoints (older ones are deleted after each save); None keeps all."""
     seed: int = 0
     """Seeds the controller's torch, numpy and python RNGs at the start of a run (restored on resume)."""
-    loggers: tuple[str, ...] = ("console", "jsonl")
+    loggers: tuple[Logger, ...] = ("console", "jsonl")
     """Metric sinks among ``console``, ``jsonl`` and ``tensorboard``."""
     log_dir: str | None = None
     """Where ``metrics.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
@@ -166,31 +149,18 @@ class TrainerConfig(ConfigBase):
     """Show a tqdm progress bar over steps (when tqdm is installed)."""
 
     def __post_init__(self) -> None:
-        _int_at_least("total_epochs", self.total_epochs, 1)
+        check_int("total_epochs", self.total_epochs, 1)
         if self.total_training_steps is not None:
-            _int_at_least("total_training_steps", self.total_training_steps, 1)
+            check_int("total_training_steps", self.total_training_steps, 1)
         for name in ("critic_warmup", "test_freq", "save_freq"):
-            _int_at_least(name, getattr(self, name), 0)
-        _int_at_least("console_every", self.console_every, 1)
-        check_choice("resume_mode", self.resume_mode, RESUME_MODES)
+            check_int(name, getattr(self, name), 0)
+        check_int("seed", self.seed, 0)  # numpy rejects negative seeds
+        check_int("console_every", self.console_every, 1)
         if self.resume_mode == "path" and not self.resume_from_path:
-            raise ValueError("resume_from_path must be set when resume_mode is 'path'")
+            raise FieldValueError("resume_from_path", " must be set when resume_mode is 'path'")
         self.resume_allow_changes = _dotted_keys("trainer.resume_allow_changes", self.resume_allow_changes)
         if self.max_ckpt_to_keep is not None:
-            _int_at_least("trainer.max_ckpt_to_keep", self.max_ckpt_to_keep, 1)
-        self.loggers = tuple(self.loggers)
-        for name in self.loggers:
-            check_choice("loggers", name, LOGGERS)
-
-
-_SECTIONS = {
-    "data": DataConfig,
-    "actor": ActorConfig,
-    "critic": CriticConfig,
-    "rollout": RolloutConfig,
-    "algorithm": AlgorithmConfig,
-    "trainer": TrainerConfig,
-}
+            check_int("max_ckpt_to_keep", self.max_ckpt_to_keep, 1)
 
 
 @dataclass(kw_only=True)
@@ -217,14 +187,6 @@ class PPOConfig(ConfigBase):
     """Advantage estimator and in-reward KL."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, validation, checkpoints, logging."""
-
-    def __post_init__(self) -> None:
-        for name, cls in _SECTIONS.items():
-            value = getattr(self, name)
-            if isinstance(value, Mapping):
-                setattr(self, name, cls.from_dict(value))
-            elif not isinstance(value, cls):
-                raise TypeError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
 
     @property
     def use_critic(self) -> bool:

@@ -32,7 +32,7 @@ def test_pad_can_exceed_batch_size():
     assert pad == 7 and padded["x"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
     with pytest.raises(ValueError, match="pad_size=13 is larger than the batch size 12"):
         unpad(padded, 13)
-    with pytest.raises(ValueError, match="k must be an int >= 1"):
+    with pytest.raises(ValueError, match="k must be >= 1"):
         pad_to_multiple(padded, 0)
 
 
@@ -89,7 +89,7 @@ def test_repeat_interleave_with_per_row_counts(batch, data):
 
 def test_repeat_interleave_errors():
     batch = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
         repeat_interleave(batch, 0)
     with pytest.raises(ValueError, match=r"\[B\] integer tensor with B=2"):
         repeat_interleave(batch, torch.tensor([1, 2, 3]))

@@ -39,7 +39,7 @@ def _model(**kw) -> MegatronModelConfig:
         ({"dtype": "int8"}, "dtype"),
         ({"attention": "flash3"}, "attention"),
         ({"rotary_base": -1.0}, "rotary_base"),
-        ({"vocab_size": True}, "vocab_size"),
+        ({"vocab_size": 0}, "vocab_size"),
     ],
 )
 def test_model_config_errors_name_the_field(kw, match):

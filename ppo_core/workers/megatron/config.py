@@ -14,28 +14,23 @@ Example:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from ppo_core._checks import check_choice, check_positive
-from ppo_core._config import ConfigBase
+from ppo_core._checks import check_int, check_positive
+from ppo_core._config_base import ConfigBase
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 
 __all__ = ["NORMS", "MegatronActorConfig", "MegatronCriticConfig", "MegatronModelConfig", "ParallelConfig"]
 
-NORMS: tuple[str, ...] = ("RMSNorm", "LayerNorm")
+Norm = Literal["RMSNorm", "LayerNorm"]
+NORMS: tuple[str, ...] = typing.get_args(Norm)
 """Valid values of ``MegatronModelConfig.norm``."""
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ATTENTION = ("sdpa", "local")
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclass(kw_only=True)
@@ -58,7 +53,7 @@ class MegatronModelConfig(ConfigBase):
     """Longest sequence the rotary table is built for."""
     rotary_base: float = 10000.0
     """Rotary embedding base (``rope_theta``: 10000 for Llama 2, 500000 for Llama 3, 1e6 for Qwen2)."""
-    norm: str = "RMSNorm"
+    norm: Norm = "RMSNorm"
     """``"RMSNorm"`` or ``"LayerNorm"``."""
     norm_epsilon: float = 1e-6
     """Epsilon of every normalisation layer."""
@@ -68,9 +63,9 @@ class MegatronModelConfig(ConfigBase):
     """Share the input embedding and the output layer."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times TP (padded logits are masked to ``-inf``)."""
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Parameter and activation dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``."""
-    attention: str = "sdpa"
+    attention: Literal["sdpa", "local"] = "sdpa"
     """``"sdpa"``: fused ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient);
     ``"local"``: megatron-core's unfused attention (materialises ``S x S`` scores; CUDA only)."""
     fused_kernels: bool = True
@@ -93,9 +88,9 @@ class MegatronModelConfig(ConfigBase):
             "max_position_embeddings",
             "make_vocab_size_divisible_by",
         ):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
         if self.num_query_groups is not None:
-            _check_int("num_query_groups", self.num_query_groups)
+            check_int("num_query_groups", self.num_query_groups, 1)
             if self.num_attention_heads % self.num_query_groups:
                 raise ValueError(
                     f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
@@ -106,9 +101,6 @@ class MegatronModelConfig(ConfigBase):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
             )
-        check_choice("norm", self.norm, NORMS)
-        check_choice("dtype", self.dtype, tuple(_DTYPES))
-        check_choice("attention", self.attention, _ATTENTION)
         check_positive("rotary_base", self.rotary_base)
         check_positive("norm_epsilon", self.norm_epsilon)
         check_positive("init_method_std", self.init_method_std)
@@ -221,7 +213,7 @@ class ParallelConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
 
     @property
     def model_parallel_size(self) -> int:
@@ -237,7 +229,7 @@ class ParallelConfig(ConfigBase):
             >>> ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(8)
             2
         """
-        world_size = _check_int("world_size", world_size)
+        world_size = check_int("world_size", world_size, 1)
         mp = self.model_parallel_size
         if world_size % mp:
             raise ValueError(

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ppo_core._config import ConfigBase
+from ppo_core._checks import check_int, check_positive
+from ppo_core._config_base import ConfigBase
+from ppo_core.kl import KLEstimator
 from ppo_core.losses import PolicyLossConfig
+from ppo_core.losses.aggregation import LossAggMode
 from ppo_core.workers.torch.sampling import SamplingConfig
 
 __all__ = ["OptimConfig", "TorchActorConfig", "TorchCriticConfig"]
 
 
 def _check_batch_sizes(cfg: ActorCriticCommon) -> None:
-    if int(cfg.ppo_epochs) < 1:
-        raise ValueError(f"ppo_epochs must be >= 1, got {cfg.ppo_epochs}")
-    if int(cfg.ppo_mini_batch_size) < 1:
-        raise ValueError(f"ppo_mini_batch_size must be >= 1, got {cfg.ppo_mini_batch_size}")
+    check_int("ppo_epochs", cfg.ppo_epochs, 1)
+    check_int("ppo_mini_batch_size", cfg.ppo_mini_batch_size, 1)
     for name in ("micro_batch_size", "forward_micro_batch_size"):
-        value = getattr(cfg, name)
-        if value is not None and int(value) < 1:
-            raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name), 1)
 
 
 @dataclass(kw_only=True)
@@ -38,10 +38,9 @@ class OptimConfig(ConfigBase):
     """Clip the global gradient L2 norm to this value before each step; None disables clipping."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        check_positive("lr", self.lr)
+        if self.grad_clip is not None:
+            check_positive("grad_clip", self.grad_clip)
 
 
 @dataclass(kw_only=True)
@@ -82,17 +81,15 @@ class TorchActorConfig(ActorCriticCommon):
     """Add ``kl_loss_coef * KL(policy || reference)`` to the actor loss (GRPO style); needs ``ref_log_prob``."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss (a name accepted by :func:`ppo_core.kl.kl_penalty`)."""
     use_reference: bool = True
     """Keep a frozen copy of the initial policy for ``compute_ref_log_prob``."""
 
     def __post_init__(self) -> None:
         _check_batch_sizes(self)
-        if self.entropy_coeff < 0 or self.kl_loss_coef < 0:
-            raise ValueError(
-                f"entropy_coeff and kl_loss_coef must be >= 0, got {self.entropy_coeff}, {self.kl_loss_coef}"
-            )
+        check_positive("entropy_coeff", self.entropy_coeff, allow_zero=True)
+        check_positive("kl_loss_coef", self.kl_loss_coef, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -103,10 +100,9 @@ class TorchCriticConfig(ActorCriticCommon):
     """Optimiser of the value model."""
     cliprange_value: float = 0.5
     """Clip range of the value prediction around the rollout values (verl's default)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """Aggregation of the value loss (:data:`ppo_core.losses.LOSS_AGG_MODES`)."""
 
     def __post_init__(self) -> None:
         _check_batch_sizes(self)
-        if not self.cliprange_value > 0:
-            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
+        check_positive("cliprange_value", self.cliprange_value)

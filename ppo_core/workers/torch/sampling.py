@@ -18,8 +18,16 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core._checks import check_mask, check_ndim, check_tensor, check_unit_interval
-from ppo_core._config import ConfigBase
+from ppo_core._checks import (
+    FieldValueError,
+    check_int,
+    check_mask,
+    check_ndim,
+    check_positive,
+    check_tensor,
+    check_unit_interval,
+)
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["SamplingConfig", "generate", "logits_of", "sample_from_logits", "top_p_filter"]
 
@@ -42,13 +50,11 @@ class SamplingConfig(ConfigBase):
     """Decode incrementally with the model's KV cache when it has ``new_cache()``."""
 
     def __post_init__(self) -> None:
-        if int(self.max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_positive("temperature", self.temperature, allow_zero=True)
         check_unit_interval("top_p", self.top_p)
         if self.top_p == 0:
-            raise ValueError("top_p must be > 0 (use temperature=0 for greedy decoding)")
+            raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
 
 
 def logits_of(output: object) -> torch.Tensor:

@@ -1,0 +1,898 @@
+"""The table behind :func:`ppo_core.compat.ppo_config_from_verl`: every verl config key it reads, and those it skips.
+
+Each :class:`Rule` names one verl key (dotted, as in verl's ``ppo_trainer.yaml``), verl's value when the key is
+absent, the ppo-core paths it sets and how the value changes on the way. A rule without targets only constrains
+(a feature ppo-core does not have is accepted only when it is switched off). :data:`IGNORED` lists the keys that
+do not change what is computed (engine, memory and speed knobs, logging names, file paths that your own
+``init_workers()`` and dataset read); everything else is reported as unmappable.
+
+Abbreviations in the keys: ``A`` = ``actor_rollout_ref.actor``, ``R`` = ``actor_rollout_ref.rollout``,
+``F`` = ``actor_rollout_ref.ref``, ``M`` = ``actor_rollout_ref.model``, ``C`` = ``critic``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["IGNORED", "RULES", "SKIP", "Emit", "Ref", "Rule", "Unsupported"]
+
+logger = logging.getLogger("ppo_core.compat.verl")
+
+A, R, F, M, C = (
+    "actor_rollout_ref.actor",
+    "actor_rollout_ref.rollout",
+    "actor_rollout_ref.ref",
+    "actor_rollout_ref.model",
+    "critic",
+)
+
+
+class Unsupported(Exception):
+    """Raised by a rule's ``convert`` when the value asks for something ppo-core does not do."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """verl's default is the value of another key (an interpolation in verl's YAML)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A ``convert`` result that sets several ppo-core paths to different values."""
+
+    values: dict[str, Any]
+
+
+class Reader(Protocol):
+    """What a rule's ``convert`` may ask about the rest of the verl config."""
+
+    def __call__(self, key: str) -> Any: ...  # the effective value (given, or verl's default)
+
+    def given(self, key: str) -> bool: ...  # whether the user's config sets the key
+
+
+SKIP = object()
+"""A ``convert`` result meaning: set nothing (ppo-core's default applies)."""
+
+
+def _same(value: Any, get: Reader) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one verl key becomes ppo-core settings."""
+
+    key: str
+    """verl's dotted key."""
+    default: Any
+    """verl's value when the key is absent (a :class:`Ref` for verl's interpolations)."""
+    targets: tuple[str, ...] = ()
+    """ppo-core dotted paths set to the converted value (none: the rule only constrains or feeds another)."""
+    convert: Callable[[Any, Reader], Any] = _same
+    """verl value -> ppo-core value; raises :class:`Unsupported`, returns ``SKIP`` or an :class:`Emit`."""
+    doc: str = ""
+    """How the value changes, for the migration guide (empty: copied as is)."""
+
+
+def _only(*allowed: Any, reason: str) -> Callable[[Any, Reader], Any]:
+    """A feature ppo-core does not have: accepted only with a value that switches it off."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise Unsupported(reason)
+        return SKIP
+
+    convert.allowed, convert.reason = allowed, reason  # type: ignore[attr-defined]  # (for the guide's table)
+    return convert
+
+
+def _int(value: Any, key: str) -> int:
+    """``value`` if it is an int; :class:`Unsupported` naming ``key`` otherwise (it is used in arithmetic)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Unsupported(f"{key} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _world_size(get: Reader) -> int:
+    return _int(get("trainer.nnodes"), "trainer.nnodes") * _int(
+        get("trainer.n_gpus_per_node"), "trainer.n_gpus_per_node"
+    )
+
+
+def _times_n(value: Any, get: Reader) -> Any:
+    return _int(value, "the mini-batch size") * _int(get(f"{R}.n"), f"{R}.n")
+
+
+def _per_gpu(global_key: str) -> Callable[[Any, Reader], Any]:
+    """verl's ``*_per_gpu`` size, or its deprecated global size divided by the world size (which wins if set)."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        total = get(global_key)
+        if total is None:
+            return value
+        total, world = _int(total, global_key), _world_size(get)
+        if total % world:
+            raise Unsupported(f"{global_key}={total} is not divisible by the {world} GPUs of the run")
+        return total // world
+
+    return convert
+
+
+def _grad_clip(section: str) -> Callable[[Any, Reader], Any]:
+    """verl reads ``<section>.grad_clip`` (legacy workers) or ``<section>.optim.clip_grad`` (new engine)."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        other = f"{section}.optim.clip_grad"
+        if get.given(other) and get.given(f"{section}.grad_clip") and get(other) != value:
+            raise Unsupported(f"disagrees with {other}={get(other)!r}; set one of them")
+        return get(other) if get.given(other) else value
+
+    return convert
+
+
+def _scale_factor(agg_key: str) -> Callable[[Any, Reader], Any]:
+    """verl divides ``seq-mean-token-sum-norm`` by the padded response length when no factor is set."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        if value is None and get(agg_key) == "seq-mean-token-sum-norm":
+            return get(f"{R}.response_length")
+        return value
+
+    return convert
+
+
+def _critic_agg(value: Any, get: Reader) -> Any:
+    out = {"critic.worker.loss_agg_mode": value}
+    if value == "seq-mean-token-sum-norm":
+        out["critic.worker.loss_scale_factor"] = get(f"{R}.response_length")
+    return Emit(out)
+
+
+def _use_kl_loss(value: Any, get: Reader) -> Any:
+    return Emit(
+        {
+            "actor.use_kl_loss": value,
+            "actor.worker.use_kl_loss": value,
+            "actor.worker.use_reference": bool(value) or bool(get("algorithm.use_kl_in_reward")),
+        }
+    )
+
+
+def _disabled_as_zero(value: Any, get: Reader) -> Any:
+    return 0 if value is not None and _int(value, "the frequency") <= 0 else value
+
+
+def _resume_mode(value: Any, get: Reader) -> Any:
+    modes = {"auto": "auto", "disable": "disable", "resume_path": "path"}
+    if value not in modes:
+        raise Unsupported(f"valid values: {', '.join(modes)}")
+    return modes[value]
+
+
+def _loggers(value: Any, get: Reader) -> Any:
+    # Remote trackers (wandb, swanlab, mlflow...) become metrics.jsonl: the metrics are still recorded, locally.
+    names = [value] if isinstance(value, str) else list(value or [])
+    out = [name if name in ("console", "tensorboard") else "jsonl" for name in names]
+    dropped = [name for name in names if name not in ("console", "tensorboard")]
+    if dropped:
+        logger.warning(
+            "trainer.logger %s: not available in ppo-core, metrics go to metrics.jsonl instead", dropped
+        )
+    return tuple(dict.fromkeys(out)) or ("console",)
+
+
+def _default_local_dir(value: Any, get: Reader) -> Any:
+    if not get.given("trainer.default_local_dir"):
+        return f"checkpoints/{get('trainer.project_name')}/{get('trainer.experiment_name')}"
+    return value
+
+
+def _registry_name(kind: str, names: Callable[[], Any]) -> Callable[[Any, Reader], Any]:
+    def convert(value: Any, get: Reader) -> Any:
+        valid = list(names())
+        if value not in valid:
+            raise Unsupported(f"not a ppo-core {kind}; ppo-core has: {', '.join(sorted(valid))}")
+        return value
+
+    convert.kind = kind  # type: ignore[attr-defined]  # (for the guide's table)
+    return convert
+
+
+def _adv_estimators() -> Any:
+    from ppo_core.advantages import advantage_estimator_names
+
+    return advantage_estimator_names()
+
+
+def _policy_losses() -> Any:
+    from ppo_core.losses import policy_loss_names
+
+    return policy_loss_names()
+
+
+def _loss_agg_modes() -> Any:
+    from ppo_core.losses import LOSS_AGG_MODES
+
+    return LOSS_AGG_MODES
+
+
+def _kl_estimators() -> Any:
+    from ppo_core.kl import KL_ESTIMATORS
+
+    return KL_ESTIMATORS
+
+
+def _in_reward_kl_estimators() -> Any:
+    from ppo_core.config import IN_REWARD_KL_ESTIMATORS
+
+    return IN_REWARD_KL_ESTIMATORS
+
+
+def _strategy(value: Any, get: Reader) -> Any:
+    if value not in ("fsdp", "fsdp2", "megatron"):
+        raise Unsupported("valid values: fsdp, fsdp2 (ppo-core's torch workers), megatron")
+    return SKIP
+
+
+def _if_megatron(strategy_key: str) -> Callable[[Any, Reader], Any]:
+    def convert(value: Any, get: Reader) -> Any:
+        return value if get(strategy_key) == "megatron" else SKIP
+
+    return convert
+
+
+def _val_sampling(train_key: str) -> Callable[[Any, Reader], Any]:
+    """ppo-core samples validation responses with the training temperature / top-p (greedy unless do_sample)."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        if get(f"{R}.val_kwargs.do_sample") and value != get(train_key):
+            raise Unsupported(f"ppo-core samples validation responses with {train_key}={get(train_key)!r}")
+        return SKIP
+
+    return convert
+
+
+_NO_DYNAMIC_BSZ = "token-budget micro-batches are not implemented; set the *_micro_batch_size_per_gpu sizes"
+_NO_SP = "Ulysses sequence parallelism is not implemented"
+_CONSTANT_LR = "learning-rate schedules are not implemented (ppo-core's optimiser keeps lr constant)"
+_NO_LORA = "LoRA is not implemented"
+
+
+def _optim_rules(section: str, lr: float, target: str) -> list[Rule]:
+    return [
+        Rule(f"{section}.optim.lr", lr, (f"{target}.optim.lr",)),
+        Rule(f"{section}.optim.betas", [0.9, 0.999], (f"{target}.optim.betas",)),
+        Rule(f"{section}.optim.weight_decay", 0.01, (f"{target}.optim.weight_decay",)),
+        Rule(f"{section}.optim.eps", 1e-8, (f"{target}.optim.eps",)),
+        Rule(f"{section}.optim.clip_grad", 1.0, doc=f"read with `{section}.grad_clip`"),
+        Rule(
+            f"{section}.grad_clip",
+            1.0,
+            (f"{target}.optim.grad_clip",),
+            _grad_clip(section),
+            "or `optim.clip_grad` when that is given (both given: they must agree)",
+        ),
+        Rule(
+            f"{section}.optim.optimizer",
+            "AdamW",
+            convert=_only("AdamW", "adamw", "adam", reason="ppo-core's workers use AdamW"),
+        ),
+        Rule(
+            f"{section}.optim.optimizer_impl",
+            "torch.optim",
+            convert=_only("torch.optim", reason="ppo-core's workers use torch.optim.AdamW"),
+        ),
+        Rule(f"{section}.optim.lr_warmup_steps_ratio", 0.0, convert=_only(0.0, 0, reason=_CONSTANT_LR)),
+        Rule(f"{section}.optim.lr_warmup_steps", -1, convert=_only(-1, 0, None, reason=_CONSTANT_LR)),
+        Rule(
+            f"{section}.optim.lr_scheduler_type", "constant", convert=_only("constant", reason=_CONSTANT_LR)
+        ),
+        Rule(f"{section}.optim.warmup_style", None, convert=_only(None, "constant", reason=_CONSTANT_LR)),
+        Rule(f"{section}.optim.lr_decay_style", "constant", convert=_only("constant", reason=_CONSTANT_LR)),
+        Rule(
+            f"{section}.optim.weight_decay_incr_style",
+            "constant",
+            convert=_only("constant", reason="weight-decay schedules are not implemented"),
+        ),
+        Rule(
+            f"{section}.optim.override_optimizer_config",
+            None,
+            convert=_only(None, {}, reason="optimizer overrides are not supported"),
+        ),
+    ]
+
+
+def _batch_rules(section: str, target: str, *, critic: bool) -> list[Rule]:
+    mini_default: Any = Ref(f"{A}.ppo_mini_batch_size") if critic else 256
+    rules = [
+        Rule(
+            f"{section}.ppo_mini_batch_size",
+            mini_default,
+            (f"{target}.ppo_mini_batch_size",),
+            _times_n,
+            "x `rollout.n`: verl counts prompts, ppo-core counts responses",
+        ),
+        Rule(f"{section}.ppo_micro_batch_size", None, doc="divided by the GPUs (nnodes x n_gpus_per_node)"),
+        Rule(
+            f"{section}.ppo_micro_batch_size_per_gpu",
+            None,
+            (f"{target}.micro_batch_size",),
+            _per_gpu(f"{section}.ppo_micro_batch_size"),
+            "or the deprecated global `ppo_micro_batch_size` / GPUs; None: the whole local mini-batch",
+        ),
+        Rule(
+            f"{section}.use_dynamic_bsz",
+            Ref(f"{A}.use_dynamic_bsz") if critic else False,
+            convert=_only(False, reason=_NO_DYNAMIC_BSZ),
+        ),
+        Rule(
+            f"{section}.ppo_epochs",
+            Ref(f"{A}.ppo_epochs") if critic else 1,
+            (f"{target}.ppo_epochs",),
+        ),
+        Rule(f"{section}.shuffle", Ref(f"{A}.shuffle") if critic else False, (f"{target}.shuffle",)),
+        Rule(f"{section}.data_loader_seed", 42, (f"{target}.seed",), doc="seeds the worker's generator"),
+        Rule(f"{section}.ulysses_sequence_parallel_size", 1, convert=_only(1, reason=_NO_SP)),
+        Rule(f"{section}.strategy", Ref(f"{A}.strategy") if critic else "fsdp", convert=_strategy),
+    ]
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        rules.append(
+            Rule(
+                f"{section}.megatron.{name}",
+                1,
+                (f"{target}.parallel.{name}",),
+                _if_megatron(f"{section}.strategy"),
+                "megatron strategy only",
+            )
+        )
+    rules += [
+        Rule(
+            f"{section}.megatron.sequence_parallel",
+            True,
+            (f"{target}.parallel.sequence_parallel",),
+            _if_megatron(f"{section}.strategy"),
+            "megatron strategy only",
+        ),
+        Rule(
+            f"{section}.megatron.use_distributed_optimizer",
+            True,
+            (f"{target}.use_distributed_optimizer",),
+            _if_megatron(f"{section}.strategy"),
+            "megatron strategy only",
+        ),
+        Rule(
+            f"{section}.megatron.virtual_pipeline_model_parallel_size",
+            None,
+            convert=_only(None, 1, reason="interleaved (virtual) pipeline stages are not implemented"),
+        ),
+        Rule(
+            f"{section}.megatron.expert_model_parallel_size",
+            1,
+            convert=_only(1, reason="mixture-of-experts models are not implemented"),
+        ),
+        Rule(
+            f"{section}.megatron.expert_tensor_parallel_size",
+            None,
+            convert=_only(None, 1, reason="mixture-of-experts models are not implemented"),
+        ),
+        Rule(
+            f"{section}.megatron.override_mcore_model_config",
+            {},
+            convert=_only(
+                {}, None, reason="model overrides are not supported; set the worker's `model` shape"
+            ),
+        ),
+    ]
+    return rules
+
+
+def _model_rules(section: str, target: str, strategy_key: str) -> list[Rule]:
+    return [
+        Rule(
+            f"{section}.path",
+            "~/models/deepseek-llm-7b-chat",
+            (f"{target}.hf_checkpoint",),
+            _if_megatron(strategy_key),
+            "megatron strategy (local safetensors folder); the torch workers get the model from `init_workers()`",
+        ),
+        Rule(f"{section}.lora_rank", 0, convert=_only(0, reason=_NO_LORA)),
+        Rule(f"{section}.lora.rank", 0, convert=_only(0, reason=_NO_LORA)),
+        Rule(
+            f"{section}.override_config.model_config",
+            {},
+            convert=_only({}, None, reason="model config overrides are not supported"),
+        ),
+        Rule(
+            f"{section}.override_config.moe_config.freeze_moe_router",
+            False,
+            convert=_only(False, reason="mixture-of-experts models are not implemented"),
+        ),
+    ]
+
+
+RULES: tuple[Rule, ...] = (
+    # ----- data
+    Rule("data.train_batch_size", 1024, ("data.train_batch_size",)),
+    Rule("data.val_batch_size", None, ("data.val_batch_size",)),
+    Rule("data.shuffle", True, ("data.shuffle",)),
+    Rule(
+        "data.seed",
+        None,
+        ("data.seed",),
+        lambda v, get: SKIP if v is None else v,
+        "None: ppo-core's default 0 (the shuffled order differs from verl's in any case)",
+    ),
+    Rule("data.max_response_length", 512, doc="the default of `rollout.response_length`"),
+    Rule(
+        "data.validation_shuffle", False, convert=_only(False, reason="validation prompts are not shuffled")
+    ),
+    Rule(
+        "data.sampler.class_path",
+        None,
+        convert=_only(
+            None, reason="custom samplers (curricula) are not supported; the loader shuffles per epoch"
+        ),
+    ),
+    Rule("data.datagen.path", None, convert=_only(None, reason="dynamic data generation is not supported")),
+    # ----- algorithm
+    Rule(
+        "algorithm.adv_estimator",
+        "gae",
+        ("algorithm.adv_estimator",),
+        _registry_name("advantage estimator", _adv_estimators),
+    ),
+    Rule("algorithm.gamma", 1.0, ("algorithm.gamma",)),
+    Rule("algorithm.lam", 1.0, ("algorithm.lam",)),
+    Rule("algorithm.norm_adv_by_std_in_grpo", True, ("algorithm.norm_adv_by_std_in_grpo",)),
+    Rule("algorithm.use_kl_in_reward", False, ("algorithm.use_kl_in_reward",)),
+    Rule(
+        "algorithm.kl_penalty",
+        "kl",
+        ("algorithm.kl_penalty",),
+        _registry_name("in-reward KL estimator", _in_reward_kl_estimators),
+    ),
+    Rule("algorithm.kl_ctrl.type", "fixed", ("algorithm.kl_ctrl.type",)),
+    Rule("algorithm.kl_ctrl.kl_coef", 0.001, ("algorithm.kl_ctrl.kl_coef",)),
+    Rule("algorithm.kl_ctrl.horizon", 10000, ("algorithm.kl_ctrl.horizon",)),
+    Rule("algorithm.kl_ctrl.target_kl", 0.1, ("algorithm.kl_ctrl.target_kl",)),
+    Rule("algorithm.use_pf_ppo", False, convert=_only(False, reason="PF-PPO reweighting is not implemented")),
+    Rule(
+        "algorithm.rollout_correction.rollout_is",
+        None,
+        convert=_only(None, reason="rollout importance-sampling correction is not wired into the trainer"),
+    ),
+    Rule(
+        "algorithm.rollout_correction.rollout_rs",
+        None,
+        convert=_only(None, reason="rollout rejection sampling is not implemented"),
+    ),
+    Rule(
+        "algorithm.rollout_correction.bypass_mode",
+        False,
+        convert=_only(False, reason="the bypass mode (no old log-prob pass) is not implemented"),
+    ),
+    # ----- actor: loss
+    Rule(f"{A}.clip_ratio", 0.2, ("actor.worker.policy_loss.clip_ratio",)),
+    Rule(
+        f"{A}.clip_ratio_low",
+        0.2,
+        ("actor.worker.policy_loss.clip_ratio_low",),
+        doc="null: `clip_ratio` (as in verl)",
+    ),
+    Rule(
+        f"{A}.clip_ratio_high",
+        0.2,
+        ("actor.worker.policy_loss.clip_ratio_high",),
+        doc="null: `clip_ratio` (as in verl)",
+    ),
+    Rule(f"{A}.clip_ratio_c", 3.0, ("actor.worker.policy_loss.clip_ratio_c",)),
+    Rule(f"{A}.tau_pos", 1.0, ("actor.worker.policy_loss.tau_pos",)),
+    Rule(f"{A}.tau_neg", 1.05, ("actor.worker.policy_loss.tau_neg",)),
+    Rule(
+        f"{A}.policy_loss.loss_mode",
+        "vanilla",
+        ("actor.worker.policy_loss.loss_mode",),
+        _registry_name("policy loss", _policy_losses),
+    ),
+    Rule(f"{A}.policy_loss.clip_cov_ratio", 0.0002, ("actor.worker.policy_loss.clip_cov_ratio",)),
+    Rule(f"{A}.policy_loss.clip_cov_lb", 1.0, ("actor.worker.policy_loss.clip_cov_lb",)),
+    Rule(f"{A}.policy_loss.clip_cov_ub", 5.0, ("actor.worker.policy_loss.clip_cov_ub",)),
+    Rule(f"{A}.policy_loss.kl_cov_ratio", 0.0002, ("actor.worker.policy_loss.kl_cov_ratio",)),
+    Rule(f"{A}.policy_loss.ppo_kl_coef", 0.1, ("actor.worker.policy_loss.ppo_kl_coef",)),
+    Rule(
+        f"{A}.loss_agg_mode",
+        "token-mean",
+        ("actor.worker.policy_loss.loss_agg_mode",),
+        _registry_name("loss_agg_mode", _loss_agg_modes),
+    ),
+    Rule(
+        f"{A}.loss_scale_factor",
+        None,
+        ("actor.worker.loss_scale_factor",),
+        _scale_factor(f"{A}.loss_agg_mode"),
+        "None with `seq-mean-token-sum-norm`: `rollout.response_length` (verl's padded width)",
+    ),
+    Rule(f"{A}.entropy_coeff", 0.0, ("actor.worker.entropy_coeff",)),
+    Rule(
+        f"{A}.use_kl_loss",
+        False,
+        ("actor.use_kl_loss", "actor.worker.use_kl_loss", "actor.worker.use_reference"),
+        _use_kl_loss,
+        "also `actor.worker.use_reference` = `use_kl_loss` or `algorithm.use_kl_in_reward` (verl builds the "
+        "reference model only then)",
+    ),
+    Rule(f"{A}.kl_loss_coef", 0.001, ("actor.worker.kl_loss_coef",)),
+    Rule(
+        f"{A}.kl_loss_type",
+        "low_var_kl",
+        ("actor.worker.kl_loss_type",),
+        _registry_name("KL estimator", _kl_estimators),
+    ),
+    Rule(f"{A}.use_prefix_grouper", False, convert=_only(False, reason="prefix grouping is not implemented")),
+    Rule(f"{A}.router_replay.mode", "disabled", convert=_only("disabled", reason="MoE router replay")),
+    Rule(f"{A}.freeze_vision_tower", False, convert=_only(False, reason="vision models are not supported")),
+    Rule(f"{A}.calculate_sum_pi_squared", False, convert=_only(False, reason="not implemented")),
+    # ----- actor: batches, optimiser, layout
+    *_batch_rules(A, "actor.worker", critic=False),
+    *_optim_rules(A, 1e-6, "actor.worker"),
+    *_model_rules(M, "actor.worker", f"{A}.strategy"),
+    Rule(f"{M}.mtp.enable", False, convert=_only(False, reason="multi-token prediction is not implemented")),
+    # ----- rollout
+    Rule(f"{R}.n", 1, ("rollout.n",)),
+    Rule(f"{R}.temperature", 1.0, ("actor.worker.rollout.temperature",)),
+    Rule(f"{R}.top_p", 1.0, ("actor.worker.rollout.top_p",)),
+    Rule(f"{R}.top_k", -1, convert=_only(-1, 0, None, reason="top-k sampling is not implemented")),
+    Rule(f"{R}.response_length", Ref("data.max_response_length"), ("actor.worker.rollout.max_new_tokens",)),
+    Rule(f"{R}.do_sample", True, convert=_only(True, reason="PPO trains on sampled responses")),
+    Rule(f"{R}.ignore_eos", False, convert=_only(False, reason="responses end at EOS")),
+    Rule(f"{R}.over_sample_rate", 0, convert=_only(0, 0.0, reason="over-sampling is not implemented")),
+    Rule(f"{R}.log_prob_micro_batch_size", None, doc="divided by the GPUs"),
+    Rule(
+        f"{R}.log_prob_micro_batch_size_per_gpu",
+        None,
+        ("actor.worker.forward_micro_batch_size",),
+        _per_gpu(f"{R}.log_prob_micro_batch_size"),
+        "or the deprecated global size / GPUs; also used for the reference pass",
+    ),
+    Rule(
+        f"{R}.log_prob_use_dynamic_bsz",
+        Ref(f"{A}.use_dynamic_bsz"),
+        convert=_only(False, reason=_NO_DYNAMIC_BSZ),
+    ),
+    Rule(
+        f"{F}.log_prob_use_dynamic_bsz",
+        Ref(f"{A}.use_dynamic_bsz"),
+        convert=_only(False, reason=_NO_DYNAMIC_BSZ),
+    ),
+    Rule(
+        f"{F}.ulysses_sequence_parallel_size",
+        Ref(f"{A}.ulysses_sequence_parallel_size"),
+        convert=_only(1, reason=_NO_SP),
+    ),
+    Rule(f"{R}.val_kwargs.n", 1, ("rollout.val_n",)),
+    Rule(f"{R}.val_kwargs.do_sample", False, ("rollout.val_do_sample",)),
+    Rule(f"{R}.val_kwargs.temperature", 0, convert=_val_sampling(f"{R}.temperature")),
+    Rule(f"{R}.val_kwargs.top_p", 1.0, convert=_val_sampling(f"{R}.top_p")),
+    Rule(f"{R}.val_kwargs.top_k", -1, convert=_only(-1, 0, None, reason="top-k sampling is not implemented")),
+    Rule(
+        f"{R}.multi_turn.enable",
+        False,
+        convert=_only(False, reason="multi-turn rollouts are not implemented"),
+    ),
+    Rule(
+        f"{R}.agent.default_agent_loop",
+        "single_turn_agent",
+        convert=_only("single_turn_agent", reason="agent loops are not implemented"),
+    ),
+    Rule(f"{R}.skip_rollout", False, convert=_only(False, reason="not supported")),
+    Rule(f"{R}.enable_rollout_routing_replay", False, convert=_only(False, reason="MoE router replay")),
+    Rule(f"{R}.quantization", None, convert=_only(None, reason="quantised rollouts are not implemented")),
+    # ----- critic
+    Rule("critic.enable", None, ("critic.enable",)),
+    *_batch_rules(C, "critic.worker", critic=True),
+    Rule(f"{C}.forward_micro_batch_size", Ref(f"{C}.ppo_micro_batch_size"), doc="divided by the GPUs"),
+    Rule(
+        f"{C}.forward_micro_batch_size_per_gpu",
+        Ref(f"{C}.ppo_micro_batch_size_per_gpu"),
+        ("critic.worker.forward_micro_batch_size",),
+        _per_gpu(f"{C}.forward_micro_batch_size"),
+        "or the deprecated global size / GPUs",
+    ),
+    Rule(f"{C}.cliprange_value", 0.5, ("critic.worker.cliprange_value",)),
+    Rule(
+        f"{C}.loss_agg_mode",
+        Ref(f"{A}.loss_agg_mode"),
+        ("critic.worker.loss_agg_mode",),
+        _critic_agg,
+        "with `seq-mean-token-sum-norm`, `loss_scale_factor` = `rollout.response_length` (verl's padded width)",
+    ),
+    *_optim_rules(C, 1e-5, "critic.worker"),
+    *_model_rules(f"{C}.model", "critic.worker", f"{C}.strategy"),
+    # ----- reward
+    Rule(
+        "reward_model.enable",
+        False,
+        convert=_only(False, reason="model-based rewards: compute them in your reward function"),
+    ),
+    # ----- trainer
+    Rule("trainer.total_epochs", 30, ("trainer.total_epochs",)),
+    Rule("trainer.total_training_steps", None, ("trainer.total_training_steps",)),
+    Rule("trainer.project_name", "verl_examples", doc="only in the default of `default_local_dir`"),
+    Rule("trainer.experiment_name", "gsm8k", doc="only in the default of `default_local_dir`"),
+    Rule(
+        "trainer.logger",
+        ["console", "wandb"],
+        ("trainer.loggers",),
+        _loggers,
+        "console and tensorboard kept; remote trackers (wandb, ...) become `jsonl` (metrics.jsonl)",
+    ),
+    Rule("trainer.nnodes", 1, doc="x `n_gpus_per_node`"),
+    Rule(
+        "trainer.n_gpus_per_node",
+        8,
+        ("actor.world_size", "critic.world_size"),
+        lambda v, get: _world_size(get),
+        "`nnodes` x `n_gpus_per_node` (verl colocates actor and critic on all GPUs)",
+    ),
+    Rule("trainer.save_freq", -1, ("trainer.save_freq",), _disabled_as_zero, "-1 (off): 0"),
+    Rule("trainer.resume_mode", "auto", ("trainer.resume_mode",), _resume_mode, "`resume_path`: `path`"),
+    Rule("trainer.resume_from_path", None, ("trainer.resume_from_path",)),
+    Rule("trainer.val_before_train", True, ("trainer.val_before_train",)),
+    Rule("trainer.val_only", False, convert=_only(False, reason="call BasePPOTrainer's validation yourself")),
+    Rule(
+        "trainer.test_freq",
+        -1,
+        ("trainer.test_freq",),
+        _disabled_as_zero,
+        "-1 (off): 0 (ppo-core still validates after the last step)",
+    ),
+    Rule("trainer.critic_warmup", 0, ("trainer.critic_warmup",)),
+    Rule(
+        "trainer.default_local_dir",
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        ("trainer.default_local_dir",),
+        _default_local_dir,
+    ),
+    Rule("trainer.default_hdfs_dir", None, convert=_only(None, reason="HDFS upload is not implemented")),
+    Rule(
+        "trainer.del_local_ckpt_after_load",
+        False,
+        convert=_only(False, reason="checkpoints are never deleted after loading"),
+    ),
+    Rule(
+        "trainer.max_actor_ckpt_to_keep",
+        None,
+        convert=_only(None, reason="checkpoint rotation is not implemented yet"),
+    ),
+    Rule(
+        "trainer.max_critic_ckpt_to_keep",
+        None,
+        convert=_only(None, reason="checkpoint rotation is not implemented yet"),
+    ),
+    Rule("trainer.device", "cuda", convert=_only("cuda", "cpu", reason="the workers run on CUDA or CPU")),
+    Rule("transfer_queue.enable", False, convert=_only(False, reason="not supported")),
+)
+"""Every verl key the converter reads, in the order of the migration guide's table."""
+
+_ENGINE = "engine, memory or speed setting: does not change what is computed"
+_INPUT = "an input your own code provides (model, tokenizer, dataset, reward function)"
+_LOGGING = "logging, profiling or dumps"
+_DERIVED = "derived from other keys by verl"
+
+_SCHEDULE_ONLY = "only read by a learning-rate schedule"
+
+
+def _trainable_role_ignored(section: str) -> tuple[tuple[str, str], ...]:
+    """The megatron engine and optimiser-schedule keys that the actor and the critic share."""
+    megatron_engine = (
+        "param_offload",
+        "grad_offload",
+        "optimizer_offload",
+        "use_dist_checkpointing",
+        "dist_checkpointing_path",
+        "dist_checkpointing_prefix",
+        "override_ddp_config",
+        "override_transformer_config.recompute_granularity",
+        "override_transformer_config.recompute_method",
+        "override_transformer_config.recompute_modules",
+        "override_transformer_config.recompute_num_layers",
+        "override_transformer_config.attention_backend",
+        "use_mbridge",
+        "vanilla_mbridge",
+        "use_remove_padding",
+        "forward_only",
+    )
+    schedule = (
+        "min_lr_ratio",
+        "num_cycles",
+        "lr_decay_steps",
+        "lr_warmup_init",
+        "lr_wsd_decay_steps",
+        "lr_wsd_decay_style",
+        "min_lr",
+        "use_checkpoint_opt_param_scheduler",
+    )
+    return (
+        (f"{section}.megatron.seed", "initialisation comes from the checkpoint"),
+        (f"{section}.megatron.dtype", "set the worker's model.dtype"),
+        *((f"{section}.megatron.{name}", _ENGINE) for name in megatron_engine),
+        (f"{section}.optim.total_training_steps", _DERIVED),
+        *((f"{section}.optim.{name}", _SCHEDULE_ONLY) for name in schedule),
+    )
+
+
+IGNORED: tuple[tuple[str, str], ...] = (
+    # (pattern, reason): a pattern matches the key and everything under it; "*" matches one segment, "**" any.
+    ("defaults", "Hydra's defaults list: the converter applies verl's defaults itself"),
+    ("hydra", "Hydra's own settings"),
+    ("**._target_", "verl's dataclass targets"),
+    ("**.profiler", _LOGGING),
+    ("global_profiler", _LOGGING),
+    ("ray_kwargs", "Ray start-up"),
+    ("ray_init", "Ray start-up"),
+    ("transfer_queue", _ENGINE),
+    # algorithm
+    ("algorithm.pf_ppo", "read with algorithm.use_pf_ppo"),
+    ("algorithm.rollout_correction", "read with rollout_is, rollout_rs and bypass_mode"),
+    # data
+    ("data.tokenizer", _INPUT),
+    ("data.use_shm", _ENGINE),
+    ("data.train_files", _INPUT),
+    ("data.val_files", _INPUT),
+    ("data.train_max_samples", _INPUT),
+    ("data.val_max_samples", _INPUT),
+    ("data.prompt_key", _INPUT),
+    ("data.reward_fn_key", _INPUT),
+    ("data.max_prompt_length", _INPUT),
+    ("data.tool_config_path", _INPUT),
+    ("data.return_raw_input_ids", _INPUT),
+    ("data.return_raw_chat", _INPUT),
+    ("data.return_full_prompt", _INPUT),
+    ("data.dataloader_num_workers", _ENGINE),
+    ("data.image_patch_size", _INPUT),
+    ("data.filter_overlong_prompts", _INPUT),
+    ("data.filter_overlong_prompts_workers", _INPUT),
+    ("data.truncation", _INPUT),
+    ("data.image_key", _INPUT),
+    ("data.video_key", _INPUT),
+    ("data.trust_remote_code", _INPUT),
+    ("data.custom_cls", _INPUT),
+    ("data.return_multi_modal_inputs", _INPUT),
+    ("data.sampler.class_name", "read with data.sampler.class_path"),
+    ("data.datagen.name", "read with data.datagen.path"),
+    ("data.apply_chat_template_kwargs", _INPUT),
+    # actor / ref / rollout / model
+    ("actor_rollout_ref.hybrid_engine", _ENGINE),
+    ("actor_rollout_ref.nccl_timeout", _ENGINE),
+    ("actor_rollout_ref.*.rollout_n", _DERIVED),
+    ("actor_rollout_ref.*.use_torch_compile", _ENGINE),
+    ("actor_rollout_ref.*.fsdp_config", _ENGINE),
+    ("actor_rollout_ref.*.entropy_from_logits_with_chunking", _ENGINE),
+    ("actor_rollout_ref.*.entropy_checkpointing", _ENGINE),
+    ("actor_rollout_ref.*.load_weight", _ENGINE),
+    ("actor_rollout_ref.*.router_replay", "read with actor.router_replay.mode"),
+    (f"{A}.ppo_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
+    (f"{A}.calculate_entropy", "ppo-core's workers always report the entropy"),
+    (f"{A}.checkpoint", "ppo-core checkpoints model, optimiser and generator states"),
+    (f"{A}.use_fused_kernels", _ENGINE),
+    (f"{A}.use_remove_padding", _ENGINE),
+    (f"{A}.sum_pi_squared_checkpointing", _ENGINE),
+    *_trainable_role_ignored(A),
+    (f"{F}.strategy", "the reference follows the actor"),
+    (f"{F}.megatron", "the reference follows the actor's layout"),
+    (f"{F}.log_prob_micro_batch_size", "the reference pass uses rollout.log_prob_micro_batch_size_per_gpu"),
+    (
+        f"{F}.log_prob_micro_batch_size_per_gpu",
+        "the reference pass uses the actor's forward_micro_batch_size",
+    ),
+    (f"{F}.log_prob_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
+    (f"{R}.name", "the rollout engine (ppo-core's worker samples with its own engine)"),
+    (f"{R}.mode", _ENGINE),
+    (f"{R}.prompt_length", _INPUT),
+    (f"{R}.log_prob_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
+    (f"{R}.calculate_log_probs", "rollout log-probs are only read by the rollout corrections"),
+    (f"{R}.logprobs_mode", "rollout log-probs are only read by the rollout corrections"),
+    (f"{R}.multi_turn", "read with multi_turn.enable"),
+    (f"{R}.agent", "read with agent.default_agent_loop"),
+    (f"{R}.skip_dump_dir", "read with skip_rollout"),
+    (f"{R}.quantization_config_file", "read with quantization"),
+    (f"{R}.mtp", "read with model.mtp.enable"),
+    *(
+        (f"{R}.{name}", _ENGINE)
+        for name in (
+            "dtype",
+            "gpu_memory_utilization",
+            "enforce_eager",
+            "cudagraph_capture_sizes",
+            "free_cache_engine",
+            "tensor_model_parallel_size",
+            "data_parallel_size",
+            "expert_parallel_size",
+            "pipeline_model_parallel_size",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_num_seqs",
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "scheduling_policy",
+            "load_format",
+            "disable_log_stats",
+            "engine_kwargs",
+            "multi_stage_wake_up",
+            "checkpoint_engine",
+            "trace",
+            "prometheus",
+            "layered_summon",
+            "skip_tokenizer_init",
+            "layer_name_map",
+        )
+    ),
+    *(
+        (f"{M}.{name}", _INPUT)
+        for name in (
+            "hf_config_path",
+            "tokenizer_path",
+            "custom_chat_template",
+            "external_lib",
+            "trust_remote_code",
+        )
+    ),
+    *(
+        (f"{M}.{name}", _ENGINE)
+        for name in (
+            "use_shm",
+            "enable_gradient_checkpointing",
+            "enable_activation_offload",
+            "use_remove_padding",
+            "use_liger",
+            "use_fused_kernels",
+            "fused_kernel_options",
+            "tiled_mlp",
+        )
+    ),
+    *(
+        (f"{M}.{name}", "read with lora_rank")
+        for name in ("lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path", "lora")
+    ),
+    (f"{M}.mtp", "read with mtp.enable"),
+    # critic
+    (f"{C}.rollout_n", _DERIVED),
+    (f"{C}.nccl_timeout", _ENGINE),
+    (f"{C}.load_weight", _ENGINE),
+    (f"{C}.checkpoint", "ppo-core checkpoints model, optimiser and generator states"),
+    (f"{C}.ppo_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
+    (f"{C}.forward_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
+    *_trainable_role_ignored(C),
+    (f"{C}.model.fsdp_config", _ENGINE),
+    *((f"{C}.model.{name}", _INPUT) for name in ("tokenizer_path", "external_lib", "trust_remote_code")),
+    *(
+        (f"{C}.model.{name}", _ENGINE)
+        for name in (
+            "use_shm",
+            "enable_gradient_checkpointing",
+            "enable_activation_offload",
+            "use_remove_padding",
+            "tiled_mlp",
+        )
+    ),
+    *((f"{C}.model.{name}", "read with lora_rank") for name in ("lora_alpha", "target_modules", "lora")),
+    # reward
+    ("reward_model", "read with reward_model.enable"),
+    ("reward_manager", _INPUT),
+    ("custom_reward_function", _INPUT),
+    # trainer
+    ("trainer.balance_batch", "reorders rows to balance tokens over ranks; the update is the same"),
+    ("trainer.log_val_generations", _LOGGING),
+    ("trainer.rollout_data_dir", _LOGGING),
+    ("trainer.validation_data_dir", _LOGGING),
+    ("trainer.esi_redundant_time", _ENGINE),
+    ("trainer.ray_wait_register_center_timeout", _ENGINE),
+    ("trainer.use_legacy_worker_impl", _ENGINE),
+)
+"""Keys that do not change what is computed, with the reason; the converter skips them."""
