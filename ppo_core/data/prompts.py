@@ -29,7 +29,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.data.readers import PathLike, RowOrigin, iter_prompt_rows, normalize_paths
 from ppo_core.data.schema import PromptRecord, parse_prompt_row
 
@@ -250,7 +250,7 @@ def load_prompt_dataset(
 class PromptDatasetConfig(ConfigBase):
     """Where a prompt dataset lives and how to tokenise it (the keywords of :func:`load_prompt_dataset`)."""
 
-    files: list[str] = field(default_factory=list)
+    files: str | list[str] = field(default_factory=list)
     """Parquet / JSON Lines files, concatenated in order."""
     max_prompt_length: int = 512
     """Longest prompt in tokens, after the chat template."""

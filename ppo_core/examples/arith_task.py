@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "ArithTaskConfig", "format_sft_pairs", "make_arith_rows"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 from ppo_core.examples.arith_task import ArithTaskConfig, make_arith_rows
 from ppo_core.examples.tokenizer import CHAT_TEMPLATE, train_bpe_tokenizer
 

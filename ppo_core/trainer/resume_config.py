@@ -28,7 +28,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ppo_core._config import ConfigBase
+from ppo_core._config_base import ConfigBase
 
 __all__ = [
     "IGNORED_KEYS",

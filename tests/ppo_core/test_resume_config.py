@@ -186,16 +186,18 @@ def test_trainer_fields_check_their_values_and_round_trip():
     assert cfg.resume_allow_changes == ("data.seed", "rollout.n")
     assert TrainerConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(
-        TypeError, match=r"trainer\.resume_allow_changes must be a list of dotted config keys"
+        TypeError, match=r"resume_allow_changes must be a list"
     ):
         TrainerConfig(resume_allow_changes="data.seed")
-    for bad in ("", ".seed", "data.", 3):
+    for bad in ("", ".seed", "data."):
         with pytest.raises(
             ValueError, match=r"trainer\.resume_allow_changes\[1\] must be a dotted config key"
         ):
             TrainerConfig(resume_allow_changes=["data.seed", bad])
-    with pytest.raises(ValueError, match=r"trainer\.max_ckpt_to_keep must be >= 1"):
+    with pytest.raises(TypeError, match=r"resume_allow_changes\[1\] must be a str"):
+        TrainerConfig(resume_allow_changes=["data.seed", 3])
+    with pytest.raises(ValueError, match=r"max_ckpt_to_keep must be >= 1"):
         TrainerConfig(max_ckpt_to_keep=0)
     for bad in ("2", 2.0, True):
-        with pytest.raises(TypeError, match=r"trainer\.max_ckpt_to_keep must be an int"):
+        with pytest.raises(TypeError, match=r"max_ckpt_to_keep must be an int"):
             TrainerConfig(max_ckpt_to_keep=bad)
