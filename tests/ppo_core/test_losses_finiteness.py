@@ -7,6 +7,7 @@ Masked positions stay free to hold anything (pinned by the padding tests of each
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -216,3 +217,26 @@ def test_a_non_binary_mask_is_still_reported_by_the_fused_check():
         _call_policy("vanilla", args)
     with pytest.raises(ValueError, match="loss_mask must contain only 0 and 1"):
         agg_loss(torch.ones(2, 2), torch.full((2, 2), 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(set(policy_loss_names()) - {"clip_cov", "kl_cov"}))
+def test_on_cuda_the_check_is_one_synchronisation_and_still_names_the_argument(name):
+    args = {k: v.cuda() for k, v in _policy_args().items()}
+    _call_policy(name, args)  # warm-up: lazy CUDA initialisation may synchronise
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss, _ = _call_policy(name, args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    cpu_loss, _ = _call_policy(name, _policy_args())
+    assert loss.item() == pytest.approx(cpu_loss.item(), rel=1e-9, abs=1e-12)
+    args["advantages"] = _poisoned(args["advantages"], (1, 2), float("nan"))
+    with pytest.raises(ValueError, match=r"^advantages contains NaN .*\[1, 2\]"):
+        _call_policy(name, args)
