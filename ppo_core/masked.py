@@ -4,6 +4,9 @@ Shapes: ``values`` and ``mask`` share any shape, normally ``[B, T]`` (batch, res
 or 0/1 tensor (see :func:`ppo_core._checks.check_mask`). Entries outside the mask never influence a result, even
 when they hold NaN or inf.
 
+NaN or inf at a *valid* entry raises ``ValueError`` naming ``values`` and the first such position (verl returns
+NaN). The check costs one host sync per call: it reads back whether the sum the statistic computes anyway is finite.
+
 Edge cases (a deliberate deviation from verl, see ``docs/semantics.md``):
 
 - no valid entry: ``masked_mean`` is 0 and ``masked_var`` is 0 (verl raises for the unbiased variance);
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core._checks import check_floating, check_mask
+from ppo_core._checks import check_floating, check_mask, raise_first_nonfinite
 
 __all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
 
@@ -27,6 +30,17 @@ WHITEN_EPS = 1e-8
 def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = check_floating("values", values)
     return values, check_mask("mask", mask, like=values, like_name="values")
+
+
+def _check_finite(total: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+    """One sync: ``total`` (a masked sum of ``values``) is non-finite iff a valid entry is, or the sum overflowed."""
+    if not bool(torch.isfinite(total).all()):
+        raise_first_nonfinite(
+            {"values": values},
+            mask,
+            "masked statistics need finite values where the mask is 1",
+            " valid (mask=1)",
+        )
 
 
 def _sum(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
@@ -67,7 +81,9 @@ def masked_sum(
         tensor(3.)
     """
     values, mask = _prepare(values, mask)
-    return _sum(values, mask, dim)
+    total = _sum(values, mask, dim)
+    _check_finite(total, values, mask)
+    return total
 
 
 def masked_mean(
@@ -86,8 +102,13 @@ def masked_mean(
     """
     values, mask = _prepare(values, mask)
     total = _sum_acc(values, mask, dim)
-    count = _count(mask, dim, values.dtype)
-    return (total / count.clamp(min=1)).to(values.dtype)
+    _check_finite(total, values, mask)
+    return (total / _count(mask, dim, values.dtype).clamp(min=1)).to(values.dtype)
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_mean` over everything for a validated bool ``mask``, unchecked (no host sync), for metrics."""
+    return (_sum_acc(values, mask, None) / _count(mask, None, values.dtype).clamp(min=1)).to(values.dtype)
 
 
 def masked_var(
@@ -112,10 +133,22 @@ def masked_var(
         tensor(1.)
     """
     values, mask = _prepare(values, mask)
-    out_dtype = values.dtype
-    values = values.to(_acc_dtype(values.dtype))
+    acc = values.to(_acc_dtype(values.dtype))
+    total = _sum(acc, mask, dim)
+    _check_finite(total, values, mask)
+    return _var(acc, mask, total, unbiased, dim).to(values.dtype)
+
+
+def _var(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    total: torch.Tensor,
+    unbiased: bool,
+    dim: int | tuple[int, ...] | None,
+) -> torch.Tensor:
+    """Two-pass variance of accumulation-dtype ``values`` given their masked sum ``total`` (unchecked)."""
     count = _count(mask, dim, values.dtype)
-    mean = _sum(values, mask, dim) / count.clamp(min=1)
+    mean = total / count.clamp(min=1)
     if dim is not None:
         dims = (dim,) if isinstance(dim, int) else dim
         for d in sorted(d % values.dim() for d in dims):
@@ -123,7 +156,7 @@ def masked_var(
     centred_sq = (values - mean).square()
     sq_sum = _sum(centred_sq, mask, dim)
     denom = count - 1 if unbiased else count
-    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum)).to(out_dtype)
+    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum))
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -149,7 +182,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """
     values, mask = _prepare(values, mask)
     acc = values.to(_acc_dtype(values.dtype))
-    mean = _sum(acc, mask, None) / _count(mask, None, acc.dtype).clamp(min=1)
-    var = masked_var(acc, mask, unbiased=True)
+    total = _sum(acc, mask, None)
+    _check_finite(total, values, mask)
+    mean = total / _count(mask, None, acc.dtype).clamp(min=1)
+    var = _var(acc, mask, total, True, None)
     whitened = (acc - mean) * torch.rsqrt(var + WHITEN_EPS)
     return (whitened if shift_mean else whitened + mean).to(values.dtype)

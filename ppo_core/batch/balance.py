@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -94,16 +95,49 @@ def _best_partitions(weights: list[float], k: int, equal_size: bool) -> list[lis
 
 
 def _as_weights(seqlens: Sequence[float] | torch.Tensor) -> list[float]:
-    if isinstance(seqlens, torch.Tensor):
-        if seqlens.dim() != 1:
+    if isinstance(seqlens, torch.Tensor) or (hasattr(seqlens, "__array__") and hasattr(seqlens, "ndim")):
+        if seqlens.ndim != 1:
             raise ValueError(f"seqlens must be 1-D, got shape {tuple(seqlens.shape)}")
-        values = [float(v) for v in seqlens.tolist()]
+        items = seqlens.tolist()
+    elif isinstance(seqlens, Sequence) and not isinstance(seqlens, (str, bytes)):
+        items = list(seqlens)
     else:
-        values = [float(v) for v in seqlens]
-    for i, v in enumerate(values):
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"seqlens must be finite and >= 0, got seqlens[{i}] = {v}")
+        raise TypeError(
+            "seqlens must be a 1-D tensor or a sequence of numbers, one workload per row, got "
+            f"{type(seqlens).__name__}; for a batch pass e.g. batch['attention_mask'].sum(-1)"
+        )
+    values = []
+    for i, item in enumerate(items):
+        if isinstance(item, (bool, str, bytes)) or not isinstance(item, numbers.Real):
+            raise TypeError(f"seqlens must hold numbers, got seqlens[{i}] = {item!r} ({type(item).__name__})")
+        value = float(item)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"seqlens must be finite and >= 0, got seqlens[{i}] = {value}")
+        values.append(value)
     return values
+
+
+def _check_partitions(partitions: object, size: int) -> list[list[int]]:
+    """``partitions`` as lists of row indices in ``[0, size)``; anything else raises naming the entry."""
+    if not isinstance(partitions, Sequence) or isinstance(partitions, (str, bytes)):
+        raise TypeError(
+            f"partitions must be a sequence of lists of row indices, got {type(partitions).__name__}"
+        )
+    checked = []
+    for j, part in enumerate(partitions):
+        if not isinstance(part, Sequence) or isinstance(part, (str, bytes)):
+            raise TypeError(f"partitions[{j}] must be a list of row indices, got {type(part).__name__}")
+        for index in part:
+            if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+                raise TypeError(
+                    f"partitions[{j}] holds {index!r} ({type(index).__name__}); row indices are ints"
+                )
+            if not 0 <= index < size:
+                raise ValueError(
+                    f"partitions[{j}] holds row index {index} but seqlens has {size} rows (indices 0..{size - 1})"
+                )
+        checked.append([int(i) for i in part])
+    return checked
 
 
 def balance_by_seqlen(
@@ -127,6 +161,7 @@ def balance_by_seqlen(
     Raises:
         ValueError: ``k < 1``, ``B < k``, or ``equal_size`` and ``B % k != 0`` (the message names both sizes);
             negative or non-finite seqlens.
+        TypeError: ``seqlens`` is not a 1-D tensor/array or a sequence of numbers (e.g. a whole batch).
 
     Example:
         >>> parts, perm = balance_by_seqlen([1, 2, 3, 4, 5, 6, 7, 8], k=2)
@@ -165,7 +200,8 @@ def seqlen_balance_metrics(
 
     Args:
         seqlens: ``[B]`` workload per row.
-        partitions: ``k`` lists of row indices (as returned by :func:`balance_by_seqlen`).
+        partitions: ``k`` lists of row indices in ``[0, B)`` (as returned by :func:`balance_by_seqlen`); an index
+            out of range raises ``ValueError`` naming the partition.
         prefix: metric name prefix.
 
     Returns:
@@ -179,6 +215,7 @@ def seqlen_balance_metrics(
         (8.0, 6.0)
     """
     weights = _as_weights(seqlens)
+    partitions = _check_partitions(partitions, len(weights))
     k = len(partitions)
     if k < 1:
         raise ValueError("partitions must hold at least one partition")

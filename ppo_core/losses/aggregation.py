@@ -25,17 +25,26 @@ Deviations from verl (see ``docs/semantics.md``):
   0 and its gradient is finite (zero);
 - ``seq-mean-token-mean`` divides by ``n_i`` exactly (verl adds 1e-8);
 - ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises ``ValueError``: verl then divides by
-  the padded width ``T`` of the tensor, so the loss would depend on padding and on how micro-batches are padded.
+  the padded width ``T`` of the tensor, so the loss would depend on padding and on how micro-batches are padded;
+- half-precision input is summed and counted in fp32 and the result is fp32 (in fp16 a count above 65504 is inf);
+- NaN/inf at a valid entry raises ``ValueError`` naming ``loss_mat`` (verl returns NaN).
 """
 
 from __future__ import annotations
 
 import typing
 from typing import Literal
+from typing import Any
 
 import torch
 
-from ppo_core._checks import check_floating, check_mask, check_ndim
+from ppo_core._checks import (
+    check_all_finite,
+    check_devices_match,
+    check_floating,
+    check_mask_deferred,
+    check_ndim,
+)
 
 __all__ = ["LOSS_AGG_MODES", "LossAggMode", "agg_loss"]
 
@@ -74,6 +83,42 @@ def _check_count(name: str, value: Number | None, *, positive: bool = False) -> 
     return value
 
 
+def _check_agg_args(
+    loss_agg_mode: object,
+    dp_size: object,
+    batch_num_tokens: Number | None,
+    global_batch_size: Number | None,
+    loss_scale_factor: float | None,
+) -> dict[str, Any]:
+    """Validate the aggregation arguments (no host sync); return them as keywords of :func:`_aggregate`."""
+    mode = _check_loss_agg_mode(loss_agg_mode)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+    batch_num_tokens = _check_count("batch_num_tokens", batch_num_tokens)
+    global_batch_size = _check_count("global_batch_size", global_batch_size)
+    if mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError(
+            "loss_scale_factor is required for loss_agg_mode='seq-mean-token-sum-norm' (e.g. the maximum response "
+            "length); verl's fallback to the padded width makes the loss depend on padding"
+        )
+    if mode == "token-mean" and batch_num_tokens is None and dp_size > 1:
+        raise ValueError("batch_num_tokens is required for loss_agg_mode='token-mean' when dp_size > 1")
+    if mode.startswith("seq-mean") and global_batch_size is None and dp_size > 1:
+        raise ValueError(f"global_batch_size is required for loss_agg_mode={mode!r} when dp_size > 1")
+    return {
+        "loss_agg_mode": mode,
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": _check_count("loss_scale_factor", loss_scale_factor, positive=True),
+    }
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype losses are computed and returned in: fp32 for half precision (fp16 counts overflow above 65504)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _denominator(given: Number | None, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``given`` (global) or ``local`` as a tensor of ``like``'s dtype, clamped to >= 1 so 0/0 becomes 0/1."""
     denom = local if given is None else torch.as_tensor(given, device=like.device)
@@ -94,7 +139,7 @@ def agg_loss(
 
     Args:
         loss_mat: ``[B, T]`` floating per-token loss.
-        loss_mask: ``[B, T]`` bool or 0/1 mask of the tokens that count.
+        loss_mask: ``[B, T]`` bool or 0/1 mask of the tokens that count, on ``loss_mat``'s device.
         loss_agg_mode: one of :data:`LOSS_AGG_MODES` (table in the module docstring).
         dp_size: number of data-parallel ranks whose gradients are averaged (the loss is multiplied by it).
         batch_num_tokens: global number of valid tokens (``token-mean``); required when ``dp_size > 1``.
@@ -108,7 +153,12 @@ def agg_loss(
     all-reduce (not range-checked, which would synchronise the device).
 
     Returns:
-        0-d tensor of ``loss_mat``'s dtype. Exactly 0, with a zero gradient, when nothing is valid.
+        0-d tensor of ``loss_mat``'s dtype, or fp32 for half-precision input (sums and counts accumulate in fp32:
+        in fp16 a count above 65504 is inf). Exactly 0, with a zero gradient, when nothing is valid.
+
+    Raises:
+        ValueError: NaN or inf in ``loss_mat`` at a valid position (one fused check, one host sync per call),
+            a mask that is not 0/1, a mask on another device, or an invalid aggregation argument.
 
     Example:
         >>> loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
@@ -119,36 +169,46 @@ def agg_loss(
         tensor(4.2000)
     """
     loss_mat = check_ndim("loss_mat", check_floating("loss_mat", loss_mat), 2)
-    mask = check_mask("loss_mask", loss_mask, like=loss_mat, like_name="loss_mat")
-    mode = _check_loss_agg_mode(loss_agg_mode)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
-    batch_num_tokens = _check_count("batch_num_tokens", batch_num_tokens)
-    global_batch_size = _check_count("global_batch_size", global_batch_size)
-    if mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        raise ValueError(
-            "loss_scale_factor is required for loss_agg_mode='seq-mean-token-sum-norm' (e.g. the maximum response "
-            "length); verl's fallback to the padded width makes the loss depend on padding"
-        )
-    loss_scale_factor = _check_count("loss_scale_factor", loss_scale_factor, positive=True)
-
-    zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+    mask, mask_flag = check_mask_deferred("loss_mask", loss_mask, like=loss_mat, like_name="loss_mat")
+    check_devices_match(loss_mat=loss_mat, loss_mask=mask)
+    agg = _check_agg_args(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    loss_mat = loss_mat.to(_acc_dtype(loss_mat.dtype))
     # torch.where (not a product) so that NaN/inf at masked entries give neither a NaN value nor a NaN gradient.
-    row_sum = torch.where(mask, loss_mat, zero).sum(dim=-1)
+    masked = torch.where(mask, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    check_all_finite(
+        {"loss_mat": masked},
+        purpose="the loss must be finite where loss_mask is 1 (masked positions may hold anything)",
+        scope=" valid (loss_mask=1)",
+        mask_name="loss_mask",
+        mask_flag=mask_flag,
+    )
+    return _aggregate(masked, mask, **agg)
+
+
+def _aggregate(
+    masked: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_agg_mode: str,
+    dp_size: int,
+    batch_num_tokens: Number | None,
+    global_batch_size: Number | None,
+    loss_scale_factor: Number | None,
+) -> torch.Tensor:
+    """:func:`agg_loss` of a ``[B, T]`` loss that is already 0 at masked entries, arguments already validated.
+
+    No check and no host sync: the policy and value losses validate their inputs once and aggregate here.
+    """
+    row_sum = masked.sum(dim=-1)
     row_count = mask.sum(dim=-1)
-
-    if mode in ("token-mean", "token-sum"):
-        if mode == "token-sum":
-            return row_sum.sum() * dp_size
-        if batch_num_tokens is None and dp_size > 1:
-            raise ValueError("batch_num_tokens is required for loss_agg_mode='token-mean' when dp_size > 1")
-        return row_sum.sum() / _denominator(batch_num_tokens, row_count.sum(), loss_mat) * dp_size
-
-    if global_batch_size is None and dp_size > 1:
-        raise ValueError(f"global_batch_size is required for loss_agg_mode={mode!r} when dp_size > 1")
-    n_seqs = _denominator(global_batch_size, (row_count > 0).sum(), loss_mat)
+    mode = loss_agg_mode
+    if mode == "token-sum":
+        return row_sum.sum() * dp_size
+    if mode == "token-mean":
+        return row_sum.sum() / _denominator(batch_num_tokens, row_count.sum(), masked) * dp_size
+    n_seqs = _denominator(global_batch_size, (row_count > 0).sum(), masked)
     if mode == "seq-mean-token-mean":
-        row_sum = row_sum / row_count.to(loss_mat.dtype).clamp(min=1)
+        row_sum = row_sum / row_count.to(masked.dtype).clamp(min=1)
     loss = row_sum.sum() / n_seqs * dp_size
     if mode == "seq-mean-token-sum-norm":
         loss = loss / loss_scale_factor

@@ -5,12 +5,16 @@ None and then take the value of ``clip_ratio``, so setting ``clip_ratio=0.3`` al
 explicit ``clip_ratio_low``/``clip_ratio_high`` wins over ``clip_ratio``. In verl both default to 0.2, so overriding
 only ``clip_ratio`` silently keeps [0.8, 1.2]. Use :attr:`PolicyLossConfig.eps_low` / :attr:`eps_high` to read the
 bounds actually used.
+
+The losses take a ``PolicyLossConfig`` or a mapping of its fields (a dict, an OmegaConf ``DictConfig``), read with
+:meth:`PolicyLossConfig.from_dict`; anything else raises ``TypeError`` saying what to pass.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from ppo_core._checks import FieldValueError, check_finite_at_least
 from ppo_core._config_base import ConfigBase
@@ -57,6 +61,8 @@ class PolicyLossConfig(ConfigBase):
     """kl_cov: coefficient of the |log-ratio| penalty (verl's config default; its code fallback is 1.0)."""
     loss_agg_mode: LossAggMode = "token-mean"
     """Default aggregation (:data:`ppo_core.losses.LOSS_AGG_MODES`) when a loss is called without one."""
+    dro_beta: float | None = None
+    """dro: coefficient β > 0 of the quadratic log-ratio penalty; required when ``loss_mode="dro"``."""
 
     def __post_init__(self) -> None:
         from ppo_core.losses.registry import _check_loss_mode
@@ -81,6 +87,10 @@ class PolicyLossConfig(ConfigBase):
                 f"clip_cov_ub={self.clip_cov_ub}"
             )
         check_finite_at_least("ppo_kl_coef", self.ppo_kl_coef, 0.0)
+        if self.dro_beta is not None:
+            check_finite_at_least("dro_beta", self.dro_beta, 0.0, strict=True)
+        elif self.loss_mode == "dro":
+            raise ValueError("dro_beta is required (a number > 0) when loss_mode='dro'")
 
     @property
     def eps_low(self) -> float:
@@ -91,3 +101,33 @@ class PolicyLossConfig(ConfigBase):
     def eps_high(self) -> float:
         """The upper clip ε actually used: ``clip_ratio_high`` if set, else ``clip_ratio``."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+def _as_policy_loss_config(config: object) -> PolicyLossConfig:
+    """``config`` as a :class:`PolicyLossConfig`: None gives the defaults, a mapping of its fields is converted.
+
+    Any other object, including a mapping with other keys (a whole actor config, such as verl's ``ActorConfig``,
+    which keeps the clip ratios beside many unrelated fields and the loss name under ``policy_loss.loss_mode``),
+    raises ``TypeError`` that lists the offending keys and says what to pass.
+    """
+    if config is None:
+        return PolicyLossConfig()
+    if isinstance(config, PolicyLossConfig):
+        return config
+    valid = sorted(f.name for f in fields(PolicyLossConfig))
+    expected = (
+        "config must be a ppo_core PolicyLossConfig, or a dict of its fields read by PolicyLossConfig.from_dict "
+        f"({', '.join(valid)})"
+    )
+    if not isinstance(config, Mapping):
+        raise TypeError(f"{expected}; got {type(config).__name__}")
+    unknown = sorted(str(key) for key in config if key not in valid)
+    if unknown:
+        shown = ", ".join(unknown[:6]) + (", ..." if len(unknown) > 6 else "")
+        raise TypeError(
+            f"{expected}; got a {type(config).__name__} with other keys ({shown}). From a trainer's actor config "
+            "pass only the loss fields, e.g. PolicyLossConfig(loss_mode=actor.policy_loss.loss_mode, "
+            "clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low, "
+            "clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)"
+        )
+    return PolicyLossConfig.from_dict(dict(config))

@@ -74,7 +74,7 @@ def kl_cov_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.
     ``k = max(int(kl_cov_ratio · n_valid), 1)`` valid tokens of largest ``cov`` are penalised; ties go to the
     earlier token in row-major order (deterministic). No valid token, or ``kl_cov_ratio = 0``: no penalty.
 
-    Metrics (a deviation from verl): ``ppo_kl`` is the signed ``mean(old − new)`` as for every other
+    Metrics (a deviation from verl): ``ppo_kl`` is the signed ``mean(−Δ)`` as for every other
     loss; verl's ``ppo_kl`` here, ``mean(|Δ|)``, is reported as ``ppo_kl_abs``. ``ppo_kl_coef`` defaults to 0.1
     (verl's config default; its code fallback 1.0 does not exist here).
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core._checks import check_floating, check_mask
+from ppo_core._checks import check_devices_match, check_floating, check_mask_deferred, check_mask_flag
 from ppo_core.logprobs import entropy_from_logits
-from ppo_core.losses.aggregation import agg_loss
+from ppo_core.losses.aggregation import _aggregate, _check_agg_args
 
 __all__ = ["compute_entropy_loss"]
 
@@ -46,13 +46,11 @@ def compute_entropy_loss(
     logits = check_floating("logits", logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
-    check_mask("response_mask", response_mask, like=logits[..., 0], like_name="logits[..., 0]")
-    return agg_loss(
-        entropy_from_logits(logits),
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
+    mask, mask_flag = check_mask_deferred(
+        "response_mask", response_mask, like=logits[..., 0], like_name="logits[..., 0]"
     )
+    check_devices_match(logits=logits, response_mask=mask)
+    agg = _check_agg_args(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    check_mask_flag("response_mask", mask_flag)
+    entropy = entropy_from_logits(logits)  # raises on non-finite logits: no second check needed
+    return _aggregate(torch.where(mask, entropy, torch.zeros_like(entropy)), mask, **agg)

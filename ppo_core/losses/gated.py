@@ -17,7 +17,7 @@ def sapo_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Te
     ``L = −A · σ(τ(r − 1)) · 4/τ`` (× rollout_is_weights) → agg_loss. At ``r = 1`` the gate's derivative is 1, as
     for the unclipped surrogate.
 
-    Deviation from verl: ``loss_agg_mode`` is honoured (verl forces ``seq-mean-token-mean``).
+    Deviation from verl: ``loss_agg_mode`` is honoured (verl 0.9.1 forces ``seq-mean-token-mean``).
     Metrics: ``ppo_kl`` (no clipping, so no clip fraction).
 
     Example:

@@ -21,7 +21,7 @@ def vanilla_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch
 
     The gradient is zero on tokens where the clipped branch or the dual-clip constant is active.
     Metrics: ``pg_clipfrac = mean([L2 > L1])``, ``pg_clipfrac_lower = mean([Lc > −A·c] ∧ [A < 0])``,
-    ``ppo_kl = mean(old − new)`` over valid tokens.
+    ``ppo_kl = mean(−Δ)`` (the clamped log-ratio) over valid tokens.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``[B, T]``; only ``log_prob`` is differentiated.

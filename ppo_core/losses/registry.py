@@ -6,16 +6,19 @@ Calling convention (all registered losses, see :class:`PolicyLossFn`):
 rollout_is_weights=None, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None,
 generator=None) -> (loss, metrics)``
 
-- tensors are ``[B, T]``; ``config`` is a :class:`~ppo_core.losses.PolicyLossConfig` (None: defaults);
+- tensors are ``[B, T]`` on one device; ``config`` is a :class:`~ppo_core.losses.PolicyLossConfig` or a dict of its
+  fields (None: defaults);
   ``loss_agg_mode`` None means ``config.loss_agg_mode``; the aggregation keywords are those of
   :func:`~ppo_core.losses.agg_loss`; ``generator`` drives randomised losses (``clip_cov``) and is ignored by the others;
 - ``loss`` is a 0-d tensor; ``metrics`` maps names (``ppo_kl`` always, ``pg_clipfrac`` and ``pg_clipfrac_lower``
-  where they apply) to **0-d detached tensors** (no device sync per micro-batch; call ``float()`` to log).
+  where they apply) to **0-d detached tensors** (no device sync per micro-batch; call ``float()`` to log);
+- NaN/inf at a valid position of any input tensor raises ``ValueError`` naming it (one fused check, one host
+  sync); half-precision inputs are computed in fp32, and the loss and metrics are then fp32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -42,7 +45,7 @@ class PolicyLossFn(Protocol):
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
         *,
-        config: PolicyLossConfig | None = None,
+        config: PolicyLossConfig | Mapping[str, Any] | None = None,
         loss_agg_mode: str | None = None,
         rollout_is_weights: torch.Tensor | None = None,
         dp_size: int = 1,
@@ -114,10 +117,13 @@ def compute_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    config: PolicyLossConfig,
+    config: PolicyLossConfig | Mapping[str, Any],
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Call the loss named by ``config.loss_mode`` (same arguments and result as the registered losses).
+
+    ``config`` is a :class:`~ppo_core.losses.PolicyLossConfig` or a dict of its fields (read with
+    ``PolicyLossConfig.from_dict``); any other object raises ``TypeError`` saying what to pass.
 
     Example:
         >>> from ppo_core.losses import PolicyLossConfig
@@ -126,5 +132,8 @@ def compute_policy_loss(
         >>> loss
         tensor(-1.)
     """
+    from ppo_core.losses.config import _as_policy_loss_config
+
+    config = _as_policy_loss_config(config)
     fn = get_policy_loss(config.loss_mode)
     return fn(old_log_prob, log_prob, advantages, response_mask, config=config, **kwargs)

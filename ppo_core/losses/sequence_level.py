@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ppo_core.losses._common import _LossInputs, _policy_loss
-from ppo_core.losses.aggregation import agg_loss
+from ppo_core.losses.aggregation import _aggregate
 
 __all__ = ["geo_mean_policy_loss", "gspo_policy_loss"]
 
@@ -24,9 +24,9 @@ def gspo_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Te
         s_{i,t} = exp(log_prob_t − sg(log_prob_t) + sg(Δ̄_i))   # value: sequence ratio; gradient: ∇log_prob_t
         L = max(−A·s, −A·clip(s, 1 − ε_lo, 1 + ε_hi))        (× rollout_is_weights) → agg_loss
 
-    ``loss_agg_mode`` is honoured, as in verl 0.9.1 (pass ``seq-mean-token-mean`` for the paper's
-    sequence-level mean). Deviation from verl: the sequence log-ratio is bounded by the ±20 token clamp (verl
-    clamps ``log s`` at +10 only). Metrics: ``pg_clipfrac``, ``ppo_kl``.
+    ``loss_agg_mode`` is honoured, as in verl 0.9.1 (pass ``seq-mean-token-mean`` for the paper's sequence-level
+    objective, which is also the default of verl's function). Deviation from verl: the sequence
+    log-ratio is bounded by the ±20 token clamp (verl clamps it at +10 only). Metrics: ``pg_clipfrac``, ``ppo_kl``.
 
     Example:
         >>> old = torch.zeros(1, 2)
@@ -44,7 +44,7 @@ def gspo_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Te
     return inp.aggregate(torch.maximum(loss1, loss2)), metrics
 
 
-@_policy_loss("geo_mean")
+@_policy_loss("geo_mean", forced_agg_mode="seq-mean-token-sum")
 def geo_mean_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): geometric mean of token-clipped ratios per sequence.
 
@@ -82,14 +82,8 @@ def geo_mean_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torc
     # Spread L_i over its n_i valid tokens so that agg_loss's seq-mean-token-sum gives Σ_i L_i / G with the same
     # global-denominator semantics as every other loss.
     per_token = seq_loss / mask.sum(dim=-1, keepdim=True).to(seq_loss.dtype).clamp(min=1)
-    per_token = per_token.expand_as(log_ratio)
-    loss = agg_loss(
-        per_token,
-        mask,
-        "seq-mean-token-sum",
-        dp_size=inp.agg["dp_size"],
-        global_batch_size=inp.agg["global_batch_size"],
-    )
+    per_token = torch.where(mask, per_token.expand_as(log_ratio), torch.zeros_like(log_ratio))
+    loss = _aggregate(per_token, mask, **inp.agg)  # seq-mean-token-sum (forced above)
     outside = (log_ratio < -cfg.eps_low) | (log_ratio > cfg.eps_high)
     metrics = {
         "pg_clipfrac": inp.mean(outside & (adv > 0)),

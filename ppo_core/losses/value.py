@@ -6,9 +6,16 @@ import math
 
 import torch
 
-from ppo_core._checks import check_floating, check_mask, check_ndim, check_same_shape
-from ppo_core.losses.aggregation import agg_loss
-from ppo_core.masked import masked_mean
+from ppo_core._checks import (
+    check_all_finite,
+    check_devices_match,
+    check_floating,
+    check_mask_deferred,
+    check_ndim,
+    check_same_shape,
+)
+from ppo_core.losses.aggregation import _acc_dtype, _aggregate, _check_agg_args
+from ppo_core.masked import _mean
 
 __all__ = ["compute_value_loss"]
 
@@ -42,7 +49,12 @@ def compute_value_loss(
             :func:`ppo_core.losses.agg_loss`.
 
     Returns:
-        ``(loss, clipfrac)``: 0-d tensors; ``clipfrac`` is detached.
+        ``(loss, clipfrac)``: 0-d tensors (fp32 for half-precision ``vpreds``: computed in fp32); ``clipfrac`` is
+        detached.
+
+    Raises:
+        ValueError: NaN or inf in ``vpreds``, ``returns`` or (with clipping) ``values`` at a valid position, naming
+            the argument (one fused check, one host sync per call); tensors on different devices.
 
     Example:
         >>> zeros = torch.zeros(1, 2)
@@ -54,16 +66,29 @@ def compute_value_loss(
     returns = check_floating("returns", returns)
     values = check_floating("values", values)
     check_same_shape(vpreds=vpreds, returns=returns, values=values)
-    mask = check_mask("response_mask", response_mask, like=vpreds, like_name="vpreds")
+    mask, mask_flag = check_mask_deferred("response_mask", response_mask, like=vpreds, like_name="vpreds")
+    check_devices_match(vpreds=vpreds, returns=returns, values=values, response_mask=mask)
     if cliprange_value is not None:
         if isinstance(cliprange_value, bool) or not isinstance(cliprange_value, (int, float)):
             raise TypeError(f"cliprange_value must be a number or None, got {type(cliprange_value).__name__}")
         if not (cliprange_value >= 0 and math.isfinite(cliprange_value)):
             raise ValueError(f"cliprange_value must be a finite number >= 0, got {cliprange_value}")
-    zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
-    vpreds = torch.where(mask, vpreds, zero)
-    returns = torch.where(mask, returns.detach(), zero)
-    values = torch.where(mask, values.detach(), zero)
+    agg = _check_agg_args(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    dtype = _acc_dtype(vpreds.dtype)
+    zero = torch.zeros((), dtype=dtype, device=vpreds.device)
+    vpreds = torch.where(mask, vpreds.to(dtype), zero)
+    returns = torch.where(mask, returns.detach().to(dtype), zero)
+    values = torch.where(mask, values.detach().to(dtype), zero)
+    named = {"vpreds": vpreds, "returns": returns}
+    if cliprange_value is not None:  # without clipping the rollout-time values do not enter the loss
+        named["values"] = values
+    check_all_finite(
+        named,
+        purpose="the value loss needs finite inputs where response_mask is 1 (masked positions may hold anything)",
+        scope=" valid (response_mask=1)",
+        mask_name="response_mask",
+        mask_flag=mask_flag,
+    )
     loss1 = (vpreds - returns).square()
     if cliprange_value is None:
         per_token, clipped = loss1, torch.zeros_like(mask)
@@ -71,13 +96,5 @@ def compute_value_loss(
         vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
         loss2 = (vpreds_clipped - returns).square()
         per_token, clipped = torch.maximum(loss1, loss2), loss2 > loss1
-    loss = 0.5 * agg_loss(
-        per_token,
-        mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
-    return loss, masked_mean(clipped.to(vpreds.dtype), mask).detach()
+    loss = 0.5 * _aggregate(per_token, mask, **agg)  # every input is 0 at masked entries, so per_token is too
+    return loss, _mean(clipped.to(dtype), mask).detach()

@@ -3,7 +3,8 @@
 Every statistic is masked: token-level tensors use ``response_mask`` through :mod:`ppo_core.masked`, and sequence
 scores skip aborted rows (response length 0). A metric with no valid entry at all (an empty batch, every row
 aborted, no valid token) is reported as ``0.0``, never NaN, like :func:`ppo_core.masked.masked_mean`; the count
-metrics (``response/aborted_ratio``, ``response_length/*``) tell such steps apart from real zeros.
+metrics (``response/aborted_ratio``, ``response_length/*``) tell such steps apart from real zeros. A NaN or inf that
+would reach a metric (a NaN score from a broken reward function) raises ``ValueError`` naming the key instead.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase, is_non_tensor
 
-from ppo_core._checks import check_floating
+from ppo_core._checks import check_all_finite, check_floating
 from ppo_core.batch._td import _field_values
 from ppo_core.batch.validate import validate_batch
 from ppo_core.masked import masked_mean, masked_var
@@ -21,6 +22,7 @@ __all__ = ["VF_EXPLAINED_VAR_EPS", "compute_data_metrics"]
 
 VF_EXPLAINED_VAR_EPS = 1e-5
 """Added to ``Var(returns)`` in the explained variance (verl's value)."""
+_ROW_SUM_KEYS = ("token_level_scores", "token_level_rewards")
 
 
 def _extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> float:
@@ -50,6 +52,22 @@ def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch
     return float(1.0 - var_residual / (var_returns + VF_EXPLAINED_VAR_EPS))
 
 
+def _check_finite(batch: TensorDictBase, keys: list[str], mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the key if a value that enters a metric is NaN or inf (one host sync).
+
+    Scores and rewards enter through the sums over all positions of rows with a response, the other keys at valid
+    tokens; what is masked out (padding, aborted rows) may hold anything.
+    """
+    named = {}
+    for key in keys:
+        values = batch.get(key)
+        where = rows.unsqueeze(-1).expand_as(mask) if key in _ROW_SUM_KEYS else mask
+        named[key] = torch.where(where, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    check_all_finite(
+        named, purpose="data metrics would be NaN (a broken reward function or a diverged critic?)"
+    )
+
+
 def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict[str, float]:
     """Scalar metrics of a training batch, under verl's names.
 
@@ -68,6 +86,10 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
         ``prompt_length/{mean,max,min,clip_ratio}`` with an attention mask (clip: length == ``P``);
         ``num_turns/{min,max,mean}`` with ``__num_turns__``. Masked positions (NaN or inf included) never reach
         a token-level metric, and no metric is NaN because of masking.
+
+    Raises:
+        ValueError: NaN or inf where it would reach a metric (a score or reward of a row with a response, an
+            advantage, return or value at a valid token), naming the key and the first position.
 
     Example:
         >>> from tensordict import TensorDict
@@ -89,6 +111,7 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
     mask = batch.get("response_mask") != 0
     non_aborted = lengths.response > 0
     all_rows = torch.ones_like(non_aborted)
+    _check_finite(batch, token_keys[1:], mask, non_aborted)
 
     metrics: dict[str, float] = {}
     metrics |= _stats("critic/score", batch.get("token_level_scores").sum(-1), non_aborted)

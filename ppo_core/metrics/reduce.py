@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["reduce_metrics"]
+
+logger = logging.getLogger(__name__)
+
+_NONFINITE_POLICIES = ("warn", "raise")
+"""What :func:`reduce_metrics` does with a NaN/inf value: keep it and log a warning naming it, or raise."""
 
 
 def _aggregation(key: str) -> str:
@@ -29,6 +35,7 @@ def reduce_metrics(
     *,
     weights: Sequence[float] | None = None,
     return_counts: bool = False,
+    nonfinite: str = "warn",
 ) -> dict[str, float] | tuple[dict[str, float], dict[str, int]]:
     """One value per metric: the max for keys ending in ``/max``, the min for ``/min``, else the (weighted) mean.
 
@@ -38,10 +45,14 @@ def reduce_metrics(
         weights: one non-negative weight per dict of a list (e.g. valid rows per rank,
             ``PadInfo.valid_counts``); a dict of weight 0 is ignored entirely (a rank that held only padding).
         return_counts: also return how many values each metric was reduced from.
+        nonfinite: a NaN or inf value (of a dict with a positive weight) is kept, so the metric is NaN or inf as
+            in verl, and a warning names each such metric and the positions of its values (``"warn"``), or
+            ``ValueError`` names them (``"raise"``). Never silent: a diverged quantity should not pass unnoticed,
+            but a NaN gradient norm of one skipped step should not end a run either.
 
     Returns:
         ``{name: value}``, without the metrics that have no value (an empty list, or only zero weights: verl
-        reports NaN there), and ``{name: count}`` when ``return_counts``. NaN inputs propagate.
+        reports NaN there), and ``{name: count}`` when ``return_counts``.
 
     Example:
         >>> reduce_metrics([{"loss": 1.0, "len/max": 3}, {"loss": 3.0, "len/max": 5}])
@@ -49,6 +60,8 @@ def reduce_metrics(
         >>> reduce_metrics([{"loss": 1.0}, {"loss": 3.0}], weights=[3, 1])
         {'loss': 1.5}
     """
+    if nonfinite not in _NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {', '.join(_NONFINITE_POLICIES)}, got {nonfinite!r}")
     if isinstance(metrics, Mapping):
         if weights is not None:
             raise ValueError("weights apply to a list of metric dicts, not to a dict of lists")
@@ -67,10 +80,14 @@ def reduce_metrics(
                 entries.setdefault(key, []).append((_as_float(key, value), weight))
     reduced: dict[str, float] = {}
     counts: dict[str, int] = {}
+    bad: dict[str, list[int]] = {}
     for key, pairs in entries.items():
         kept = [(v, w) for v, w in pairs if w > 0]
         if not kept:
             continue
+        positions = [i for i, (v, w) in enumerate(pairs) if w > 0 and not math.isfinite(v)]
+        if positions:
+            bad[key] = positions
         values = np.array([v for v, _ in kept], dtype=np.float64)
         how = _aggregation(key)
         if how == "max":
@@ -81,4 +98,10 @@ def reduce_metrics(
             w = np.array([w for _, w in kept], dtype=np.float64)
             reduced[key] = float(np.sum(values * w) / np.sum(w))
         counts[key] = len(kept)
+    if bad:
+        listed = "; ".join(f"{key!r} at value(s) {positions}" for key, positions in bad.items())
+        message = f"non-finite metric values (NaN or inf): {listed}"
+        if nonfinite == "raise":
+            raise ValueError(message)
+        logger.warning("%s; the reduced metrics are not finite", message)
     return (reduced, counts) if return_counts else reduced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -82,6 +83,9 @@ def compute_timing_metrics(batch: TensorDictBase, timing: Mapping[str, float]) -
         in :data:`RESPONSE_TOKEN_TIMERS` (response tokens) and :data:`ALL_TOKEN_TIMERS` (prompt + response
         tokens); 0.0 when the batch has no such token.
 
+    Raises:
+        ValueError: a negative or non-finite time, naming the timer (it would log a negative or NaN metric).
+
     Example:
         >>> import torch
         >>> from tensordict import TensorDict
@@ -89,15 +93,28 @@ def compute_timing_metrics(batch: TensorDictBase, timing: Mapping[str, float]) -
         >>> compute_timing_metrics(b, {"gen": 0.6})["timing_per_token_ms/gen"]
         100.0
     """
+    seconds_by_name = {name: _seconds(timing, name) for name in timing}
     lengths = _lengths(batch)
     counts = {name: lengths.response_tokens for name in RESPONSE_TOKEN_TIMERS}
     counts |= {name: lengths.all_tokens for name in ALL_TOKEN_TIMERS}
-    metrics = {f"timing_s/{name}": float(seconds) for name, seconds in timing.items()}
-    for name, seconds in timing.items():
+    metrics = {f"timing_s/{name}": seconds for name, seconds in seconds_by_name.items()}
+    for name, seconds in seconds_by_name.items():
         if name in counts:
             tokens = counts[name]
-            metrics[f"timing_per_token_ms/{name}"] = 1000.0 * float(seconds) / tokens if tokens else 0.0
+            metrics[f"timing_per_token_ms/{name}"] = 1000.0 * seconds / tokens if tokens else 0.0
     return metrics
+
+
+def _seconds(timing: Mapping[str, float], name: str) -> float:
+    """``timing[name]`` as a float; a negative or non-finite time (a broken clock or subtraction) raises."""
+    value = timing[name]
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"timing[{name!r}] must be a number of seconds, got {type(value).__name__}") from exc
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"timing[{name!r}] must be a finite number of seconds >= 0, got {seconds}")
+    return seconds
 
 
 def compute_throughput_metrics(
@@ -126,10 +143,8 @@ def compute_throughput_metrics(
         raise ValueError(f"n_gpus must be an int >= 1, got {n_gpus!r}")
     if step_key not in timing:
         raise KeyError(f"timing has no {step_key!r} entry; it has {sorted(timing)}")
+    seconds = _seconds(timing, step_key)
     tokens = _lengths(batch).all_tokens
-    seconds = float(timing[step_key])
-    if seconds < 0:
-        raise ValueError(f"timing[{step_key!r}] must be >= 0, got {seconds}")
     return {
         "perf/total_num_tokens": float(tokens),
         "perf/time_per_step": seconds,

@@ -1,16 +1,23 @@
 """Slow, obviously-correct float64 reference implementations of the losses of :mod:`ppo_core.losses`.
 
 Each oracle loops over tokens with Python floats (``math``), following the formula in the docstring of the loss it
-mirrors, and returns ``(loss, metrics)`` as plain floats. They are meant for small batches in tests, including
-tests of your own implementations::
+mirrors, and returns ``(loss, metrics)`` as plain floats, with the same metric names as the loss, always (an
+all-masked batch gives 0 for each). They are meant for small batches in tests, including tests of your own
+implementations (draw inputs with :func:`policy_loss_inputs`):
 
-    from ppo_core.testing.loss_oracles import vanilla_policy_loss_oracle
-    loss, metrics = vanilla_policy_loss_oracle(old, new, adv, mask, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.28)
+    >>> from ppo_core.testing import vanilla_policy_loss_oracle
+    >>> old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    >>> new = torch.log(torch.tensor([[0.6, 0.9, 0.1]]))
+    >>> adv, mask = torch.tensor([[1.0, 1.0, -1.0]]), torch.tensor([[1, 1, 0]])
+    >>> loss, metrics = vanilla_policy_loss_oracle(old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    >>> round(loss, 6), sorted(metrics)  # (−1.2 − 1.28) / 2: the second token is clipped at 1.28
+    (-1.24, ['pg_clipfrac', 'pg_clipfrac_lower', 'ppo_kl'])
 
 Conventions shared with the library: every denominator is clamped to at least 1 (an empty mask gives 0), the
-log-ratio is clamped to ±20, masked entries are never read, and ``rollout_is_weights`` multiply the per-token loss.
-Aggregation keywords (``loss_agg_mode``, ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
-``loss_scale_factor``) are passed through ``**agg`` to :func:`agg_loss_oracle`.
+log-ratio is clamped to ±20 wherever it is exponentiated (``ppo_kl`` is the mean of the clamped ``old − new``),
+masked entries are never read, and ``rollout_is_weights`` multiply the per-token loss. Aggregation keywords
+(``loss_agg_mode``, ``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) are passed through
+``**agg`` to :func:`agg_loss_oracle`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from ppo_core.testing.strategies import response_masks
+from ppo_core.testing.strategies import _mask_summary, _tensor_kind, response_masks
 
 __all__ = [
     "PolicyLossInputs",
@@ -32,6 +39,7 @@ __all__ = [
     "clip_cov_policy_loss_oracle",
     "dppo_kl_policy_loss_oracle",
     "dppo_tv_policy_loss_oracle",
+    "dro_policy_loss_oracle",
     "entropy_loss_oracle",
     "geo_mean_policy_loss_oracle",
     "gpg_policy_loss_oracle",
@@ -107,6 +115,7 @@ def agg_loss_oracle(
 
 
 TokenFn = Callable[[float, float, float], tuple[float, dict[str, bool]]]
+_CLIP_FLAGS = ("pg_clipfrac", "pg_clipfrac_lower")
 
 
 def _per_token(
@@ -117,21 +126,34 @@ def _per_token(
     token_fn: TokenFn,
     rollout_is_weights: torch.Tensor | None,
     agg: dict[str, Any],
+    flag_names: tuple[str, ...] = (),
+    clamp_kl: bool = True,
 ) -> tuple[float, Metrics]:
-    """Apply ``token_fn(old, new, adv) -> (loss, flags)`` to every valid token, weight, aggregate, average flags."""
+    """Apply ``token_fn(old, new, adv) -> (loss, flags)`` to every valid token, weight, aggregate, average flags.
+
+    ``flag_names`` are the flags ``token_fn`` returns: each becomes a metric, 0 when no token is valid.
+    ``ppo_kl`` is the mean of ``old − new``, clamped to ±20 like the log-ratio unless ``clamp_kl`` is False.
+    """
     o, n, a, valid = _grid(old), _grid(new), _grid(adv), _valid(mask)
     w = _grid(rollout_is_weights) if rollout_is_weights is not None else None
     loss = [[0.0] * len(row) for row in valid]
-    flags: dict[str, list[bool]] = {}
+    flags: dict[str, list[bool]] = {name: [] for name in flag_names}
     cells = _cells(valid)
     for i, t in cells:
         value, token_flags = token_fn(o[i][t], n[i][t], a[i][t])
         loss[i][t] = value * (w[i][t] if w is not None else 1.0)
+        assert set(token_flags) == set(flag_names), (sorted(token_flags), flag_names)
         for name, flag in token_flags.items():
-            flags.setdefault(name, []).append(flag)
+            flags[name].append(flag)
     metrics = {name: _frac(f, len(cells)) for name, f in flags.items()}
-    metrics["ppo_kl"] = sum(o[i][t] - n[i][t] for i, t in cells) / max(len(cells), 1)
+    metrics["ppo_kl"] = _ppo_kl(o, n, cells, clamp_kl)
     return agg_loss_oracle(loss, valid, **agg), metrics
+
+
+def _ppo_kl(o: Grid, n: Grid, cells: list[tuple[int, int]], clamp: bool = True) -> float:
+    """Mean over valid tokens of ``old − new`` (``−Δ``), clamped to ±20 like the losses' log-ratio."""
+    kl = (-_log_ratio(n[i][t], o[i][t]) if clamp else o[i][t] - n[i][t] for i, t in cells)
+    return sum(kl) / max(len(cells), 1)
 
 
 def vanilla_policy_loss_oracle(
@@ -155,7 +177,9 @@ def vanilla_policy_loss_oracle(
         value = min(lc, l3) if a < 0 else lc
         return value, {"pg_clipfrac": l2 > l1, "pg_clipfrac_lower": a < 0 and lc > l3}
 
-    return _per_token(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _per_token(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, _CLIP_FLAGS
+    )
 
 
 def gpg_policy_loss_oracle(
@@ -176,6 +200,29 @@ def gpg_policy_loss_oracle(
         lambda o, n, a: (-a * n, {}),
         rollout_is_weights,
         agg,
+    )
+
+
+def dro_policy_loss_oracle(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    dro_beta: float,
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg: Any,
+) -> tuple[float, Metrics]:
+    """Reference ``dro`` loss ``−A·log_prob + ½·β·(log_prob − old_log_prob)²`` (unclamped, as is its ``ppo_kl``)."""
+    return _per_token(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        lambda o, n, a: (-a * n + 0.5 * dro_beta * (n - o) ** 2, {}),
+        rollout_is_weights,
+        agg,
+        clamp_kl=False,
     )
 
 
@@ -218,7 +265,9 @@ def cispo_policy_loss_oracle(
         rc = _clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
         return -rc * a * n, {"pg_clipfrac": rc != r}
 
-    return _per_token(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _per_token(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, ("pg_clipfrac",)
+    )
 
 
 def _dppo_token(valid: bool, o: float, n: float, a: float, c: float) -> tuple[float, dict[str, bool]]:
@@ -246,7 +295,9 @@ def dppo_tv_policy_loss_oracle(
         valid = diff <= clip_ratio_high if a > 0 else diff >= -clip_ratio_low
         return _dppo_token(valid, o, n, a, clip_ratio_c)
 
-    return _per_token(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _per_token(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, _CLIP_FLAGS
+    )
 
 
 def dppo_kl_policy_loss_oracle(
@@ -269,7 +320,9 @@ def dppo_kl_policy_loss_oracle(
         valid = div <= clip_ratio_high or p <= p_old if a > 0 else div <= clip_ratio_low or p >= p_old
         return _dppo_token(valid, o, n, a, clip_ratio_c)
 
-    return _per_token(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _per_token(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, _CLIP_FLAGS
+    )
 
 
 def gspo_policy_loss_oracle(
@@ -295,7 +348,9 @@ def gspo_policy_loss_oracle(
         l1, l2 = -a * s, -a * _clip(s, 1 - clip_ratio_low, 1 + clip_ratio_high)
         return max(l1, l2), {"pg_clipfrac": l2 > l1}
 
-    return _with_positions(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _with_positions(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, ("pg_clipfrac",)
+    )
 
 
 def geo_mean_policy_loss_oracle(
@@ -336,7 +391,7 @@ def geo_mean_policy_loss_oracle(
     metrics = {
         "pg_clipfrac": _frac(upper, len(cells)),
         "pg_clipfrac_lower": _frac(lower, len(cells)),
-        "ppo_kl": sum(o[i][t] - n[i][t] for i, t in cells) / max(len(cells), 1),
+        "ppo_kl": _ppo_kl(o, n, cells),
     }
     return total / n_seqs * dp_size, metrics
 
@@ -388,7 +443,9 @@ def clip_cov_policy_loss_oracle(
         l1, l2 = -a[i][t] * r, -a[i][t] * _clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
         return (0.0 if (i, t) in detached else max(l1, l2)), {"pg_clipfrac": (i, t) in detached}
 
-    return _with_positions(old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg)
+    return _with_positions(
+        old_log_prob, log_prob, advantages, response_mask, token, rollout_is_weights, agg, ("pg_clipfrac",)
+    )
 
 
 def kl_cov_policy_loss_oracle(
@@ -430,12 +487,12 @@ def _with_positions(
     token_fn: TokenFn,
     rollout_is_weights: torch.Tensor | None,
     agg: dict[str, Any],
+    flag_names: tuple[str, ...] = (),
 ) -> tuple[float, Metrics]:
     """:func:`_per_token` where ``token_fn`` receives the flat position instead of ``new`` (for global selections)."""
     positions = torch.arange(mask.numel(), dtype=torch.float64).reshape(mask.shape)
-    loss, metrics = _per_token(old, positions, adv, mask, token_fn, rollout_is_weights, agg)
-    _, kl = _per_token(old, new, adv, mask, lambda *_: (0.0, {}), None, agg)
-    metrics["ppo_kl"] = kl["ppo_kl"]
+    loss, metrics = _per_token(old, positions, adv, mask, token_fn, rollout_is_weights, agg, flag_names)
+    metrics["ppo_kl"] = _ppo_kl(_grid(old), _grid(new), _cells(_valid(mask)))
     return loss, metrics
 
 
@@ -456,8 +513,8 @@ def value_loss_oracle(
         l2 = (_clip(v, v_old - cliprange_value, v_old + cliprange_value) - ret) ** 2
         return max(l1, l2), {"clipfrac": l2 > l1}
 
-    loss, metrics = _per_token(values, vpreds, returns, response_mask, token, None, agg)
-    return 0.5 * loss, metrics.get("clipfrac", 0.0)
+    loss, metrics = _per_token(values, vpreds, returns, response_mask, token, None, agg, ("clipfrac",))
+    return 0.5 * loss, metrics["clipfrac"]
 
 
 def entropy_loss_oracle(logits: torch.Tensor, response_mask: torch.Tensor, **agg: Any) -> float:
@@ -472,7 +529,7 @@ def entropy_loss_oracle(logits: torch.Tensor, response_mask: torch.Tensor, **agg
     return agg_loss_oracle(ent, valid, **agg)
 
 
-@dataclass
+@dataclass(repr=False)
 class PolicyLossInputs:
     """Arguments of a policy loss: ``[B, T]`` tensors, ``rollout_is_weights`` optional."""
 
@@ -481,6 +538,19 @@ class PolicyLossInputs:
     advantages: torch.Tensor
     response_mask: torch.Tensor
     rollout_is_weights: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        """One line: sizes, dtype, whether IS weights are present, the mask's structure (not every tensor)."""
+        batch, seq_len = self.response_mask.shape
+        weights = "with" if self.rollout_is_weights is not None else "without"
+        return (
+            f"PolicyLossInputs(B={batch}, T={seq_len}, {_tensor_kind(self.log_prob)}, {weights} rollout_is_weights, "
+            f"{_mask_summary(self.response_mask)})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """The same line for hypothesis' failure reports and IPython, which pretty-print dataclasses field by field."""
+        printer.text(repr(self))
 
 
 @st.composite

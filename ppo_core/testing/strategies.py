@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -29,7 +30,25 @@ __all__ = [
 ]
 
 
-@dataclass
+_SHOWN_ROWS = 8
+_SHOWN_WIDTH = 24
+
+
+def _mask_summary(mask: torch.Tensor) -> str:
+    """The structure of a ``[B, T]`` mask in one short line: rows as ``1``/``.`` strings, or valid counts if wide."""
+    rows = (mask.detach().cpu() != 0).tolist()
+    more = f", +{len(rows) - _SHOWN_ROWS} rows" if len(rows) > _SHOWN_ROWS else ""
+    if mask.shape[-1] <= _SHOWN_WIDTH:
+        shown = ["".join("1" if ok else "." for ok in row) for row in rows[:_SHOWN_ROWS]]
+        return f"mask={shown}{more}"
+    return f"valid_per_row={[sum(row) for row in rows[:_SHOWN_ROWS]]}{more}"
+
+
+def _tensor_kind(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
+@dataclass(repr=False)
 class PPOBatch:
     """A PPO-shaped batch of ``B`` responses padded to ``T`` tokens.
 
@@ -58,6 +77,23 @@ class PPOBatch:
     index: list | torch.Tensor
     group_sizes: list[int] = field(default_factory=list)
     scores: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        """One line: sizes, dtype, groups and the mask's structure (hypothesis prints this for a failing example).
+
+        Every tensor is still available as an attribute; the default dataclass repr printed them all (70-140 lines).
+        """
+        index = type(self.index).__name__
+        if isinstance(self.index, list) and self.index:
+            index += f"[{type(self.index[0]).__name__}]"
+        return (
+            f"PPOBatch(B={self.batch_size}, T={self.seq_len}, {_tensor_kind(self.values)}, "
+            f"group_sizes={self.group_sizes}, index={index}, {_mask_summary(self.response_mask)})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """The same line for hypothesis' failure reports and IPython, which pretty-print dataclasses field by field."""
+        printer.text(repr(self))
 
     @property
     def batch_size(self) -> int:

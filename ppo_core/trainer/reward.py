@@ -10,6 +10,10 @@ A reward function takes the step's batch (a TensorDict with ``prompts``, ``respo
 - a ``concurrent.futures.Future`` or an awaitable resolving to any of the above. It is started right after
   generation and awaited just before the advantages, so it overlaps with the log-prob and value passes (the
   path the seed PR left raising ``NameError``).
+
+Scores must be finite: NaN or inf, like an exception inside the function or an unusable result, raises
+:class:`RewardFunctionError` naming the function, the step and the uids of the offending samples, here at the reward
+boundary rather than later in the advantage estimator.
 """
 
 from __future__ import annotations
@@ -29,15 +33,26 @@ RewardFn = Callable[[TensorDictBase], Any]
 
 
 class RewardFunctionError(RuntimeError):
-    """The reward function raised (or returned something unusable); names the step and the sample batch.
+    """The reward function raised, or returned something unusable (wrong shape, NaN or inf scores).
 
-    Attributes: ``step`` (the global step), ``batch`` (the TensorDict the function was called with).
+    The message names the function, the step and the sample batch (its uids). Attributes: ``step`` (the global
+    step), ``batch`` (the TensorDict the function was called with), ``reward_fn`` (the function's name, or None).
     """
 
-    def __init__(self, step: int, batch: TensorDictBase, message: str) -> None:
-        super().__init__(f"reward function failed at step {step} on {describe_batch(batch)}: {message}")
+    def __init__(self, step: int, batch: TensorDictBase, message: str, reward_fn: str | None = None) -> None:
+        who = "reward function" if reward_fn is None else f"reward function {reward_fn}"
+        super().__init__(f"{who} failed at step {step} on {describe_batch(batch)}: {message}")
         self.step = step
         self.batch = batch
+        self.reward_fn = reward_fn
+
+
+def callable_name(fn: object) -> str:
+    """A readable name for a reward function: ``module.qualname``, seeing through ``functools.partial``."""
+    fn = getattr(fn, "func", fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
 
 
 def describe_batch(batch: TensorDictBase) -> str:
@@ -45,17 +60,38 @@ def describe_batch(batch: TensorDictBase) -> str:
     size = int(batch.batch_size[0]) if batch.batch_dims else 0
     text = f"a batch of {size} samples (keys: {', '.join(sorted(str(k) for k in batch.keys()))})"  # noqa: SIM118 (iterating a TensorDict yields rows)
     if "uid" in batch:
-        uids = list(batch.get("uid").tolist())
-        shown = ", ".join(str(u) for u in uids[:4]) + (", ..." if len(uids) > 4 else "")
-        text += f", uids [{shown}]"
+        text += f", uids [{_shown(list(batch.get('uid').tolist()))}]"
     return text
 
 
-def scores_to_token_level(scores: Any, response_mask: torch.Tensor) -> torch.Tensor:
+def _shown(items: list, limit: int = 4) -> str:
+    return ", ".join(str(u) for u in items[:limit]) + (", ..." if len(items) > limit else "")
+
+
+def _check_finite_scores(scores: torch.Tensor, uids: Sequence | None) -> None:
+    """Raise ``ValueError`` naming the rows (and their uids) whose scores hold NaN or inf."""
+    bad = ~torch.isfinite(scores)
+    if not bool(bad.any()):
+        return
+    rows = bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
+    kind = "NaN" if bool(torch.isnan(scores).any()) else "inf"
+    which = f"rows [{_shown(rows, 8)}]"
+    if uids is not None:
+        which = f"uids [{_shown([uids[i] for i in rows], 8)}] ({which})"
+    raise ValueError(
+        f"reward scores hold {kind} for {len(rows)} of {scores.shape[0]} samples: {which}; a reward must be finite"
+    )
+
+
+def scores_to_token_level(
+    scores: Any, response_mask: torch.Tensor, uids: Sequence | None = None
+) -> torch.Tensor:
     """Token-level ``[B, R]`` float32 scores from ``[B, R]`` scores or ``[B]`` sequence scores.
 
     Sequence scores go to the last valid token of each response (``response_mask`` ``[B, R]``); a response
-    with no valid token gets nothing.
+    with no valid token gets nothing. A NaN or inf score (at any position, valid or not) raises ``ValueError``
+    naming the rows, and their ``uids`` when given: a reward function that returns NaN is broken, and the NaN would
+    otherwise surface later as an error about the advantage estimator's "rewards".
 
     Example:
         >>> scores_to_token_level([1.0, 2.0], torch.tensor([[1, 1, 0], [1, 1, 1]]))
@@ -66,12 +102,13 @@ def scores_to_token_level(scores: Any, response_mask: torch.Tensor) -> torch.Ten
     bsz, width = mask.shape
     device = mask.device
     scores = torch.as_tensor(scores, dtype=torch.float32, device=device)
-    if scores.shape == (bsz, width):
-        return scores
-    if scores.shape != (bsz,):
+    if scores.shape not in ((bsz, width), (bsz,)):
         raise ValueError(
             f"reward scores must have shape [B]={bsz} or [B, R]=({bsz}, {width}), got {tuple(scores.shape)}"
         )
+    _check_finite_scores(scores, uids)
+    if scores.shape == (bsz, width):
+        return scores
     out = torch.zeros(bsz, width, dtype=torch.float32, device=device)
     if out.numel() == 0:  # max() below cannot reduce a zero-width row
         return out
@@ -90,7 +127,8 @@ def _normalize(result: Any, batch: TensorDictBase) -> tuple[torch.Tensor, dict[s
         if len(result) != 2:
             raise ValueError(f"a tuple result must be (scores, extra_infos), got {len(result)} items")
         result, extra = result
-    token_scores = scores_to_token_level(result, batch["response_mask"])
+    uids = list(batch.get("uid").tolist()) if "uid" in batch else None
+    token_scores = scores_to_token_level(result, batch["response_mask"], uids)
     size = int(batch.batch_size[0])
     infos: dict[str, list] = {}
     for key, values in (extra or {}).items():
@@ -109,31 +147,39 @@ class PendingReward:
     """A reward that may still be computing; :meth:`result` returns ``(token_scores [B, R], extra_infos)``."""
 
     def __init__(
-        self, step: int, batch: TensorDictBase, value: Any, executor: concurrent.futures.Executor
+        self,
+        step: int,
+        batch: TensorDictBase,
+        value: Any,
+        executor: concurrent.futures.Executor,
+        reward_fn: str | None = None,
     ) -> None:
-        self.step, self.batch = step, batch
+        self.step, self.batch, self.reward_fn = step, batch, reward_fn
         if inspect.isawaitable(value):
             # a coroutine runs on its own event loop in a worker thread, concurrently with the controller
             value = executor.submit(asyncio.run, _await(value))
         self._value = value
 
     def result(self) -> tuple[torch.Tensor, dict[str, list]]:
-        """Wait for the reward and normalise it; errors become :class:`RewardFunctionError`."""
+        """Wait for the reward and normalise it; errors (NaN/inf scores included) become :class:`RewardFunctionError`."""
         try:
             value = (
                 self._value.result() if isinstance(self._value, concurrent.futures.Future) else self._value
             )
             return _normalize(value, self.batch)
         except Exception as exc:
-            raise RewardFunctionError(self.step, self.batch, f"{type(exc).__name__}: {exc}") from exc
+            raise RewardFunctionError(
+                self.step, self.batch, f"{type(exc).__name__}: {exc}", self.reward_fn
+            ) from exc
 
 
 def call_reward_fn(
     reward_fn: RewardFn, batch: TensorDictBase, step: int, executor: concurrent.futures.Executor
 ) -> PendingReward:
     """Call ``reward_fn(batch)`` and wrap what it returns (value, Future or awaitable) in a :class:`PendingReward`."""
+    name = callable_name(reward_fn)
     try:
         value = reward_fn(batch)
     except Exception as exc:
-        raise RewardFunctionError(step, batch, f"{type(exc).__name__}: {exc}") from exc
-    return PendingReward(step, batch, value, executor)
+        raise RewardFunctionError(step, batch, f"{type(exc).__name__}: {exc}", name) from exc
+    return PendingReward(step, batch, value, executor, name)

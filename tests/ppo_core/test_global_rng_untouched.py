@@ -89,9 +89,9 @@ def test_advantage_estimators_leave_global_rngs_alone(name: str) -> None:
 def test_policy_losses_leave_global_rngs_alone(name: str) -> None:
     x = _small_inputs()
     adv = x["rewards"].sum(-1, keepdim=True).expand_as(x["old"]) - 0.5
-    # generous clip_cov / kl_cov settings so that their random / top-k selection actually runs
+    # generous clip_cov / kl_cov settings so that their random / top-k selection actually runs; dro needs its beta
     config = PolicyLossConfig(loss_mode=name, clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0,
-                              kl_cov_ratio=0.2)  # fmt: skip
+                              kl_cov_ratio=0.2, dro_beta=0.1)  # fmt: skip
 
     def call() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return compute_policy_loss(x["old"], x["new"], adv, x["mask"], config=config,

@@ -159,7 +159,7 @@ def _args(**overrides):
         ({"response_mask": torch.full((2, 3), 0.5)}, ValueError, "response_mask"),
         ({"response_mask": torch.ones(2, 2)}, ValueError, "response_mask"),
         ({"rollout_is_weights": torch.ones(2, 2)}, ValueError, "rollout_is_weights"),
-        ({"config": {"clip_ratio": 0.2}}, TypeError, "config"),
+        ({"config": {"clip_ratio": 0.2, "ppo_mini_batch_size": 4}}, TypeError, "config"),  # not its fields
         ({"loss_agg_mode": "seq-mean"}, ValueError, "loss_agg_mode"),
         ({"loss_agg_mode": "seq-mean-token-sum-norm"}, ValueError, "loss_scale_factor"),
         ({"dp_size": 2}, ValueError, "batch_num_tokens|global_batch_size"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -32,6 +33,7 @@ ORACLES = {
         oracles.kl_cov_policy_loss_oracle,
         (("kl_cov_ratio", "kl_cov_ratio"), ("ppo_kl_coef", "ppo_kl_coef")),
     ),
+    "dro": (oracles.dro_policy_loss_oracle, (("dro_beta", "dro_beta"),)),
 }
 # Losses whose per-token terms depend only on their own row: micro-batching cannot change them.
 ROW_LOCAL = sorted(set(ORACLES) - {"clip_cov", "kl_cov"})
@@ -41,7 +43,7 @@ SEED = 1234
 def test_every_verl_loss_is_registered_and_has_an_oracle():
     assert set(policy_loss_names()) >= set(ORACLES)
     assert set(ORACLES) == {
-        "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl",
+        "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro",
     }  # fmt: skip
 
 
@@ -60,6 +62,7 @@ def configs(draw: st.DrawFn) -> PolicyLossConfig:
         clip_cov_ub=draw(st.sampled_from([1.5, 5.0])),
         kl_cov_ratio=draw(st.sampled_from([0.0, 2e-4, 0.3])),
         ppo_kl_coef=draw(st.sampled_from([0.1, 1.0])),
+        dro_beta=draw(st.sampled_from([0.01, 0.3, 5.0])),
     )
 
 
@@ -79,7 +82,13 @@ def agg_kwargs(draw: st.DrawFn, inputs: PolicyLossInputs) -> dict:
     return kwargs
 
 
+def _with_beta(config: PolicyLossConfig) -> PolicyLossConfig:
+    """dro needs its β (the default config has none); the other losses ignore it."""
+    return config if config.dro_beta is not None else dataclasses.replace(config, dro_beta=0.3)
+
+
 def _call(name, inputs: PolicyLossInputs, config: PolicyLossConfig, **kwargs):
+    config = _with_beta(config)
     return get_policy_loss(name)(
         inputs.old_log_prob,
         inputs.log_prob,
@@ -94,7 +103,7 @@ def _call(name, inputs: PolicyLossInputs, config: PolicyLossConfig, **kwargs):
 
 def _oracle(name, inputs: PolicyLossInputs, config: PolicyLossConfig, **kwargs):
     fn, keys = ORACLES[name]
-    extra = {kw: getattr(config, attr) for kw, attr in keys}
+    extra = {kw: getattr(_with_beta(config), attr) for kw, attr in keys}
     if name == "clip_cov":
         extra["generator"] = torch.Generator().manual_seed(SEED)
     return fn(
@@ -136,6 +145,7 @@ METRIC_KEYS = {
     "geo_mean": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
     "clip_cov": {"pg_clipfrac", "ppo_kl"},
     "kl_cov": {"ppo_kl", "ppo_kl_abs"},
+    "dro": {"ppo_kl"},
 }
 
 
@@ -234,7 +244,7 @@ def test_huge_log_ratio_gives_finite_loss_and_gradient(name, delta):
 
 # kl_cov is left out: its top-k selection ties for two valid tokens (their covariances are equal), so a finite
 # difference can move the penalty between tokens; its gradient is pinned in test_losses_policy_edge_cases.py.
-@pytest.mark.parametrize("name", ["vanilla", "gpg", "sapo", "geo_mean", "clip_cov"])
+@pytest.mark.parametrize("name", ["vanilla", "gpg", "sapo", "geo_mean", "clip_cov", "dro"])
 @settings(max_examples=10)
 @given(inputs=policy_loss_inputs(max_batch=4, max_len=5), mode=st.sampled_from(LOSS_AGG_MODES))
 def test_gradient_matches_finite_differences(name, inputs, mode):
