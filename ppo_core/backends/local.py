@@ -14,6 +14,7 @@ calls inline in the caller's thread, without a deadline, as a debugger expects.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import queue
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ppo_core.workers.base import WorkerSpec, resolve_method, worker_context
-from ppo_core.workers.dispatch import DispatchPlan
+from ppo_core.workers.dispatch import DispatchPlan, RankCall
 from ppo_core.workers.errors import RankLocation
 from ppo_core.workers.group import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -95,17 +96,19 @@ class LocalWorkerGroup(WorkerGroup):
         return tuple(RankLocation(int(r), host, pid) for r in ranks)
 
     def _submit(self, method: str, plan: DispatchPlan) -> PendingCall:
+        # methods are looked up here, so that a wrong name raises in the caller and shutdown cannot race a call
+        fns = [resolve_method(self.workers[call.rank], method) for call in plan.calls]
         if self._runner is None:
             outputs = []
-            for call in plan.calls:
+            for fn, call in zip(fns, plan.calls, strict=True):
                 try:
-                    outputs.append(self._run_rank(method, call.rank, call.args, call.kwargs))
+                    outputs.append(self._run_rank(fn, method, call))
                 except WorkerCallError as err:
                     return CompletedCall(error=err)
             return CompletedCall(outputs)
         futures = [
-            self._runner.submit(lambda c=call: self._run_rank(method, c.rank, c.args, c.kwargs))
-            for call in plan.calls
+            self._runner.submit(functools.partial(self._run_rank, fn, method, call))
+            for fn, call in zip(fns, plan.calls, strict=True)
         ]
 
         def cancel_the_rest(done: concurrent.futures.Future) -> None:
@@ -118,13 +121,12 @@ class LocalWorkerGroup(WorkerGroup):
             f.add_done_callback(cancel_the_rest)
         return FuturesCall(futures, [call.rank for call in plan.calls])
 
-    def _run_rank(self, method: str, rank: int, args: tuple, kwargs: dict) -> Any:
-        fn = resolve_method(self.workers[rank], method)
+    def _run_rank(self, fn: Callable[..., Any], method: str, call: RankCall) -> Any:
         try:
-            return fn(*args, **kwargs)
+            return fn(*call.args, **call.kwargs)
         except Exception as exc:
             host, pid = self._location
-            err = WorkerCallError(rank, method, f"{type(exc).__name__}: {exc}", host=host, pid=pid)
+            err = WorkerCallError(call.rank, method, f"{type(exc).__name__}: {exc}", host=host, pid=pid)
             raise err from exc
 
     def _shutdown(self) -> None:
