@@ -7,8 +7,9 @@ dispatch, colocation and trainers without processes; real data parallelism needs
 Deadlines: with ``call_timeout_s`` set (the default), calls run on one helper thread of the group, in submission
 order, so that the controller can stop waiting for a rank that hangs: the wait raises ``CallTimeoutError`` and the
 group is broken (a thread cannot be cancelled; it is a daemon, so it never holds up the interpreter's exit).
-A failing rank fails the call at once and the later ranks of that call do not run. ``call_timeout_s=None`` runs
-calls inline in the caller's thread, without a deadline, as a debugger expects.
+Each call runs with the caller's grad mode and current CUDA device (torch keeps both per thread). A failing rank
+fails the call at once and the later ranks of that call do not run. ``call_timeout_s=None`` runs calls inline in
+the caller's thread, without a deadline, as a debugger expects.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from ppo_core.workers.base import WorkerSpec, resolve_method, worker_context
 from ppo_core.workers.dispatch import DispatchPlan, RankCall
 from ppo_core.workers.errors import RankLocation
@@ -33,6 +36,7 @@ from ppo_core.workers.group import (
     PendingCall,
     WorkerCallError,
     WorkerGroup,
+    _check_seconds,
 )
 
 __all__ = ["LocalWorkerGroup"]
@@ -74,8 +78,8 @@ class LocalWorkerGroup(WorkerGroup):
             raise TypeError(f"spec must be a WorkerSpec or a class, got {type(spec).__name__}")
         if int(world_size) < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not shutdown_timeout_s > 0:
-            raise ValueError(f"shutdown_timeout_s must be > 0, got {shutdown_timeout_s!r}")
+        _check_seconds("call_timeout_s", call_timeout_s, allow_none=True)
+        _check_seconds("shutdown_timeout_s", shutdown_timeout_s)
         self._world_size = int(world_size)
         self.call_timeout_s = call_timeout_s
         self.shutdown_timeout_s = float(shutdown_timeout_s)
@@ -106,8 +110,13 @@ class LocalWorkerGroup(WorkerGroup):
                 except WorkerCallError as err:
                     return CompletedCall(error=err)
             return CompletedCall(outputs)
+        # what the caller's thread would have run with: torch's grad mode and current CUDA device are per thread
+        state = (
+            torch.is_grad_enabled(),
+            torch.cuda.current_device() if torch.cuda.is_initialized() else None,
+        )
         futures = [
-            self._runner.submit(functools.partial(self._run_rank, fn, method, call))
+            self._runner.submit(functools.partial(self._run_as_caller, state, fn, method, call))
             for fn, call in zip(fns, plan.calls, strict=True)
         ]
 
@@ -120,6 +129,15 @@ class LocalWorkerGroup(WorkerGroup):
         for f in futures:
             f.add_done_callback(cancel_the_rest)
         return FuturesCall(futures, [call.rank for call in plan.calls])
+
+    def _run_as_caller(
+        self, state: tuple[bool, int | None], fn: Callable[..., Any], method: str, call: RankCall
+    ) -> Any:
+        grad, device = state
+        if device is not None:
+            torch.cuda.set_device(device)
+        with torch.set_grad_enabled(grad):
+            return self._run_rank(fn, method, call)
 
     def _run_rank(self, fn: Callable[..., Any], method: str, call: RankCall) -> Any:
         try:

@@ -69,6 +69,8 @@ DEFAULT_CALL_TIMEOUT_S = 1800.0
 DEFAULT_FAILURE_GRACE_S = 2.0
 """How long the other ranks of a failed call may take to answer before the group is declared broken."""
 
+_ASYNC_SLACK_S = 1.0
+
 # concurrent.futures and asyncio have their own TimeoutError classes before Python 3.11
 _TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError, asyncio.TimeoutError)
 
@@ -255,14 +257,17 @@ class GroupResult:
         left, is_deadline = self._wait_limit(None)
         wait_async = getattr(self._pending, "wait_async", None)
         try:
+            honours_limit = True  # such a wait gets a little slack, so that it raises its own (typed) error
             if wait_async is None:
                 waiting = loop.run_in_executor(None, self._pending.result, left)
             else:
                 try:
                     waiting = wait_async(timeout=left)
-                except TypeError:  # a backend's wait_async without a timeout: wait_for below bounds it
-                    waiting = wait_async()
-            outputs = await (waiting if left is None else asyncio.wait_for(waiting, left))
+                except TypeError:  # a backend's wait_async without a timeout: only wait_for bounds it
+                    waiting, honours_limit = wait_async(), False
+            if left is not None:
+                waiting = asyncio.wait_for(waiting, left + _ASYNC_SLACK_S if honours_limit else left)
+            outputs = await waiting
         except BaseException as exc:
             error, stuck = self._failure(exc, is_deadline, None)
             if stuck:
@@ -325,6 +330,15 @@ class GroupResult:
         group._mark_broken(error)
 
 
+def _check_seconds(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a positive number of seconds (or an allowed None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
 def _fixed_mode_names() -> tuple[str, ...]:
     return (Dispatch.ONE_TO_ALL.name, Dispatch.ALL_TO_ALL.name, Dispatch.RANK_ZERO.name)
 
@@ -369,11 +383,7 @@ class WorkerGroup(abc.ABC):
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be a WorkerSpec, got {type(spec).__name__}")
         for name in ("call_timeout_s", "failure_grace_s"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+            _check_seconds(name, getattr(self, name), allow_none=True)
         self._spec = spec
         self._prefix = method_prefix
         self._layout: DPLayout | None = None

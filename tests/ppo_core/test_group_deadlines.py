@@ -18,6 +18,7 @@ import threading
 from typing import ClassVar
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -196,6 +197,18 @@ def test_without_a_deadline_local_calls_run_inline_in_the_callers_thread():
         assert wg.thread() == [threading.get_ident()] * 2
     with LocalWorkerGroup(Gate, world_size=2) as wg:
         assert threading.get_ident() not in wg.thread()  # the call thread, so that a hang can time out
+
+
+def test_local_calls_run_with_the_callers_grad_mode():
+    class Grad(Worker):
+        @register()
+        def grad_enabled(self) -> bool:
+            return torch.is_grad_enabled()
+
+    with LocalWorkerGroup(Grad, world_size=2) as wg:
+        assert wg.grad_enabled() == [True, True]
+        with torch.no_grad():
+            assert wg.grad_enabled() == [False, False]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, "60", True, float("nan")])
