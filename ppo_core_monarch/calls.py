@@ -4,10 +4,12 @@ A call is a list of parts, each a Monarch future for one rank (``call_one``) or 
 (one ``call`` on a slice, answered by a ``ValueMesh`` in rank order). Waiting:
 
 - the deadline is fixed at submit time (``MonarchConfig.call_timeout_s`` unless given); when it passes,
-  :class:`~ppo_core_monarch.errors.CallTimeout` names the ranks still pending and the group becomes broken;
+  :class:`~ppo_core_monarch.errors.CallTimeout` names the ranks still pending (host, pid) and the group becomes
+  broken;
 - the first failing rank in completion order raises at once (``RemoteWorkerError``), without waiting for
-  peers that may be stuck in a collective with it; a lost process raises ``WorkerLost`` as soon as Monarch's
-  supervision or the fault hook reports it;
+  peers that may be stuck in a collective with it (:meth:`GroupCall.settle` then lets the group decide whether
+  they are); a lost process raises ``WorkerLost`` naming its host and pid as soon as Monarch's supervision or
+  the fault hook reports it;
 - the sync :meth:`GroupCall.result` refuses to run inside an event loop; ``await call`` waits on
   ``Future.as_asyncio()`` and never blocks the loop.
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ppo_core.workers.errors import RankLocation, describe_ranks
 from ppo_core.workers.group import PendingCall
 from ppo_core_monarch.errors import CallTimeout, MonarchBackendError, WorkerLost, is_supervision_error
 from ppo_core_monarch.supervision import MeshWatch
@@ -59,6 +62,7 @@ class GroupCall(PendingCall):
         wait_slice_s: longest blocking wait before the other ranks and the watch are checked again.
         on_broken: called with the error when the call breaks the group (lost worker, deadline).
         locate: ranks named by a Monarch failure report (best effort).
+        where: host and pid of ranks, for the errors (unknown ranks may be left out).
         forward: shared-memory files of the arguments with the ranks that read them.
         recycle: ``recycle(file, reusable)`` once every rank answered (reusable: all of them unmapped it).
     """
@@ -74,6 +78,7 @@ class GroupCall(PendingCall):
         wait_slice_s: float,
         on_broken: Callable[[BaseException], None],
         locate: Callable[[str], tuple[int, ...]],
+        where: Callable[[Sequence[int]], Sequence[RankLocation]] = lambda ranks: (),
         forward: Sequence[tuple[Encoded, tuple[int, ...]]] = (),
         recycle: Callable[[Encoded, bool], None] = lambda enc, reusable: release(enc),
     ) -> None:
@@ -89,6 +94,7 @@ class GroupCall(PendingCall):
         self._kept: set[int] = set()
         self._on_broken = on_broken
         self._locate = locate
+        self._where = where
         self._error: BaseException | None = None
 
     # ----- public -----------------------------------------------------------------------------------------
@@ -163,6 +169,18 @@ class GroupCall(PendingCall):
         """Ranks that have not answered yet."""
         return tuple(sorted(r for part in self._pending for r in part.ranks))
 
+    def settle(self, timeout: float) -> bool:
+        """After a failure: take the other ranks' answers for up to ``timeout`` s; True once all came back.
+
+        False at once when the fault watch reports a lost process (those ranks never answer).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.drain():
+            if self._watch.event.is_set() or time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.01, self._slice))
+        return True
+
     # ----- internals --------------------------------------------------------------------------------------
     def drain(self) -> bool:
         """After an error: take the answers that arrived since (releasing their files); True once all did.
@@ -212,21 +230,35 @@ class GroupCall(PendingCall):
         if self._watch.event.is_set():
             report = self._watch.failure or "unknown failure"
             ranks = self._locate(report) or self.pending_ranks
-            self._raise(WorkerLost(ranks=ranks, method=self.method, report=report), breaks_group=True)
+            self._raise(self._lost(ranks, report), breaks_group=True)
 
     def _timed_out(self, limit: float, timeout: float | None) -> None:
+        ranks = self.pending_ranks
         if limit >= self._deadline:
-            err = CallTimeout(method=self.method, pending_ranks=self.pending_ranks, timeout_s=self._timeout_s)
+            err = CallTimeout(
+                method=self.method,
+                pending_ranks=ranks,
+                timeout_s=self._timeout_s,
+                locations=self._where(ranks),
+            )
             self._raise(err, breaks_group=True)
         raise CallTimeout(
-            method=self.method, pending_ranks=self.pending_ranks, timeout_s=float(timeout or 0), broken=False
+            method=self.method,
+            pending_ranks=ranks,
+            timeout_s=float(timeout or 0),
+            broken=False,
+            locations=self._where(ranks),
         )
+
+    def _lost(self, ranks: Sequence[int], report: str) -> WorkerLost:
+        return WorkerLost(ranks=ranks, method=self.method, report=report, locations=self._where(ranks))
 
     def _part_failed(self, part: CallPart, exc: Exception) -> None:
         if is_supervision_error(exc):
             ranks = self._locate(str(exc)) or part.ranks
-            self._raise(WorkerLost(ranks=ranks, method=self.method, report=str(exc)), breaks_group=True)
-        err = MonarchBackendError(f"{self.method}() on ranks {list(part.ranks)} failed in Monarch: {exc!r}")
+            self._raise(self._lost(ranks, str(exc)), breaks_group=True)
+        where = describe_ranks(part.ranks, self._where(part.ranks))
+        err = MonarchBackendError(f"{self.method}() on {where} failed in Monarch: {exc!r}")
         err.__cause__ = exc
         self._raise(err, breaks_group=True)
 

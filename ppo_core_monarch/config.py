@@ -42,6 +42,9 @@ class MonarchConfig(ConfigBase):
     """Deadline of each shutdown step once a worker was lost (Monarch waits for a dead host until then)."""
     host_lost_timeout_s: float = 30.0
     """Silence after which a host is declared lost (Monarch ``get_proc_state_max_idle``, default 60 s)."""
+    failure_grace_s: float = 2.0
+    """After a rank raised, how long the other ranks of that call may take to answer before the group is marked
+    broken (they may be blocked in a collective with the failed rank); the error is raised by then."""
     wait_slice_s: float = 0.1
     """Longest a blocked wait goes without checking the other ranks and the fault monitor (fail-fast delay)."""
     master_port: int = 0
@@ -75,6 +78,7 @@ class MonarchConfig(ConfigBase):
             "shutdown_timeout_s",
             "lost_shutdown_timeout_s",
             "host_lost_timeout_s",
+            "failure_grace_s",
             "wait_slice_s",
         ):
             check_positive(name, getattr(self, name))

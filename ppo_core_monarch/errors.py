@@ -1,20 +1,37 @@
-"""Typed failures of a Monarch worker group; every one names the ranks (and hosts) it concerns.
+"""Typed failures of a Monarch worker group; every one names its ranks and where they run (host, pid).
 
-``translate`` maps what Monarch raises (``ActorError``, ``SupervisionError``, ``TimeoutError``, spawn
-errors) onto this hierarchy. It holds the only import of a non-re-exported Monarch name
-(``SupervisionError``), guarded so that a Monarch upgrade that moves it degrades to message matching.
+Each is a subclass of the backend-neutral error of ``ppo_core.workers.errors``, so a trainer written against
+the protocol catches Monarch's failures with the same ``except`` as any other backend's:
+
+=====================  =====================================
+``ppo_core_monarch``   ``ppo_core.workers``
+=====================  =====================================
+``RemoteWorkerError``  ``WorkerCallError``
+``WorkerLost``         ``WorkerLostError``
+``CallTimeout``        ``CallTimeoutError`` (a ``TimeoutError``)
+``GroupBroken``        ``GroupBrokenError``
+=====================  =====================================
+
+``is_supervision_error`` holds the only import of a non-re-exported Monarch name (``SupervisionError``), guarded
+so that a Monarch upgrade that moves it degrades to matching the type's name.
 
 Example:
-    >>> err = CallTimeout(method="step", pending_ranks=(1, 3), timeout_s=2.0)
-    >>> "ranks [1, 3]" in str(err)
+    >>> from ppo_core.workers import RankLocation
+    >>> err = CallTimeout(method="step", pending_ranks=(1, 3), timeout_s=2.0,
+    ...                   locations=[RankLocation(1, "node0", 51), RankLocation(3, "node1", 52)])
+    >>> "ranks 1 (host node0, pid 51), 3 (host node1, pid 52)" in str(err)
     True
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from ppo_core.workers.group import WorkerCallError
+from ppo_core.workers.errors import (
+    CallTimeoutError,
+    GroupBrokenError,
+    WorkerCallError,
+    WorkerGroupError,
+    WorkerLostError,
+)
 
 __all__ = [
     "CallTimeout",
@@ -32,8 +49,8 @@ except ImportError:  # pragma: no cover - depends on the Monarch build
     _SupervisionError = None
 
 
-class MonarchBackendError(RuntimeError):
-    """Base class of every error raised by ``ppo_core_monarch``."""
+class MonarchBackendError(WorkerGroupError):
+    """Base class of every error raised by ``ppo_core_monarch`` (a ``ppo_core.workers.WorkerGroupError``)."""
 
 
 class RemoteWorkerError(MonarchBackendError, WorkerCallError):
@@ -56,10 +73,14 @@ class RemoteWorkerError(MonarchBackendError, WorkerCallError):
     ) -> None:
         self.rank, self.host, self.pid, self.method = rank, host, pid, method
         self.exc_type, self.message, self.remote_traceback = exc_type, message, remote_traceback
-        RuntimeError.__init__(
-            self,
-            f"rank {rank} (host {host}, pid {pid}) raised {exc_type} in {method}(): {message}\n"
-            f"--- remote traceback (rank {rank}) ---\n{remote_traceback}",
+        self.group_broken, self.unanswered = False, ()
+        RuntimeError.__init__(self, self._text())
+
+    def _text(self) -> str:
+        return (
+            f"rank {self.rank} (host {self.host}, pid {self.pid}) raised {self.exc_type} in {self.method}(): "
+            f"{self.message}{self._broken_tail()}\n"
+            f"--- remote traceback (rank {self.rank}) ---\n{self.remote_traceback}"
         )
 
     def __reduce__(self):  # keyword-only __init__ needs an explicit pickle recipe
@@ -89,41 +110,20 @@ def _rebuild_remote_error(rank, host, pid, method, exc_type, message, remote_tra
     )
 
 
-class WorkerLost(MonarchBackendError):
-    """A worker process or its host is gone (crash, ``os._exit``, SIGKILL, lost host)."""
-
-    def __init__(self, *, ranks: Sequence[int], method: str, report: str) -> None:
-        self.ranks, self.method, self.report = tuple(ranks), method, report
-        super().__init__(
-            f"worker(s) lost during {method}() on ranks {list(self.ranks)} (the group is now broken; "
-            f"shut it down and start a new one): {report}"
-        )
+class WorkerLost(MonarchBackendError, WorkerLostError):
+    """A worker process or its host is gone (crash, ``os._exit``, SIGKILL, lost host); names host and pid."""
 
 
-class CallTimeout(MonarchBackendError, TimeoutError):
-    """A wait passed its deadline; names the ranks that had not answered (their work keeps running).
+class CallTimeout(MonarchBackendError, CallTimeoutError):
+    """A wait passed its deadline; names the ranks that had not answered, their hosts and pids.
 
     ``broken`` is True when the call's own deadline passed (the group then refuses further calls, since Monarch
     cannot cancel the running work); False when only a shorter ``result(timeout=...)`` expired, and the call
     can be waited on again.
     """
 
-    def __init__(
-        self, *, method: str, pending_ranks: Sequence[int], timeout_s: float, broken: bool = True
-    ) -> None:
-        self.method, self.pending_ranks, self.timeout_s = method, tuple(pending_ranks), timeout_s
-        self.broken = broken
-        tail = (
-            "Monarch cannot cancel a running call, so the group is now broken"
-            if broken
-            else "the call is still running and can be waited on again"
-        )
-        super().__init__(
-            f"{method}() did not finish within {timeout_s:.3g} s on ranks {list(self.pending_ranks)}; {tail}"
-        )
 
-
-class GroupBroken(MonarchBackendError):
+class GroupBroken(MonarchBackendError, GroupBrokenError):
     """The group lost a worker or timed out earlier (``__cause__``) and refuses further calls."""
 
 

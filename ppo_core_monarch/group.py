@@ -12,8 +12,10 @@ processes on the controller's host travel through shared memory (:mod:`ppo_core_
 as compact pickles. Results come back in the order of the plan, as a :class:`GroupCall` with a deadline.
 
 Failures: a raising method gives ``RemoteWorkerError`` (rank, host, pid, method, remote traceback); a dead
-process or host gives ``WorkerLost``; a passed deadline ``CallTimeout``; after the last two the group is
-broken and every call raises ``GroupBroken`` at once. :meth:`shutdown` is idempotent.
+process or host gives ``WorkerLost``; a passed deadline ``CallTimeout``; each names its ranks' hosts and pids
+(learnt from every process right after it starts). After the last two, or when the other ranks of a failed call
+have not answered ``failure_grace_s`` later, the group is broken and every call raises ``GroupBroken`` at once.
+:meth:`shutdown` is idempotent.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tensordict import TensorDictBase
 
 from ppo_core.workers.base import WorkerSpec
 from ppo_core.workers.dispatch import DispatchPlan
+from ppo_core.workers.errors import RankLocation
 from ppo_core.workers.group import WorkerGroup
 from ppo_core_monarch.calls import CallPart, GroupCall
 from ppo_core_monarch.config import MonarchConfig
@@ -73,6 +76,8 @@ class MonarchWorkerGroup(WorkerGroup):
     """:meth:`_payload` copies every tensor into shared memory (same host) or clones views before pickling
     (other hosts), so data-parallel shards arrive as views of the batch and are copied once, not twice."""
 
+    _broken_error = GroupBroken
+
     def __init__(
         self,
         spec: WorkerSpec | type,
@@ -94,11 +99,13 @@ class MonarchWorkerGroup(WorkerGroup):
         if not isinstance(procs_per_host, int) or procs_per_host < 1:
             raise ValueError(f"procs_per_host must be a positive int, got {procs_per_host!r}")
         self.call_timeout_s = self.config.call_timeout_s
+        self.failure_grace_s = self.config.failure_grace_s
         self._hosts = hosts if hosts is not None else local_hosts()
         self._name = f"ppo_worker_{uuid.uuid4().hex[:10]}"
         self._watch = fault_monitor().watch(self._name)
         self._broken: BaseException | None = None
         self._outstanding: list[GroupCall] = []
+        self._where: dict[int, RankLocation] = {}
         self._proc_mesh: Any = None
         self._shm_dir: str | None = None
         self._pool: ShmPool | None = None
@@ -130,6 +137,12 @@ class MonarchWorkerGroup(WorkerGroup):
                 f"{self.topology.world_size} worker processes ({self.topology}) did not start within "
                 f"{cfg.ready_timeout_s} s: {exc!r}"
             ) from exc
+        ranks = tuple(range(self.topology.world_size))
+        # host and pid of every rank before anything can fail, so that every error can name them
+        for loc in self._wait_setup(
+            "location", CallPart(self._actors.location.call(), ranks, ranks, mesh=True)
+        ):
+            self._where[loc.rank] = loc
         shm_token = None
         if cfg.shared_memory:
             self._shm_dir = tempfile.mkdtemp(prefix="ppo_core_monarch-", dir=cfg.shm_root)
@@ -151,7 +164,6 @@ class MonarchWorkerGroup(WorkerGroup):
             torch_threads=cfg.torch_threads,
             env=dict(cfg.worker_env),
         )
-        ranks = tuple(range(self.topology.world_size))
         infos = self._wait_setup("setup", CallPart(self._actors.setup.call(args), ranks, ranks, mesh=True))
         for expected, info in enumerate(infos):
             if (
@@ -242,6 +254,7 @@ class MonarchWorkerGroup(WorkerGroup):
             wait_slice_s=self.config.wait_slice_s,
             on_broken=self._mark_broken,
             locate=self._ranks_in_report,
+            where=self.rank_locations,
             forward=forward,
             recycle=self._recycle,
         )
@@ -268,21 +281,15 @@ class MonarchWorkerGroup(WorkerGroup):
             mesh = self._ranges[(lo, hi)] = self._flat.slice(rank=slice(lo, hi))
         return mesh
 
-    def _mark_broken(self, error: BaseException) -> None:
-        if self._broken is None:
-            self._broken = error
-            logger.error("worker group %s is broken: %s", self._name, error)
+    def rank_locations(self, ranks: Sequence[int]) -> tuple[RankLocation, ...]:
+        """Host and pid of ``ranks`` (reported by each process when it started)."""
+        return tuple(self._where.get(int(r), RankLocation(int(r))) for r in ranks)
 
     def _ranks_in_report(self, report: str) -> tuple[int, ...]:
         return _ranks_in_report(report, self.topology)
 
     def _reap(self) -> None:
         self._outstanding = [c for c in self._outstanding if not c.drain()]
-
-    @property
-    def broken(self) -> BaseException | None:
-        """The error that broke the group (a lost worker or a passed deadline), or None."""
-        return self._broken
 
     def ping(self, timeout_s: float | None = None) -> list[int]:
         """Empty round trip to every rank (one mesh-wide call); returns the ranks in order."""

@@ -31,6 +31,7 @@ from typing import Any
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from ppo_core.workers.base import WorkerSpec, resolve_method, worker_context
+from ppo_core.workers.errors import RankLocation
 from ppo_core_monarch.errors import RemoteWorkerError
 from ppo_core_monarch.topology import MeshTopology
 from ppo_core_monarch.transport import Encoded, decode_borrowed, encode
@@ -215,6 +216,11 @@ class WorkerActor(Actor):
             if lease is not None:
                 lease.release()
             return self._fail(method, exc)
+
+    @endpoint
+    def location(self) -> RankLocation:
+        """This process's rank, host name and pid (asked once at start-up, for error messages)."""
+        return RankLocation(self._rank, self._host, self._pid)
 
     @endpoint
     def ping(self) -> int:

@@ -52,7 +52,16 @@ from ppo_core.workers.dispatch import (
     WorkerLayout,
     resolve_dispatch,
 )
+from ppo_core.workers.errors import (
+    CallTimeoutError,
+    GroupBrokenError,
+    RankLocation,
+    WorkerGroupError,
+    WorkerLostError,
+)
 from ppo_core.workers.group import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_FAILURE_GRACE_S,
     CompletedCall,
     FuturesCall,
     GroupResult,
@@ -69,7 +78,10 @@ TRAINER_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 __all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
+    "DEFAULT_FAILURE_GRACE_S",
     "TRAINER_METHODS",
+    "CallTimeoutError",
     "ColocatedWorker",
     "CompletedCall",
     "DPLayout",
@@ -78,15 +90,19 @@ __all__ = [
     "DispatchPlan",
     "Execute",
     "FuturesCall",
+    "GroupBrokenError",
     "GroupResult",
     "PendingCall",
     "RankCall",
+    "RankLocation",
     "Registration",
     "Worker",
     "WorkerCallError",
     "WorkerContext",
     "WorkerGroup",
+    "WorkerGroupError",
     "WorkerLayout",
+    "WorkerLostError",
     "WorkerSpec",
     "get_registration",
     "register",

@@ -8,6 +8,16 @@ data-parallel layout, binding of ``@register``-ed methods so that a trainer writ
 
 Colocation: build the group from ``WorkerSpec(ColocatedWorker, kwargs={"roles": {...}})``; ``group.role("actor")``
 returns a view that shares the processes and binds the actor class's methods under their own names.
+
+Failures and deadlines, the same for every backend (enforced here, in :class:`GroupResult`):
+
+- every call has a deadline, ``group.call_timeout_s`` from submission (None: none); a wait that passes it raises
+  :class:`~ppo_core.workers.errors.CallTimeoutError` naming the ranks still running, and the group is broken;
+- a failing rank fails the call at once (:meth:`PendingCall.result` must not wait for its peers, which may be
+  blocked in a collective with it); if the peers have not answered ``group.failure_grace_s`` later, the group
+  is broken (the error says so: ``WorkerCallError.group_broken``);
+- a broken group refuses every later call (:class:`~ppo_core.workers.errors.GroupBrokenError`); ``shutdown()``
+  never waits on stuck work.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import abc
 import asyncio
 import concurrent.futures
 import functools
+import logging
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -30,8 +42,17 @@ from ppo_core.workers.dispatch import (
     WorkerLayout,
     resolve_dispatch,
 )
+from ppo_core.workers.errors import (
+    CallTimeoutError,
+    GroupBrokenError,
+    RankLocation,
+    WorkerCallError,
+    WorkerLostError,
+)
 
 __all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
+    "DEFAULT_FAILURE_GRACE_S",
     "CompletedCall",
     "FuturesCall",
     "GroupResult",
@@ -40,35 +61,68 @@ __all__ = [
     "WorkerGroup",
 ]
 
+logger = logging.getLogger(__name__)
 
-class WorkerCallError(RuntimeError):
-    """A worker method raised; names the rank and the method. The original exception is ``__cause__``."""
+DEFAULT_CALL_TIMEOUT_S = 1800.0
+"""Default deadline of a group call (seconds): generous for a PPO update, finite so that nothing waits forever."""
 
-    def __init__(self, rank: int, method: str, message: str) -> None:
-        super().__init__(f"rank {rank} failed in {method!r}: {message}")
-        self.rank = rank
-        self.method = method
+DEFAULT_FAILURE_GRACE_S = 2.0
+"""How long the other ranks of a failed call may take to answer before the group is declared broken."""
+
+_ASYNC_SLACK_S = 1.0
+
+# concurrent.futures and asyncio have their own TimeoutError classes before Python 3.11
+_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError, asyncio.TimeoutError)
 
 
 class PendingCall(abc.ABC):
-    """Outputs of one submitted call, one per ``plan.calls`` entry, available later."""
+    """Outputs of one submitted call, one per ``plan.calls`` entry, available later.
+
+    The contract every backend keeps (``docs/backends.md``, "Failures and deadlines"):
+
+    - :meth:`result` returns or raises within ``timeout`` seconds (raising ``TimeoutError``);
+    - it raises as soon as one rank has failed, without waiting for the others (``WorkerCallError`` or a
+      subclass naming rank, host, pid and method; ``WorkerLostError`` for a dead process);
+    - :attr:`pending_ranks` names the ranks that have not answered, and :meth:`settle` waits for them.
+    """
 
     @abc.abstractmethod
     def result(self, timeout: float | None = None) -> list[Any]:
-        """Block until every rank answered; outputs in the order of ``plan.calls``. Raises WorkerCallError."""
+        """Block until every rank answered or one failed; outputs in the order of ``plan.calls``.
+
+        Raises ``TimeoutError`` once ``timeout`` seconds passed, the failed rank's ``WorkerCallError`` at once.
+        """
 
     @abc.abstractmethod
     def done(self) -> bool:
         """Whether :meth:`result` would return without blocking."""
 
-    async def wait_async(self) -> list[Any]:
-        """Await the outputs without blocking the event loop.
+    @property
+    def pending_ranks(self) -> tuple[int, ...]:
+        """Ranks that have not answered yet (the default knows none)."""
+        return ()
+
+    def settle(self, timeout: float) -> bool:
+        """After a failure: wait up to ``timeout`` s for the other ranks; True once none is still running.
+
+        The default polls :meth:`done`; backends whose ``done()`` turns True at the first failure override it.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.01, left))
+        return True
+
+    async def wait_async(self, timeout: float | None = None) -> list[Any]:
+        """Await the outputs without blocking the event loop (``timeout`` as in :meth:`result`).
 
         The default waits in a helper thread; backends with native awaitables (Monarch futures) override it.
         """
         if self.done():
             return self.result()
-        return await asyncio.get_running_loop().run_in_executor(None, self.result)
+        return await asyncio.get_running_loop().run_in_executor(None, self.result, timeout)
 
 
 class CompletedCall(PendingCall):
@@ -88,25 +142,58 @@ class CompletedCall(PendingCall):
 
 
 class FuturesCall(PendingCall):
-    """Per-rank ``concurrent.futures.Future`` objects (thread or process pools)."""
+    """Per-rank ``concurrent.futures.Future`` objects (thread or process pools), one per ``plan.calls`` entry.
 
-    def __init__(self, futures: Sequence[concurrent.futures.Future]) -> None:
+    The first future to raise fails the call at once (a cancelled future counts as answered); ``ranks`` (default
+    ``0..n-1``) name the futures in :attr:`pending_ranks` and in timeouts.
+    """
+
+    def __init__(
+        self, futures: Sequence[concurrent.futures.Future], ranks: Sequence[int] | None = None
+    ) -> None:
         self._futures = list(futures)
+        self._ranks = tuple(range(len(self._futures))) if ranks is None else tuple(ranks)
+        if len(self._ranks) != len(self._futures):
+            raise ValueError(f"got {len(self._ranks)} ranks for {len(self._futures)} futures")
 
     def result(self, timeout: float | None = None) -> list[Any]:
-        _, pending = concurrent.futures.wait(self._futures, timeout=timeout)
-        if pending:
-            raise TimeoutError(
-                f"{len(pending)} of {len(self._futures)} ranks did not answer within {timeout} s"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = concurrent.futures.wait(
+                self._futures, timeout=left, return_when=concurrent.futures.FIRST_EXCEPTION
             )
-        return [f.result() for f in self._futures]
+            failed = [
+                f for f in self._futures if f in done and not f.cancelled() and f.exception() is not None
+            ]
+            if failed:
+                raise failed[0].exception()  # the lowest failing rank: the others may wait on it forever
+            if not pending:
+                return [f.result() for f in self._futures]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{len(pending)} of {len(self._futures)} ranks did not answer within {timeout} s"
+                )
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
+    @property
+    def pending_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for r, f in zip(self._ranks, self._futures, strict=True) if not f.done()))
+
+    def settle(self, timeout: float) -> bool:
+        _, pending = concurrent.futures.wait(self._futures, timeout=timeout)
+        return not pending
+
 
 class GroupResult:
     """The collected result of a group call, later: ``.result(timeout)``, ``.done()``, or ``await``.
+
+    Built by a :class:`WorkerGroup` with the call's deadline (``group.call_timeout_s`` from now): waits past it
+    raise :class:`~ppo_core.workers.errors.CallTimeoutError` and break the group; a failed rank whose peers do not
+    answer within ``group.failure_grace_s`` breaks it too (see the module docstring). Built without a group
+    (``GroupResult(pending, collect)``) it only waits.
 
     Example:
         >>> r = GroupResult(CompletedCall([1, 2]), sum)
@@ -114,13 +201,37 @@ class GroupResult:
         3
     """
 
-    def __init__(self, pending: PendingCall, collect: Callable[[list[Any]], Any]) -> None:
+    def __init__(
+        self,
+        pending: PendingCall,
+        collect: Callable[[list[Any]], Any],
+        *,
+        method: str = "call",
+        group: WorkerGroup | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self._pending = pending
         self._collect = collect
+        self._method = method
+        self._group = group
+        if timeout_s is None and group is not None:
+            timeout_s = group.call_timeout_s
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     def result(self, timeout: float | None = None) -> Any:
-        """Wait for all ranks and return the collected value."""
-        return self._collect(self._pending.result(timeout))
+        """Wait for all ranks (at most ``timeout`` s, and never past the call's deadline); the collected value."""
+        left, is_deadline = self._wait_limit(timeout)
+        try:
+            outputs = self._pending.result(left)
+        except BaseException as exc:
+            error, stuck = self._failure(exc, is_deadline, timeout)
+            if stuck:
+                self._check_peers(error)
+            if error is exc:
+                raise
+            raise error from exc
+        return self._collect(outputs)
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without blocking."""
@@ -131,18 +242,101 @@ class GroupResult:
         """The backend's handle on the per-rank outputs."""
         return self._pending
 
+    @property
+    def deadline(self) -> float | None:
+        """The call's deadline on the ``time.monotonic()`` clock (None: no deadline)."""
+        return self._deadline
+
     def __await__(self) -> Generator[Any, None, Any]:
         return self._await().__await__()
 
     async def _await(self) -> Any:
         # a backend's own wait_async (e.g. awaiting Monarch futures natively) is used when it has one; a pending
         # call without it (duck-typed, not a PendingCall) is waited on in a helper thread
+        loop = asyncio.get_running_loop()
+        left, is_deadline = self._wait_limit(None)
         wait_async = getattr(self._pending, "wait_async", None)
-        if wait_async is not None:
-            outputs = await wait_async()
-        else:
-            outputs = await asyncio.get_running_loop().run_in_executor(None, self._pending.result)
+        try:
+            honours_limit = True  # such a wait gets a little slack, so that it raises its own (typed) error
+            if wait_async is None:
+                waiting = loop.run_in_executor(None, self._pending.result, left)
+            else:
+                try:
+                    waiting = wait_async(timeout=left)
+                except TypeError:  # a backend's wait_async without a timeout: only wait_for bounds it
+                    waiting, honours_limit = wait_async(), False
+            if left is not None:
+                waiting = asyncio.wait_for(waiting, left + _ASYNC_SLACK_S if honours_limit else left)
+            outputs = await waiting
+        except BaseException as exc:
+            error, stuck = self._failure(exc, is_deadline, None)
+            if stuck:
+                await loop.run_in_executor(None, self._check_peers, error)
+            if error is exc:
+                raise
+            raise error from exc
         return self._collect(outputs)
+
+    # ----- failures ---------------------------------------------------------------------------------------
+    def _wait_limit(self, timeout: float | None) -> tuple[float | None, bool]:
+        """``(seconds to wait, whether that limit is the call's deadline)``."""
+        if self._deadline is None:
+            return timeout, False
+        to_deadline = max(0.0, self._deadline - time.monotonic())
+        if timeout is not None and timeout < to_deadline:
+            return timeout, False
+        return to_deadline, True
+
+    def _failure(
+        self, exc: BaseException, is_deadline: bool, timeout: float | None
+    ) -> tuple[BaseException, bool]:
+        """The error to raise for ``exc``, and whether the other ranks must be checked for being stuck."""
+        if not isinstance(exc, Exception) or isinstance(exc, GroupBrokenError):
+            return exc, False
+        group = self._group
+        if isinstance(exc, CallTimeoutError):  # the backend's own deadline error (Monarch's CallTimeout)
+            if exc.broken and group is not None:
+                group._mark_broken(exc)
+            return exc, False
+        if isinstance(exc, _TIMEOUTS):
+            ranks = tuple(getattr(self._pending, "pending_ranks", ()))
+            error = CallTimeoutError(
+                method=self._method,
+                pending_ranks=ranks,
+                timeout_s=float(self._timeout_s if is_deadline else (timeout or 0.0)),
+                broken=is_deadline,
+                locations=group.rank_locations(ranks) if group is not None else (),
+            )
+            if is_deadline and group is not None:
+                group._mark_broken(error)
+            return error, False
+        if isinstance(exc, WorkerLostError):
+            if group is not None:
+                group._mark_broken(exc)
+            return exc, False
+        return exc, group is not None and group.failure_grace_s is not None
+
+    def _check_peers(self, error: BaseException) -> None:
+        """A rank failed: if the call's other ranks are still running after the grace period, break the group."""
+        group = self._group
+        assert group is not None and group.failure_grace_s is not None
+        settle = getattr(self._pending, "settle", None)
+        settled = settle(group.failure_grace_s) if settle is not None else self._pending.done()
+        if settled:
+            return
+        ranks = tuple(getattr(self._pending, "pending_ranks", ()))
+        if isinstance(error, WorkerCallError):
+            error.mark_group_broken(group.rank_locations(ranks), group.failure_grace_s)
+        group._mark_broken(error)
+
+
+def _check_seconds(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a positive number of seconds (or an allowed None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 def _fixed_mode_names() -> tuple[str, ...]:
@@ -155,7 +349,9 @@ class WorkerGroup(abc.ABC):
     Subclasses implement :attr:`world_size`, :meth:`_submit` and :meth:`_shutdown`; they call
     ``super().__init__(spec)`` after they can serve calls. A backend whose ``_submit`` copies or compacts every
     tensor payload before it leaves the process sets :attr:`compacts_payloads` to receive data-parallel shards
-    as views (one copy of the batch fewer).
+    as views (one copy of the batch fewer). Backends set :attr:`call_timeout_s` and :attr:`failure_grace_s`
+    (instance attributes, typically from their config) and override :meth:`rank_locations` so that errors say
+    where a rank runs.
 
     Example:
         >>> from ppo_core.backends.local import LocalWorkerGroup
@@ -171,9 +367,23 @@ class WorkerGroup(abc.ABC):
     compact clones. Keep False for backends that pickle or hand over arguments unchanged: a pickled view ships
     its parent's whole storage, and an in-process worker writing to a view would write to the caller's batch."""
 
+    call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
+    """Deadline of every call, in seconds from its submission (None: none). Waits past it raise
+    ``CallTimeoutError`` and break the group, since the backend cannot know whether the work still runs."""
+
+    failure_grace_s: float | None = DEFAULT_FAILURE_GRACE_S
+    """After a rank failed, how long its peers in the same call may take to answer before the group is broken
+    (they may be blocked in a collective with the failed rank). None: never break on a failure."""
+
+    _broken: BaseException | None = None
+    _broken_error: type[GroupBrokenError] = GroupBrokenError
+    """What a call on a broken group raises (backends may name a subclass of their own)."""
+
     def __init__(self, spec: WorkerSpec, *, method_prefix: str = "") -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be a WorkerSpec, got {type(spec).__name__}")
+        for name in ("call_timeout_s", "failure_grace_s"):
+            _check_seconds(name, getattr(self, name), allow_none=True)
         self._spec = spec
         self._prefix = method_prefix
         self._layout: DPLayout | None = None
@@ -231,7 +441,9 @@ class WorkerGroup(abc.ABC):
                     f"dispatch mode {mode.name!r} addressed rank {call.rank} of {self.world_size}"
                 )
         pending = self._submit(self._prefix + method, plan)
-        return GroupResult(pending, functools.partial(mode.collect, layout, plan))
+        return GroupResult(
+            pending, functools.partial(mode.collect, layout, plan), method=self._prefix + method, group=self
+        )
 
     def run(
         self,
@@ -258,7 +470,8 @@ class WorkerGroup(abc.ABC):
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         plan = DispatchPlan([RankCall(rank, tuple(args), dict(kwargs))], uniform=True)
-        return GroupResult(self._submit(self._prefix + method, plan), lambda outs: outs[0])
+        full = self._prefix + method
+        return GroupResult(self._submit(full, plan), lambda outs: outs[0], method=full, group=self)
 
     def call_rank(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Blocking :meth:`call_rank_async`."""
@@ -293,6 +506,22 @@ class WorkerGroup(abc.ABC):
             raise ValueError(f"unknown role {name!r}; valid roles: {', '.join(sorted(roles))}")
         return _RoleView(self, name, roles[name])
 
+    # ----- failures -------------------------------------------------------------------------------------
+    @property
+    def broken(self) -> BaseException | None:
+        """The error that broke the group (a lost worker, a passed deadline, ranks stuck after a failure), or None."""
+        return self._broken
+
+    def rank_locations(self, ranks: Sequence[int]) -> tuple[RankLocation, ...]:
+        """Where ``ranks`` run (host, pid), for error messages; backends override it (default: unknown)."""
+        return tuple(RankLocation(int(r)) for r in ranks)
+
+    def _mark_broken(self, error: BaseException) -> None:
+        """Refuse every later call (first error wins); shutdown must then not wait on the stuck work."""
+        if self._broken is None:
+            self._broken = error
+            logger.error("%s is broken: %s", type(self).__name__, error)
+
     # ----- lifetime -------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -315,6 +544,10 @@ class WorkerGroup(abc.ABC):
     def _check_open(self, method: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot call {method!r}: the worker group was shut down")
+        if self._broken is not None:
+            raise self._broken_error(
+                f"cannot call {method}(): the group is broken ({self._broken})"
+            ) from self._broken
 
     def _bind_registered_methods(self) -> None:
         for name, reg in self._registrations.items():
@@ -360,6 +593,24 @@ class _RoleView(WorkerGroup):
     @property
     def closed(self) -> bool:
         return self._parent.closed
+
+    @property
+    def call_timeout_s(self) -> float | None:  # type: ignore[override]
+        return self._parent.call_timeout_s
+
+    @property
+    def failure_grace_s(self) -> float | None:  # type: ignore[override]
+        return self._parent.failure_grace_s
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self._parent.broken
+
+    def rank_locations(self, ranks: Sequence[int]) -> tuple[RankLocation, ...]:
+        return self._parent.rank_locations(ranks)
+
+    def _mark_broken(self, error: BaseException) -> None:
+        self._parent._mark_broken(error)
 
     def shutdown(self) -> None:
         self._parent.shutdown()
