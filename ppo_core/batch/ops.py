@@ -163,7 +163,7 @@ def split(batch: TensorDictBase, split_size: int) -> list[TensorDictBase]:
         [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     """
     size = _check_batch("batch", batch)
-    _check_int("split_size", split_size, 1)
+    check_int("split_size", split_size, 1)
     if size == 0:
         return [batch.clone()]
     return [_slice(batch, start, min(start + split_size, size)) for start in range(0, size, split_size)]
@@ -190,7 +190,7 @@ def repeat(batch: TensorDictBase, repeats: int) -> TensorDictBase:
         ['a', 'b', 'c', 'a', 'b', 'c']
     """
     size = _check_batch("batch", batch)
-    _check_int("repeats", repeats, 1)
+    check_int("repeats", repeats, 1)
     return _rows(batch, torch.arange(size, dtype=torch.int64).repeat(repeats))
 
 
