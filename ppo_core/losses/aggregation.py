@@ -33,8 +33,7 @@ Deviations from verl (see ``docs/semantics.md``):
 from __future__ import annotations
 
 import typing
-from typing import Literal
-from typing import Any
+from typing import Any, Literal
 
 import torch
 

@@ -185,9 +185,7 @@ def test_trainer_fields_check_their_values_and_round_trip():
     cfg = TrainerConfig.from_dict({"resume_allow_changes": ["data.seed", "rollout.n"], "max_ckpt_to_keep": 2})
     assert cfg.resume_allow_changes == ("data.seed", "rollout.n")
     assert TrainerConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(
-        TypeError, match=r"resume_allow_changes must be a list"
-    ):
+    with pytest.raises(TypeError, match=r"resume_allow_changes must be a list"):
         TrainerConfig(resume_allow_changes="data.seed")
     for bad in ("", ".seed", "data."):
         with pytest.raises(
