@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 import ppo_core._config_base as config_base
 from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
+from ppo_core.data.prompts import PromptDatasetConfig
+from ppo_core.examples.arith_task import ArithTaskConfig
+from ppo_core.examples.make_data import TinyModelConfig
 from ppo_core.kernels.triton_scan import ScanLaunch
 from ppo_core.kl_control import KLConfig
 from ppo_core.losses import PolicyLossConfig
@@ -74,6 +77,9 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     MegatronActorConfig: {},
     MegatronCriticConfig: {},
     ScanLaunch: {"block_b": 1, "block_t": 128},
+    PromptDatasetConfig: {},
+    ArithTaskConfig: {},
+    TinyModelConfig: {},
 }
 
 # Values of the wrong type for each scalar annotation (a YAML string, a bool for a number, a float for an int).
@@ -90,6 +96,17 @@ WRONG: dict[object, list[object]] = {
 
 
 def _all_config_classes() -> set[type]:
+    import importlib
+    import pkgutil
+
+    import ppo_core
+
+    # import every module, so that the answer does not depend on which tests ran before
+    for info in pkgutil.walk_packages(ppo_core.__path__, "ppo_core."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # an optional extra (triton...) that this machine lacks
+            continue
     found, todo = set(), [ConfigBase]
     while todo:
         for sub in todo.pop().__subclasses__():
