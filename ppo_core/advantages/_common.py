@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim
-from ppo_core._groups import GroupIndex, factorize_index
+from ppo_core.advantages._groups import GroupIndex, factorize_index
 
 __all__: list[str] = []
 

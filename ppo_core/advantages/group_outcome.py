@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core._groups import group_count, group_stats, group_weighted_mean
 from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome, zero_outside
+from ppo_core.advantages._groups import group_count, group_stats, group_weighted_mean
 from ppo_core.masked import masked_whiten
 
 __all__ = [
