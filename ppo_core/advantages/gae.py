@@ -11,9 +11,8 @@ from ppo_core.advantages._common import (
     check_finite,
     check_rewards_and_mask,
     check_scalar,
-    zero_outside,
+    whiten_valid,
 )
-from ppo_core.masked import masked_whiten
 
 __all__ = ["compute_gae"]
 
@@ -76,13 +75,13 @@ def compute_gae(
         )
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
     lam = check_scalar("lam", lam, 0.0, 1.0)
-    check_finite(REWARDS, rewards, mask)
-    check_finite("values", values, mask)
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    # zeroing masked inputs first keeps any kernel's arithmetic masking from turning masked NaN/inf into NaN
-    r = zero_outside(rewards.to(dtype), mask).contiguous()
-    v = zero_outside(values.to(dtype), mask).contiguous()
-    raw, returns = kernels.masked_gae_returns_scan(r, v, mask.contiguous(), gamma, lam)
-    returns = zero_outside(returns, mask)
-    advantages = masked_whiten(raw, mask) if whiten else raw
-    return zero_outside(advantages, mask), returns
+    # The scan zeroes masked positions and flags NaN/inf it reads at valid ones: one host sync, no extra pass.
+    advantages, returns, maybe_nonfinite = kernels.masked_gae_returns_checked(
+        rewards, values, mask, gamma, lam
+    )
+    if bool(maybe_nonfinite):
+        check_finite(REWARDS, rewards, mask)
+        check_finite("values", values, mask)
+    if whiten:
+        advantages = whiten_valid(advantages, mask)
+    return advantages, returns

@@ -11,9 +11,9 @@ from ppo_core.advantages._common import (
     check_finite,
     check_rewards_and_mask,
     check_scalar,
+    whiten_valid,
     zero_outside,
 )
-from ppo_core.masked import masked_whiten
 
 __all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
 
@@ -48,12 +48,10 @@ def compute_reinforce_pp_advantage(
     """
     rewards, mask = check_rewards_and_mask(rewards, response_mask)
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
-    check_finite(REWARDS, rewards, mask)
-    returns = kernels.masked_discounted_return_scan(
-        zero_outside(rewards, mask).contiguous(), mask.contiguous(), gamma
-    )
-    returns = zero_outside(returns, mask)
-    return zero_outside(masked_whiten(returns, mask), mask), returns
+    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards, mask, gamma)
+    if bool(maybe_nonfinite):
+        check_finite(REWARDS, rewards, mask)
+    return whiten_valid(returns, mask), returns
 
 
 @torch.no_grad()
@@ -88,12 +86,11 @@ def compute_remax_advantage(
         )
     if baselines.device != rewards.device:
         raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
-    check_finite(REWARDS, rewards, mask)
-    check_finite("reward_baselines", baselines, mask.any(dim=-1))
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
-    masked_rewards = zero_outside(rewards.to(dtype), mask).contiguous()
-    returns = zero_outside(
-        kernels.masked_discounted_return_scan(masked_rewards, mask.contiguous(), 1.0), mask
-    )
+    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards.to(dtype), mask, 1.0)
+    # a baseline only matters for a row with a valid token; one host sync for both checks
+    if bool(maybe_nonfinite | (mask.any(dim=-1) & ~torch.isfinite(baselines)).any()):
+        check_finite(REWARDS, rewards, mask)
+        check_finite("reward_baselines", baselines, mask.any(dim=-1))
     advantages = zero_outside(returns - baselines.to(dtype).unsqueeze(-1), mask)
     return advantages, returns
