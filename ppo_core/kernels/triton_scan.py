@@ -106,9 +106,9 @@ if triton is not None:
         return a_later * a_earlier, a_earlier * b_later + b_earlier
 
     @triton.jit
-    def _nonfinite_rows(x, valid):
-        # [BLOCK_B] int32: 1 where a valid lane of the row holds NaN or inf (NaN fails every comparison)
-        return tl.max((valid & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32), axis=1)
+    def _nonfinite(x, valid):
+        # int32 1 at the valid lanes holding NaN or +-inf (NaN fails every comparison), else 0
+        return (valid & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
 
     @triton.jit
     def _gae_kernel(
@@ -135,9 +135,9 @@ if triton is not None:
         last_lane = lanes == BLOCK_T - 1
         carry_v = tl.zeros([BLOCK_B], ACC)
         carry_adv = tl.zeros([BLOCK_B], ACC)
-        bad = tl.zeros(
-            [BLOCK_B], tl.int32
-        )  # bit 0: a reward, bit 1: a value at a valid position is not finite
+        # Non-finite inputs seen per lane, OR-ed over the chunks and reduced once after the loop.
+        bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
+        bad_v = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         for start in range(0, length, BLOCK_T):
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
@@ -162,8 +162,10 @@ if triton is not None:
             if CHECKED:
                 # Masked lanes may hold NaN/inf in v (and so in adv + v): select, never multiply by the mask.
                 tl.store(adv_ptr + base + t, tl.where(m, adv, zero), mask=ok)
-                tl.store(ret_ptr + base + t, tl.where(m, adv + v, zero), mask=ok)
-                bad = bad | _nonfinite_rows(r, m) | (_nonfinite_rows(v, m) * 2)
+                if WITH_RETURNS:
+                    tl.store(ret_ptr + base + t, tl.where(m, adv + v, zero), mask=ok)
+                bad_r = bad_r | _nonfinite(r, m)
+                bad_v = bad_v | _nonfinite(v, m)
             else:
                 tl.store(adv_ptr + base + t, adv, mask=ok)
                 if WITH_RETURNS:
@@ -171,7 +173,8 @@ if triton is not None:
             carry_v = tl.sum(tl.where(last_lane, next_v, zero), axis=1)
             carry_adv = tl.sum(tl.where(last_lane, adv, zero), axis=1)
         if CHECKED:
-            tl.atomic_or(flag_ptr, tl.max(bad, axis=0))
+            # bit 0: a reward, bit 1: a value at a valid position is NaN or inf
+            tl.atomic_or(flag_ptr, tl.max(bad_r) | (tl.max(bad_v) * 2))
 
     @triton.jit
     def _return_kernel(
@@ -193,7 +196,7 @@ if triton is not None:
         row_ok = (rows < n_rows)[:, None]
         last_lane = lanes == BLOCK_T - 1
         carry = tl.zeros([BLOCK_B], ACC)
-        bad = tl.zeros([BLOCK_B], tl.int32)
+        bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         for start in range(0, length, BLOCK_T):
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
@@ -207,9 +210,9 @@ if triton is not None:
             tl.store(out_ptr + base + t, tl.where(m, run, zero), mask=ok)
             carry = tl.sum(tl.where(last_lane, run, zero), axis=1)
             if CHECKED:
-                bad = bad | _nonfinite_rows(r, m)
+                bad_r = bad_r | _nonfinite(r, m)
         if CHECKED:
-            tl.atomic_or(flag_ptr, tl.max(bad, axis=0))
+            tl.atomic_or(flag_ptr, tl.max(bad_r))
 
 
 def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
