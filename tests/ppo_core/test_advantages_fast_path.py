@@ -120,8 +120,12 @@ def test_public_returns_estimators_add_only_their_own_arithmetic(gaps: bool) -> 
     r, v, m = _case(gaps=gaps)
     kernel = _record(lambda: kernels.masked_discounted_return_scan(r, m, 0.99), r.numel())
     returns = kernels.masked_discounted_return_scan(r, m, 0.99)
-    whitening = _record(lambda: zero_outside(masked_whiten(returns, m), m), r.numel())
+    whitening = _record(lambda: whiten_valid(returns, m), r.numel())
+    assert len(whitening.passes) < len(
+        _record(lambda: zero_outside(masked_whiten(returns, m), m), r.numel()).passes
+    )
     rpp = _record(_estimators(r, v, m)["reinforce_pp"], r.numel())
+    # the flag's sum is the one pass more
     assert len(rpp.passes) <= len(kernel.passes) + len(whitening.passes) + 1, (rpp.passes, kernel.passes)
     remax = _record(_estimators(r, v, m)["remax"], r.numel())
     # the flag's sum, mask.any for the baselines' check, the subtraction and the select
@@ -141,23 +145,35 @@ def test_finite_inputs_never_reach_the_per_argument_check(name: str, monkeypatch
     _estimators(r, v, m)[name]()
 
 
+def _junk_at_a_valid_position(batch, junk: float, data: st.DataObject) -> tuple[torch.Tensor, ...] | None:
+    """Copies of rewards, values and baselines with ``junk`` at one drawn valid position (None if none is valid)."""
+    valid = batch.response_mask.nonzero()
+    if not len(valid):
+        return None
+    row, col = valid[data.draw(st.integers(0, len(valid) - 1))].tolist()
+    bad_r, bad_v, bad_b = (
+        batch.token_level_rewards.clone(),
+        batch.values.clone(),
+        batch.reward_baselines.clone(),
+    )
+    bad_r[row, col] = bad_v[row, col] = bad_b[row] = junk
+    return bad_r, bad_v, bad_b
+
+
 @settings(max_examples=40)
 @given(batch=ppo_batches(max_batch=8, max_len=24, dense_rewards=True), junk=JUNK, data=st.data())
 def test_nonfinite_at_a_valid_position_still_names_the_argument(
     batch, junk: float, data: st.DataObject
 ) -> None:
-    m = batch.response_mask
-    if not bool(m.any()):
+    bad = _junk_at_a_valid_position(batch, junk, data)
+    if bad is None:
         return
-    valid = m.nonzero()
-    row, col = valid[data.draw(st.integers(0, len(valid) - 1))].tolist()
-    r, v, b = batch.token_level_rewards.clone(), batch.values.clone(), batch.reward_baselines.clone()
+    (bad_r, bad_v, bad_b), m = bad, batch.response_mask
+    r, v, b = batch.token_level_rewards, batch.values, batch.reward_baselines
     if junk == 1e30:  # finite: no error, whatever the scan's flag says
-        r[row, col] = junk
-        compute_gae(r, v, m, gamma=0.9, lam=0.9)
+        compute_gae(bad_r, bad_v, m, gamma=0.9, lam=0.9)
+        compute_remax_advantage(bad_r, bad_b, m)
         return
-    bad_r, bad_v, bad_b = r.clone(), v.clone(), b.clone()
-    bad_r[row, col] = bad_v[row, col] = bad_b[row] = junk
     with pytest.raises(ValueError, match="rewards"):
         compute_gae(bad_r, v, m)
     with pytest.raises(ValueError, match="values"):
@@ -212,14 +228,11 @@ def test_checked_scans_are_the_raw_scans_zeroed_outside_the_mask(
 def test_checked_flag_is_set_by_nonfinite_input_at_a_valid_position(
     batch, junk: float, data: st.DataObject
 ) -> None:
-    m = batch.response_mask
-    if not bool(m.any()) or junk == 1e30:
+    bad = _junk_at_a_valid_position(batch, junk, data)
+    if bad is None or junk == 1e30:
         return
-    valid = m.nonzero()
-    row, col = valid[data.draw(st.integers(0, len(valid) - 1))].tolist()
+    (bad_r, bad_v, _), m = bad, batch.response_mask
     r, v = batch.token_level_rewards, batch.values
-    bad_r, bad_v = r.clone(), v.clone()
-    bad_r[row, col] = bad_v[row, col] = junk
     for backend in CHECKED_BACKENDS:
         assert bool(kernels.masked_gae_returns_checked(bad_r, v, m, 0.9, 0.9, backend=backend)[2]), backend
         assert bool(kernels.masked_gae_returns_checked(r, bad_v, m, 0.9, 0.9, backend=backend)[2]), backend
