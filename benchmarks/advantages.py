@@ -77,8 +77,11 @@ def _time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 
     return statistics.median(times)
 
 
-def _time_interleaved(fns: dict[str, Callable[[], object]], device: str, repeats: int) -> dict[str, float]:
-    """Median wall time in ms of each of ``fns``, all run in every round (order rotated), so load hits all alike."""
+def _time_interleaved(
+    fns: dict[str, Callable[[], object]], device: str, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """``(median, min)`` wall time in ms of each of ``fns``, all run in every round (order rotated), so that load
+    hits all alike; the minimum is the least disturbed run, a check on the medians of a shared machine."""
     for fn in fns.values():
         fn()
         fn()
@@ -98,7 +101,7 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], device: str, repeats
                 t0 = time.perf_counter()
                 fns[name]()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
 def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: int) -> dict:
@@ -126,20 +129,27 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
             lambda: kernels.masked_discounted_return_scan(r, m, 1.0),
         ),
     }
-    fns = {}
+    checked = {  # the scans in the form the estimators call: zeros at masked positions, non-finite flag
+        "masked_gae_returns_checked": lambda: kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM),
+        "masked_discounted_return_checked": lambda: kernels.masked_discounted_return_checked(r, m, GAMMA),
+    }
+    fns = dict(checked)
     for name, (public, kernel_name, kernel) in pairs.items():
         fns[name] = public
         fns.setdefault(kernel_name, kernel)
     ms = _time_interleaved(fns, r.device.type, repeats)
-    return {
+    report: dict = {
         name: {
-            "public_ms": round(ms[name], 4),
+            "public_ms": round(ms[name][0], 4),
             "kernel": kernel_name,
-            "kernel_ms": round(ms[kernel_name], 4),
-            "public_over_kernel": round(ms[name] / ms[kernel_name], 3),
+            "kernel_ms": round(ms[kernel_name][0], 4),
+            "public_over_kernel": round(ms[name][0] / ms[kernel_name][0], 3),
+            "public_over_kernel_of_minima": round(ms[name][1] / ms[kernel_name][1], 3),
         }
         for name, (_, kernel_name, _) in pairs.items()
     }
+    report["checked_kernels_ms"] = {name: round(ms[name][0], 4) for name in checked}
+    return report
 
 
 def _copy_bandwidth_gbps(device: str) -> float:
@@ -218,7 +228,7 @@ def _shape_report(
 ) -> dict:
     r, v, m = _case(batch, length, device)
     repeats = 5 if device == "cpu" else 50
-    public = _public_report(r, v, m, repeats=15 if device == "cpu" else 100)
+    public = _public_report(r, v, m, repeats=25 if device == "cpu" else 100)
     ours = {
         "gae": lambda: kernels.masked_gae_scan(r, v, m, GAMMA, LAM),
         "gae_and_returns": lambda: kernels.masked_gae_returns_scan(r, v, m, GAMMA, LAM),
@@ -361,7 +371,7 @@ def main() -> None:
             shapes = {}
             for batch, length in CUDA_SHAPES if device == "cuda" else CPU_SHAPES:
                 r, v, m = _case(batch, length, device)
-                shapes[f"{batch}x{length}"] = _public_report(r, v, m, repeats=15 if device == "cpu" else 100)
+                shapes[f"{batch}x{length}"] = _public_report(r, v, m, repeats=25 if device == "cpu" else 100)
             result[device] = {
                 "name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 "backends": kernels.available_backends(device),

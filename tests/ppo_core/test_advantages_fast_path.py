@@ -360,9 +360,11 @@ def test_triton_checked_on_gpu(shape: tuple[int, int]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # Triton, and the vectorised scan on CUDA
 @pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
-def test_one_cuda_sync_per_call(name: str) -> None:
-    r, v, m = (t.cuda() for t in _case(batch=64, length=1000))
+def test_one_cuda_sync_per_call(name: str, dtype: torch.dtype) -> None:
+    r, v, m = _case(batch=64, length=1000)
+    r, v, m = r.to("cuda", dtype), v.to("cuda", dtype), m.cuda()
     fn = _estimators(r, v, m)[name]
     fn()  # compile and warm up outside the count
     torch.cuda.synchronize()
