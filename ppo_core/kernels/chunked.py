@@ -38,6 +38,10 @@ _CHUNK = 16
 passes over memory around them; the levels above (``T / L`` chunk starts, then ``T / L**2``) are small."""
 
 
+_CPU_INDEX = torch.int32 if torch.torch_version.TorchVersion(torch.__version__) >= (2, 8) else torch.int64
+"""Index dtype of gather/scatter on CPU (int32 indices are accepted since torch 2.8)."""
+
+
 @functools.lru_cache(maxsize=64)
 def _powers_matrix(coef: float, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``M[s, t] = coef**(s - t)`` for ``s >= t`` else 0, so that ``b @ M`` is the reverse discounted sum.
@@ -93,9 +97,9 @@ class _Compaction:
     def _counts(self) -> torch.Tensor:
         """``[B, T]`` count of valid tokens up to and including ``t``, in one new buffer.
 
-        int32 on CPU, where gather and scatter take it: half the memory of int64 (the largest buffer here).
+        int32 on CPU where gather and scatter take it (torch >= 2.8): half the memory of int64, the largest buffer.
         """
-        dtype = torch.int32 if self.mask.device.type == "cpu" else torch.int64
+        dtype = _CPU_INDEX if self.mask.device.type == "cpu" else torch.int64
         return self.mask.to(dtype).cumsum_(dim=1)
 
     @functools.cached_property
