@@ -5,7 +5,7 @@ token neither adds its reward nor advances the discount, and it carries the runn
 discount step is applied across a whole gap of observation tokens (verl's multi-turn semantics).
 
 The functions here are the dispatch points (:mod:`ppo_core.kernels.dispatch`): a Triton kernel on CUDA, a
-vectorised PyTorch scan on CPU and elsewhere (nothing is compiled at run time), all checked against the
+vectorised PyTorch scan on CPU (no compiler needed) and elsewhere, all checked against the
 per-timestep loops in :mod:`ppo_core.kernels.reference`. The ``*_checked`` forms are what the advantage estimators
 call: exact zeros at masked positions and a non-finite flag set by the scan itself.
 """

@@ -1,5 +1,5 @@
 """The token-level estimators cost their kernel and little more: the finiteness check and the masking live in the
-scan (a flag it writes, read with one host sync), and nothing is compiled at run time.
+scan (a flag it writes, read with one host sync), and the CPU path compiles nothing at run time.
 
 Timings are never asserted here (the machine is shared); what is pinned is what makes the time: host syncs, passes
 over ``[B, T]`` data, and the slow per-argument check running only when the scan's flag is set.
