@@ -29,6 +29,35 @@ def check_rewards_and_mask(rewards: object, response_mask: object) -> tuple[torc
     return rewards, mask
 
 
+def check_rewards_and_mask_unsynced(
+    rewards: object, response_mask: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`check_rewards_and_mask` without its host sync, for the estimators that read one flag at the end.
+
+    Returns ``(rewards, mask, mask_flag)``. A bool mask is taken as it is (``mask_flag`` None); another mask of the
+    right type, shape and device becomes ``mask != 0``, and whether it held anything but 0 and 1 is ``mask_flag``,
+    a 0-d bool tensor: when it is set, :func:`check_rewards_and_mask` raises the usual error.
+    """
+    mask = response_mask
+    if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool or mask.is_complex():
+        rewards, mask = check_rewards_and_mask(rewards, mask)
+        return rewards, mask, None
+    rewards = check_ndim(REWARDS, check_floating(REWARDS, rewards), 2)
+    if mask.shape != rewards.shape or mask.device != rewards.device:
+        check_rewards_and_mask(rewards, mask)  # raises the error that names the argument
+    valid = mask != 0
+    return rewards, valid, (valid & (mask != 1)).any()
+
+
+def any_set(*flags: torch.Tensor | None) -> bool:
+    """Whether any of the deferred checks of a call flagged something: one host sync for all of them."""
+    present = [flag for flag in flags if flag is not None]
+    combined = present[0]
+    for flag in present[1:]:
+        combined = combined | flag
+    return bool(combined)
+
+
 def check_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming ``name`` if ``value`` holds NaN or inf (only where ``where`` is true, if given)."""
     bad = ~torch.isfinite(value)

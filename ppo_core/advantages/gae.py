@@ -8,8 +8,10 @@ from ppo_core import kernels
 from ppo_core._checks import check_floating, check_same_shape
 from ppo_core.advantages._common import (
     REWARDS,
+    any_set,
     check_finite,
     check_rewards_and_mask,
+    check_rewards_and_mask_unsynced,
     check_scalar,
     whiten_valid,
 )
@@ -66,7 +68,7 @@ def compute_gae(
         >>> ret
         tensor([[1., 1., 1.]])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     values = check_floating("values", values)
     check_same_shape(rewards=rewards, values=values)
     if values.device != rewards.device:
@@ -79,7 +81,8 @@ def compute_gae(
     advantages, returns, maybe_nonfinite = kernels.masked_gae_returns_checked(
         rewards, values, mask, gamma, lam
     )
-    if bool(maybe_nonfinite):
+    if any_set(maybe_nonfinite, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("values", values, mask)
     if whiten:

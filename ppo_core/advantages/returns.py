@@ -8,8 +8,10 @@ from ppo_core import kernels
 from ppo_core._checks import check_floating, check_ndim
 from ppo_core.advantages._common import (
     REWARDS,
+    any_set,
     check_finite,
     check_rewards_and_mask,
+    check_rewards_and_mask_unsynced,
     check_scalar,
     whiten_valid,
     zero_outside,
@@ -46,10 +48,11 @@ def compute_reinforce_pp_advantage(
         >>> ret[0]
         tensor([1., 1., 1., 0.])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
     returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards, mask, gamma)
-    if bool(maybe_nonfinite):
+    if any_set(maybe_nonfinite, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
     return whiten_valid(returns, mask), returns
 
@@ -77,7 +80,7 @@ def compute_remax_advantage(
         >>> adv
         tensor([[0.7500, 0.7500]])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     baselines = check_ndim("reward_baselines", check_floating("reward_baselines", reward_baselines), 1)
     if baselines.shape[0] != rewards.shape[0]:
         raise ValueError(
@@ -88,8 +91,10 @@ def compute_remax_advantage(
         raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
     returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards.to(dtype), mask, 1.0)
-    # a baseline only matters for a row with a valid token; one host sync for both checks
-    if bool(maybe_nonfinite | (mask.any(dim=-1) & ~torch.isfinite(baselines)).any()):
+    # a baseline only matters for a row with a valid token
+    bad_baseline = (mask.any(dim=-1) & ~torch.isfinite(baselines)).any()
+    if any_set(maybe_nonfinite, bad_baseline, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("reward_baselines", baselines, mask.any(dim=-1))
     advantages = zero_outside(returns - baselines.to(dtype).unsqueeze(-1), mask)

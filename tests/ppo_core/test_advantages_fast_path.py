@@ -91,18 +91,34 @@ def _estimators(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> dict:
     }
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
 @pytest.mark.parametrize("gaps", [True, False])
 @pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
-def test_one_host_sync_per_call(name: str, gaps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One value read per call: the scan's flag. (On CPU the vectorised scan also reads whether the mask is
-    already compact; that read is no sync on CPU and never runs on CUDA, where ``test_one_cuda_sync_per_call``
-    counts real syncs. It is answered here outside the count, both answers being exercised.)"""
+def test_one_host_sync_per_call(
+    name: str, gaps: bool, mask_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One value read per call: the flag of the scan (and of the 0/1 test of a mask that is not bool). On CPU the
+    vectorised scan also reads whether the mask is already compact; that read is no sync on CPU and never runs on
+    CUDA, where ``test_one_cuda_sync_per_call`` counts real syncs, so it is answered here outside the count."""
     r, v, m = _case(gaps=gaps)
     compact = chunked._is_prefix(m)
     assert compact is not gaps
     monkeypatch.setattr(chunked, "_is_prefix", lambda mask: compact)
-    recorder = _record(_estimators(r, v, m)[name], r.numel())
+    recorder = _record(_estimators(r, v, m.to(mask_dtype))[name], r.numel())
     assert recorder.syncs == 1, recorder.syncs
+
+
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, float("nan")])
+@pytest.mark.parametrize("name", ["gae", "reinforce_pp", "remax"])
+def test_a_mask_of_other_values_than_0_and_1_still_raises(name: str, bad: float) -> None:
+    r, v, m = _case(batch=6, length=20)
+    mask = m.to(torch.float32)
+    mask[2, 3] = bad
+    with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
+        _estimators(r, v, mask)[name]()
+    if bad in (2.0, -1.0):  # integer masks too
+        with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
+            _estimators(r, v, mask.to(torch.int64))[name]()
 
 
 @pytest.mark.parametrize("gaps", [True, False])
