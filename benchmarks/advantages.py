@@ -3,6 +3,9 @@
 Prints ONE JSON object. For every device (CPU, and CUDA when present) and shape ``B x T`` (float32, random
 lengths, an interior gap on every third row, verl's masked-token semantics):
 
+- ``public``: what users call (``compute_gae(..., whiten=False)`` and ``whiten=True``,
+  ``compute_reinforce_pp_advantage``, ``compute_remax_advantage``) against the kernel each one wraps, timed
+  interleaved in one loop (medians), with ``public_over_kernel`` (the target is at most 1.3);
 - ``ours_ms``: the dispatched scans (``masked_gae_scan``, the fused ``masked_gae_returns_scan``,
   ``masked_discounted_return_scan``) and, per backend, the GAE scan alone;
 - ``oracle_loop_ms``: the per-timestep reference loop (what verl runs), float32, same inputs;
@@ -12,10 +15,14 @@ lengths, an interior gap on every third row, verl's masked-token semantics):
   over the copy bandwidth measured in this run, and ``floor_20B_ms`` with the issue's 20 B/token;
 - ``max_abs_err``: against the float64 oracle on valid tokens.
 
-Also, on each device, the group estimators of :mod:`ppo_core.advantages` (if present) at B = 65536 rows in
+Also, on each device, the group estimators of :mod:`ppo_core.advantages` at B = 65536 rows in
 8192 groups. On CUDA a small sweep of Triton launch shapes is recorded under ``triton_sweep``.
 
-Usage: ``python benchmarks/advantages.py [--device cpu|cuda|all] [--quick] [--out FILE]``.
+On CPU the load average before and after the run is recorded (``load_avg``): CPU timings on a shared machine
+are only comparable within one run.
+
+Usage: ``python benchmarks/advantages.py [--device cpu|cuda|all] [--quick] [--public] [--out FILE]``
+(``--public``: only the public functions against their kernels).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ppo_core import kernels
+from ppo_core import advantages, kernels
 from ppo_core.kernels import chunked, reference, triton_scan
 
 CPU_SHAPES = [(256, 1024), (512, 4096)]
@@ -67,6 +75,81 @@ def _time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _time_interleaved(
+    fns: dict[str, Callable[[], object]], device: str, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """``(median, min)`` wall time in ms of each of ``fns``, all run in every round (order rotated), so that load
+    hits all alike; the minimum is the least disturbed run, a check on the medians of a shared machine."""
+    for fn in fns.values():
+        fn()
+        fn()
+    _sync(device)
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+
+
+def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: int) -> dict:
+    """Each public estimator against the raw kernel it wraps (``kernel``), same inputs, interleaved."""
+    baselines = torch.randn(r.shape[0], generator=torch.Generator().manual_seed(1)).to(r.device)
+    pairs = {
+        "compute_gae(whiten=False)": (
+            lambda: advantages.compute_gae(r, v, m, gamma=GAMMA, lam=LAM, whiten=False),
+            "masked_gae_returns_scan",
+            lambda: kernels.masked_gae_returns_scan(r, v, m, GAMMA, LAM),
+        ),
+        "compute_gae(whiten=True)": (
+            lambda: advantages.compute_gae(r, v, m, gamma=GAMMA, lam=LAM, whiten=True),
+            "masked_gae_returns_scan",
+            lambda: kernels.masked_gae_returns_scan(r, v, m, GAMMA, LAM),
+        ),
+        "compute_reinforce_pp_advantage": (
+            lambda: advantages.compute_reinforce_pp_advantage(r, m, gamma=GAMMA),
+            "masked_discounted_return_scan",
+            lambda: kernels.masked_discounted_return_scan(r, m, GAMMA),
+        ),
+        "compute_remax_advantage": (
+            lambda: advantages.compute_remax_advantage(r, baselines, m),
+            "masked_discounted_return_scan(gamma=1)",
+            lambda: kernels.masked_discounted_return_scan(r, m, 1.0),
+        ),
+    }
+    checked = {  # the scans in the form the estimators call: zeros at masked positions, non-finite flag
+        "masked_gae_returns_checked": lambda: kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM),
+        "masked_discounted_return_checked": lambda: kernels.masked_discounted_return_checked(r, m, GAMMA),
+    }
+    fns = dict(checked)
+    for name, (public, kernel_name, kernel) in pairs.items():
+        fns[name] = public
+        fns.setdefault(kernel_name, kernel)
+    ms = _time_interleaved(fns, r.device.type, repeats)
+    report: dict = {
+        name: {
+            "public_ms": round(ms[name][0], 4),
+            "kernel": kernel_name,
+            "kernel_ms": round(ms[kernel_name][0], 4),
+            "public_over_kernel": round(ms[name][0] / ms[kernel_name][0], 3),
+            "public_over_kernel_of_minima": round(ms[name][1] / ms[kernel_name][1], 3),
+        }
+        for name, (_, kernel_name, _) in pairs.items()
+    }
+    report["checked_kernels_ms"] = {name: round(ms[name][0], 4) for name in checked}
+    return report
 
 
 def _copy_bandwidth_gbps(device: str) -> float:
@@ -145,12 +228,14 @@ def _shape_report(
 ) -> dict:
     r, v, m = _case(batch, length, device)
     repeats = 5 if device == "cpu" else 50
+    public = _public_report(r, v, m, repeats=25 if device == "cpu" else 100)
     ours = {
         "gae": lambda: kernels.masked_gae_scan(r, v, m, GAMMA, LAM),
         "gae_and_returns": lambda: kernels.masked_gae_returns_scan(r, v, m, GAMMA, LAM),
         "discounted_return": lambda: kernels.masked_discounted_return_scan(r, m, GAMMA),
     }
-    report: dict = {"ours_ms": {name: _time_ms(fn, device, repeats) for name, fn in ours.items()}}
+    report: dict = {"public": public}
+    report["ours_ms"] = {name: _time_ms(fn, device, repeats) for name, fn in ours.items()}
     report["backends_gae_ms"] = {
         b: _time_ms(lambda b=b: kernels.masked_gae_scan(r, v, m, GAMMA, LAM, backend=b), device, repeats)
         for b in kernels.available_backends(device)
@@ -223,10 +308,6 @@ def _kernel_launches(fn: Callable[[], object]) -> int:
 
 
 def _group_report(device: str) -> dict:
-    try:
-        from ppo_core import advantages
-    except ImportError:
-        return {"skipped": "ppo_core.advantages not importable"}
     batch, groups, length = 65536, 8192, 128
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(batch, generator=gen)
@@ -264,6 +345,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="skip the slow reference loop")
     parser.add_argument("--sweep", action="store_true", help="sweep Triton launch shapes on CUDA")
+    parser.add_argument(
+        "--public", action="store_true", help="only the public estimators against the kernels they wrap"
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -282,6 +366,21 @@ def main() -> None:
         if device == "cuda" and not torch.cuda.is_available():
             result["cuda"] = {"skipped": "no CUDA device"}
             continue
+        if args.public:
+            load = os.getloadavg() if device == "cpu" else None
+            shapes = {}
+            for batch, length in CUDA_SHAPES if device == "cuda" else CPU_SHAPES:
+                r, v, m = _case(batch, length, device)
+                shapes[f"{batch}x{length}"] = _public_report(r, v, m, repeats=25 if device == "cpu" else 100)
+            result[device] = {
+                "name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                "backends": kernels.available_backends(device),
+                "public": shapes,
+            }
+            if load is not None:
+                result[device]["load_avg"] = {"before": load, "after": os.getloadavg()}
+            continue
+        load = os.getloadavg() if device == "cpu" else None
         bandwidth = _copy_bandwidth_gbps(device)
         section: dict = {
             "name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -298,6 +397,8 @@ def main() -> None:
         if device == "cuda" and args.sweep and triton_scan.is_available("cuda"):
             section["triton_sweep"] = _triton_sweep(*CUDA_SHAPES[-1])
         section["group_estimators"] = _group_report(device)
+        if load is not None:
+            section["load_avg"] = {"before": load, "after": os.getloadavg()}
         result[device] = section
     text = json.dumps(result, indent=1)
     if args.out:

@@ -7,7 +7,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim
-from ppo_core._groups import GroupIndex, factorize_index
+from ppo_core.advantages._groups import GroupIndex, factorize_index
+from ppo_core.masked import WHITEN_EPS
 
 __all__: list[str] = []
 
@@ -26,6 +27,35 @@ def check_rewards_and_mask(rewards: object, response_mask: object) -> tuple[torc
             f"response_mask is on {mask.device} but {REWARDS} is on {rewards.device}; they must match"
         )
     return rewards, mask
+
+
+def check_rewards_and_mask_unsynced(
+    rewards: object, response_mask: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`check_rewards_and_mask` without its host sync, for the estimators that read one flag at the end.
+
+    Returns ``(rewards, mask, mask_flag)``. A bool mask is taken as it is (``mask_flag`` None); another mask of the
+    right type, shape and device becomes ``mask != 0``, and whether it held anything but 0 and 1 is ``mask_flag``,
+    a 0-d bool tensor: when it is set, :func:`check_rewards_and_mask` raises the usual error.
+    """
+    mask = response_mask
+    if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool or mask.is_complex():
+        rewards, mask = check_rewards_and_mask(rewards, mask)
+        return rewards, mask, None
+    rewards = check_ndim(REWARDS, check_floating(REWARDS, rewards), 2)
+    if mask.shape != rewards.shape or mask.device != rewards.device:
+        check_rewards_and_mask(rewards, mask)  # raises the error that names the argument
+    valid = mask != 0
+    return rewards, valid, (valid & (mask != 1)).any()
+
+
+def any_set(*flags: torch.Tensor | None) -> bool:
+    """Whether any of the deferred checks of a call flagged something: one host sync for all of them."""
+    present = [flag for flag in flags if flag is not None]
+    combined = present[0]
+    for flag in present[1:]:
+        combined = combined | flag
+    return bool(combined)
 
 
 def check_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
@@ -50,6 +80,24 @@ def check_scalar(name: str, value: float, low: float, high: float = float("inf")
 def zero_outside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` at valid tokens, exactly 0 elsewhere (NaN/inf on masked tokens cannot leak)."""
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def whiten_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``zero_outside(masked_whiten(values, mask), mask)`` for ``values: [B, T]`` that are exactly 0 where masked.
+
+    The estimators' outputs have that property, which lets every sum skip its select (the zeros add nothing) and
+    the centred values serve both the variance and the output: the same arithmetic as :func:`masked_whiten`
+    (bit for bit below 2**24 valid tokens, where its float32 count is exact; this count is exact everywhere) in
+    about half the passes over ``[B, T]``.
+    """
+    acc = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
+    zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
+    count = torch.count_nonzero(mask).to(acc.dtype)
+    mean = acc.sum() / count.clamp(min=1)
+    centred = acc - mean
+    sq_sum = torch.where(mask, centred, zero).square_().sum()
+    var = torch.where(count > 1, sq_sum / (count - 1).clamp(min=1), zero)
+    return centred.mul_(torch.rsqrt(var + WHITEN_EPS)).masked_fill_(~mask, 0).to(values.dtype)
 
 
 def broadcast_rows(per_row: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,12 +8,13 @@ from ppo_core import kernels
 from ppo_core._checks import check_floating, check_same_shape
 from ppo_core.advantages._common import (
     REWARDS,
+    any_set,
     check_finite,
     check_rewards_and_mask,
+    check_rewards_and_mask_unsynced,
     check_scalar,
-    zero_outside,
+    whiten_valid,
 )
-from ppo_core.masked import masked_whiten
 
 __all__ = ["compute_gae"]
 
@@ -67,7 +68,7 @@ def compute_gae(
         >>> ret
         tensor([[1., 1., 1.]])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     values = check_floating("values", values)
     check_same_shape(rewards=rewards, values=values)
     if values.device != rewards.device:
@@ -76,13 +77,14 @@ def compute_gae(
         )
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
     lam = check_scalar("lam", lam, 0.0, 1.0)
-    check_finite(REWARDS, rewards, mask)
-    check_finite("values", values, mask)
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    # zeroing masked inputs first keeps any kernel's arithmetic masking from turning masked NaN/inf into NaN
-    r = zero_outside(rewards.to(dtype), mask).contiguous()
-    v = zero_outside(values.to(dtype), mask).contiguous()
-    raw, returns = kernels.masked_gae_returns_scan(r, v, mask.contiguous(), gamma, lam)
-    returns = zero_outside(returns, mask)
-    advantages = masked_whiten(raw, mask) if whiten else raw
-    return zero_outside(advantages, mask), returns
+    # The scan zeroes masked positions and flags NaN/inf it reads at valid ones: one host sync, no extra pass.
+    advantages, returns, maybe_nonfinite = kernels.masked_gae_returns_checked(
+        rewards, values, mask, gamma, lam
+    )
+    if any_set(maybe_nonfinite, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
+        check_finite(REWARDS, rewards, mask)
+        check_finite("values", values, mask)
+    if whiten:
+        advantages = whiten_valid(advantages, mask)
+    return advantages, returns

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core._groups import group_count, group_stats, group_weighted_mean
-from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome, zero_outside
-from ppo_core.masked import masked_whiten
+from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome, whiten_valid
+from ppo_core.advantages._groups import group_count, group_stats, group_weighted_mean
 
 __all__ = [
     "compute_gpg_advantage",
@@ -83,7 +82,7 @@ def compute_reinforce_pp_baseline_advantage(
     stats = group_stats(scores, groups, valid)
     per_row = torch.where(stats.count[groups.ids] > 1, stats.centred, scores)
     centred = broadcast_rows(_keep_valid(per_row, valid), mask, rewards.dtype)
-    advantages = zero_outside(masked_whiten(centred, mask), mask)
+    advantages = whiten_valid(centred, mask)
     return advantages, advantages.clone()
 
 

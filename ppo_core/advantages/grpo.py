@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core._groups import group_count, group_stats
 from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome
+from ppo_core.advantages._groups import group_count, group_stats
 
 __all__ = ["compute_grpo_advantage", "compute_grpo_passk_advantage"]
 

@@ -8,12 +8,14 @@ from ppo_core import kernels
 from ppo_core._checks import check_floating, check_ndim
 from ppo_core.advantages._common import (
     REWARDS,
+    any_set,
     check_finite,
     check_rewards_and_mask,
+    check_rewards_and_mask_unsynced,
     check_scalar,
+    whiten_valid,
     zero_outside,
 )
-from ppo_core.masked import masked_whiten
 
 __all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
 
@@ -46,14 +48,13 @@ def compute_reinforce_pp_advantage(
         >>> ret[0]
         tensor([1., 1., 1., 0.])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
-    check_finite(REWARDS, rewards, mask)
-    returns = kernels.masked_discounted_return_scan(
-        zero_outside(rewards, mask).contiguous(), mask.contiguous(), gamma
-    )
-    returns = zero_outside(returns, mask)
-    return zero_outside(masked_whiten(returns, mask), mask), returns
+    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards, mask, gamma)
+    if any_set(maybe_nonfinite, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
+        check_finite(REWARDS, rewards, mask)
+    return whiten_valid(returns, mask), returns
 
 
 @torch.no_grad()
@@ -79,7 +80,7 @@ def compute_remax_advantage(
         >>> adv
         tensor([[0.7500, 0.7500]])
     """
-    rewards, mask = check_rewards_and_mask(rewards, response_mask)
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     baselines = check_ndim("reward_baselines", check_floating("reward_baselines", reward_baselines), 1)
     if baselines.shape[0] != rewards.shape[0]:
         raise ValueError(
@@ -88,12 +89,13 @@ def compute_remax_advantage(
         )
     if baselines.device != rewards.device:
         raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
-    check_finite(REWARDS, rewards, mask)
-    check_finite("reward_baselines", baselines, mask.any(dim=-1))
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
-    masked_rewards = zero_outside(rewards.to(dtype), mask).contiguous()
-    returns = zero_outside(
-        kernels.masked_discounted_return_scan(masked_rewards, mask.contiguous(), 1.0), mask
-    )
+    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards.to(dtype), mask, 1.0)
+    # a baseline only matters for a row with a valid token
+    bad_baseline = (mask.any(dim=-1) & ~torch.isfinite(baselines)).any()
+    if any_set(maybe_nonfinite, bad_baseline, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
+        check_finite(REWARDS, rewards, mask)
+        check_finite("reward_baselines", baselines, mask.any(dim=-1))
     advantages = zero_outside(returns - baselines.to(dtype).unsqueeze(-1), mask)
     return advantages, returns

@@ -5,8 +5,9 @@ token neither adds its reward nor advances the discount, and it carries the runn
 discount step is applied across a whole gap of observation tokens (verl's multi-turn semantics).
 
 The functions here are the dispatch points (:mod:`ppo_core.kernels.dispatch`): a Triton kernel on CUDA, a
-compiled one-pass kernel on CPU, a vectorised PyTorch scan elsewhere, all checked against the per-timestep
-loops in :mod:`ppo_core.kernels.reference`.
+vectorised PyTorch scan on CPU (no compiler needed) and elsewhere, all checked against the
+per-timestep loops in :mod:`ppo_core.kernels.reference`. The ``*_checked`` forms are what the advantage estimators
+call: exact zeros at masked positions and a non-finite flag set by the scan itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from ppo_core.kernels.dispatch import (
     BACKENDS,
     available_backends,
+    masked_discounted_return_checked,
     masked_discounted_return_scan,
+    masked_gae_returns_checked,
     masked_gae_returns_scan,
     masked_gae_scan,
 )
@@ -22,7 +25,9 @@ from ppo_core.kernels.dispatch import (
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "masked_discounted_return_checked",
     "masked_discounted_return_scan",
+    "masked_gae_returns_checked",
     "masked_gae_returns_scan",
     "masked_gae_scan",
 ]

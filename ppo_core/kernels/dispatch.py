@@ -3,14 +3,17 @@
 Backends (all with the semantics of :mod:`ppo_core.kernels.reference`, checked against it in the tests):
 
 - ``"triton"``: one Triton kernel launch on CUDA (:mod:`ppo_core.kernels.triton_scan`);
-- ``"cpu"``: a one-pass C kernel over rows on CPU threads (:mod:`ppo_core.kernels.cpu`);
-- ``"chunked"``: vectorised PyTorch on any device, and the only fast path that is differentiable
-  (:mod:`ppo_core.kernels.chunked`);
+- ``"chunked"``: vectorised PyTorch on any device (the CPU path: nothing is compiled at run time), and the only
+  fast path that is differentiable (:mod:`ppo_core.kernels.chunked`);
 - ``"reference"``: the per-timestep loop, the oracle.
 
 ``"auto"`` picks ``chunked`` when autograd must flow through the inputs or for float64 inputs on CUDA (Triton
-takes gamma and lam as fp32 scalars), else ``triton`` on CUDA, ``cpu`` on CPU, each when available, and ``chunked``
-otherwise.
+takes gamma and lam as fp32 scalars), else ``triton`` on CUDA when available, and ``chunked`` otherwise.
+
+Two forms of each scan: the raw one (``masked_gae_returns_scan``...: at a masked position the state carried from
+the right) and the estimators' one (``*_checked``: exactly 0 at masked positions, plus a flag the scan itself
+sets when a NaN/inf input at a valid position entered it, so that an estimator needs no pass of its own over
+the inputs and one host sync to read the flag).
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ from __future__ import annotations
 import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim, check_same_shape
-from ppo_core.kernels import chunked, cpu, reference, triton_scan
+from ppo_core.kernels import chunked, reference, triton_scan
 
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "masked_discounted_return_checked",
     "masked_discounted_return_scan",
+    "masked_gae_returns_checked",
     "masked_gae_returns_scan",
     "masked_gae_scan",
 ]
 
-BACKENDS = ("auto", "triton", "cpu", "chunked", "reference")
+BACKENDS = ("auto", "triton", "chunked", "reference")
 """Names accepted by the ``backend`` argument of the scans."""
 
 
@@ -40,11 +45,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
         True
     """
     device = torch.device(device)
-    names = []
-    if device.type == "cuda" and triton_scan.is_available(device):
-        names.append("triton")
-    if device.type == "cpu" and cpu.is_available():
-        names.append("cpu")
+    names = ["triton"] if device.type == "cuda" and triton_scan.is_available(device) else []
     return [*names, "chunked", "reference"]
 
 
@@ -99,8 +100,6 @@ def _gae(
     name = _resolve(backend, rewards.device, (rewards, values))
     if name == "triton":
         return triton_scan.gae_scan_triton(rewards, values, mask, gamma, lam, with_returns=with_returns)
-    if name == "cpu":
-        return cpu.gae_scan_cpu(rewards, values, mask, gamma, lam, with_returns=with_returns)
     impl = chunked.gae_scan_chunked if name == "chunked" else reference.masked_gae_scan
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     adv = impl(rewards.to(dtype), values.to(dtype), mask, gamma, lam)
@@ -197,11 +196,97 @@ def masked_discounted_return_scan(
     name = _resolve(backend, rewards.device, (rewards,))
     if name == "triton":
         return triton_scan.discounted_return_scan_triton(rewards, mask, gamma)
-    if name == "cpu":
-        return cpu.discounted_return_scan_cpu(rewards, mask, gamma)
     impl = (
         chunked.discounted_return_scan_chunked
         if name == "chunked"
         else reference.masked_discounted_return_scan
     )
     return impl(rewards, mask, gamma)
+
+
+def _reference_flag(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    bad = torch.zeros_like(mask)
+    for tensor in tensors:
+        bad |= ~torch.isfinite(tensor)
+    return (bad & mask).any()
+
+
+def masked_gae_returns_checked(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns as the estimators give them, and a non-finite flag set by the scan itself.
+
+    Semantics of :func:`masked_gae_returns_scan` at valid positions; both outputs are exactly 0 at masked ones
+    (where rewards and values may hold anything, NaN and inf included).
+
+    Args:
+        rewards, values: ``[B, T]`` floating tensors.
+        mask: ``[B, T]`` bool (or 0/1) tensor.
+        gamma, lam: discount and GAE lambda.
+        backend: one of :data:`BACKENDS`.
+
+    Returns:
+        ``(advantages, returns, flag)``: two ``[B, T]`` tensors in the promoted dtype of rewards and values, and a
+        0-d tensor on their device. A zero (False) flag guarantees that every reward and value at a valid position
+        is finite; a nonzero one says that one may not be: Triton and the reference test the inputs they read,
+        the vectorised scan tests the sum of the TD errors it forms (which an overflow of finite inputs can also
+        make non-finite), so the caller checks the inputs to name the culprit. Reading the flag is the one host
+        sync an estimator needs.
+
+    Example:
+        >>> r, v = torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[0.5, float("nan"), 0.5]])
+        >>> adv, ret, flag = masked_gae_returns_checked(r, v, torch.tensor([[1, 0, 1]]), 1.0, 1.0)
+        >>> ret, bool(flag)
+        (tensor([[1., 0., 1.]]), False)
+    """
+    mask = _check_inputs(rewards, mask, values=values)
+    gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
+    name = _resolve(backend, rewards.device, (rewards, values))
+    if name == "triton":
+        return triton_scan.gae_returns_checked_triton(rewards, values, mask, gamma, lam)
+    if name == "chunked":
+        return chunked.gae_returns_checked_chunked(rewards, values, mask, gamma, lam)
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r, v = rewards.to(dtype), values.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=r.device)
+    adv = torch.where(mask, reference.masked_gae_scan(r, v, mask, gamma, lam), zero)
+    return adv, torch.where(mask, adv + v, zero), _reference_flag(mask, rewards, values)
+
+
+def masked_discounted_return_checked(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`masked_discounted_return_scan` and a non-finite flag set by the scan (see
+    :func:`masked_gae_returns_checked`).
+
+    Args:
+        rewards: ``[B, T]`` floating tensor.
+        mask: ``[B, T]`` bool (or 0/1) tensor.
+        gamma: discount.
+        backend: one of :data:`BACKENDS`.
+
+    Returns:
+        ``(returns, flag)``: ``[B, T]`` returns in the dtype of ``rewards``, 0 at masked positions, and a 0-d
+        tensor that is zero (False) only if every reward at a valid position is finite.
+
+    Example:
+        >>> r = torch.tensor([[1.0, float("inf"), 1.0]])
+        >>> out, flag = masked_discounted_return_checked(r, torch.tensor([[1, 0, 1]]), 0.5)
+        >>> out, bool(flag)
+        (tensor([[1.5000, 0.0000, 1.0000]]), False)
+    """
+    mask = _check_inputs(rewards, mask)
+    gamma = _scalar("gamma", gamma)
+    name = _resolve(backend, rewards.device, (rewards,))
+    if name == "triton":
+        return triton_scan.discounted_return_scan_checked_triton(rewards, mask, gamma)
+    if name == "chunked":
+        return chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
+    returns = reference.masked_discounted_return_scan(rewards, mask, gamma)
+    return returns, _reference_flag(mask, rewards)

@@ -13,6 +13,10 @@ The advantage scan then uses ``a = gamma * lam, b = delta`` at valid tokens and 
 ones, which carries both the bootstrap value and the running advantage across a gap, as the reference does.
 The discounted return is the second scan alone with ``a = gamma, b = r``.
 
+The ``*_checked`` entry points are the estimators' form: outputs exactly 0 at masked positions, and a flag the
+kernel sets (one atomic OR per program) when a reward or value it reads at a valid position is NaN or inf, so the
+caller needs no pass of its own over the inputs and one host sync to read the flag.
+
 Precision: the scans run in float32 for float32 inputs; against the float64 loop the largest error seen at
 1024 x 8192 was 5e-5 (gamma = lam = 1, the worst case: nothing decays). ``accumulate_fp64=True`` runs them in
 float64 for ~40% more time on an H100.
@@ -23,6 +27,7 @@ Falls back cleanly: without Triton or CUDA, :func:`is_available` is False and no
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -37,7 +42,14 @@ except ImportError:  # Triton is optional: CPU-only installs and non-CUDA builds
     triton = None
     tl = None
 
-__all__ = ["ScanLaunch", "discounted_return_scan_triton", "gae_scan_triton", "is_available"]
+__all__ = [
+    "ScanLaunch",
+    "discounted_return_scan_checked_triton",
+    "discounted_return_scan_triton",
+    "gae_returns_checked_triton",
+    "gae_scan_triton",
+    "is_available",
+]
 
 
 @dataclass(kw_only=True)
@@ -68,6 +80,7 @@ def is_available(device: torch.device | str | None = None) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+@functools.lru_cache(maxsize=256)
 def _default_launch(length: int) -> ScanLaunch:
     # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep on an
     # H100 at 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
@@ -93,17 +106,24 @@ if triton is not None:
         return a_later * a_earlier, a_earlier * b_later + b_earlier
 
     @triton.jit
+    def _nonfinite(x, valid):
+        # int32 1 at the valid lanes holding NaN or +-inf (NaN fails every comparison), else 0
+        return (valid & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
+
+    @triton.jit
     def _gae_kernel(
         r_ptr,
         v_ptr,
         m_ptr,
         adv_ptr,
         ret_ptr,
+        flag_ptr,
         n_rows,
         length,
         gamma,
         coef,
         WITH_RETURNS: tl.constexpr,
+        CHECKED: tl.constexpr,
         ACC: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -115,6 +135,9 @@ if triton is not None:
         last_lane = lanes == BLOCK_T - 1
         carry_v = tl.zeros([BLOCK_B], ACC)
         carry_adv = tl.zeros([BLOCK_B], ACC)
+        # Non-finite inputs seen per lane, OR-ed over the chunks and reduced once after the loop.
+        bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
+        bad_v = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         for start in range(0, length, BLOCK_T):
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
@@ -136,20 +159,33 @@ if triton is not None:
                 (tl.where(m, zero + coef, one), delta), axis=1, combine_fn=_compose
             )
             adv = a_g * carry_adv[:, None] + b_g
-            tl.store(adv_ptr + base + t, adv, mask=ok)
-            if WITH_RETURNS:
-                tl.store(ret_ptr + base + t, adv + v, mask=ok)
+            if CHECKED:
+                # Masked lanes may hold NaN/inf in v (and so in adv + v): select, never multiply by the mask.
+                tl.store(adv_ptr + base + t, tl.where(m, adv, zero), mask=ok)
+                if WITH_RETURNS:
+                    tl.store(ret_ptr + base + t, tl.where(m, adv + v, zero), mask=ok)
+                bad_r = bad_r | _nonfinite(r, m)
+                bad_v = bad_v | _nonfinite(v, m)
+            else:
+                tl.store(adv_ptr + base + t, adv, mask=ok)
+                if WITH_RETURNS:
+                    tl.store(ret_ptr + base + t, adv + v, mask=ok)
             carry_v = tl.sum(tl.where(last_lane, next_v, zero), axis=1)
             carry_adv = tl.sum(tl.where(last_lane, adv, zero), axis=1)
+        if CHECKED:
+            # bit 0: a reward, bit 1: a value at a valid position is NaN or inf
+            tl.atomic_or(flag_ptr, tl.max(bad_r) | (tl.max(bad_v) * 2))
 
     @triton.jit
     def _return_kernel(
         r_ptr,
         m_ptr,
         out_ptr,
+        flag_ptr,
         n_rows,
         length,
         gamma,
+        CHECKED: tl.constexpr,
         ACC: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -160,6 +196,7 @@ if triton is not None:
         row_ok = (rows < n_rows)[:, None]
         last_lane = lanes == BLOCK_T - 1
         carry = tl.zeros([BLOCK_B], ACC)
+        bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         for start in range(0, length, BLOCK_T):
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
@@ -172,6 +209,10 @@ if triton is not None:
             run = a * carry[:, None] + b
             tl.store(out_ptr + base + t, tl.where(m, run, zero), mask=ok)
             carry = tl.sum(tl.where(last_lane, run, zero), axis=1)
+            if CHECKED:
+                bad_r = bad_r | _nonfinite(r, m)
+        if CHECKED:
+            tl.atomic_or(flag_ptr, tl.max(bad_r))
 
 
 def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
@@ -180,6 +221,54 @@ def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
 
 def _grid(batch: int, launch: ScanLaunch) -> tuple[int]:
     return (triton.cdiv(batch, launch.block_b),)
+
+
+def _new_flag(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 word the kernels OR their non-finite bits into."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    with_returns: bool,
+    flag: torch.Tensor | None,
+    accumulate_fp64: bool,
+    launch: ScanLaunch | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r = rewards.detach().to(dtype).contiguous()
+    v = values.detach().to(dtype).contiguous()
+    m = mask.contiguous().view(torch.uint8)
+    batch, length = r.shape
+    adv = torch.empty_like(r)
+    ret = torch.empty_like(r) if with_returns else adv  # an unused pointer when not writing returns
+    if r.numel():
+        launch = _check_launch(launch) if launch else _default_launch(length)
+        _gae_kernel[_grid(batch, launch)](
+            r,
+            v,
+            m,
+            adv,
+            ret,
+            adv if flag is None else flag,  # an unused pointer when not checking
+            batch,
+            length,
+            float(gamma),
+            float(gamma * lam),
+            WITH_RETURNS=with_returns,
+            CHECKED=flag is not None,
+            ACC=_acc(dtype, accumulate_fp64),
+            BLOCK_B=launch.block_b,
+            BLOCK_T=launch.block_t,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )
+    return adv, (ret if with_returns else None)
 
 
 def gae_scan_triton(
@@ -212,33 +301,96 @@ def gae_scan_triton(
         >>> gae_scan_triton(r, torch.zeros_like(r), m, 1.0, 1.0)[0]
         tensor([[1., 1., 1.]], device='cuda:0')
     """
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    r = rewards.detach().to(dtype).contiguous()
-    v = values.detach().to(dtype).contiguous()
+    return _gae(
+        rewards,
+        values,
+        mask,
+        gamma,
+        lam,
+        with_returns=with_returns,
+        flag=None,
+        accumulate_fp64=accumulate_fp64,
+        launch=launch,
+    )
+
+
+def gae_returns_checked_triton(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    accumulate_fp64: bool = False,
+    launch: ScanLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns, exactly 0 at masked positions, and the kernel's non-finite flag; one launch.
+
+    Args:
+        rewards, values: ``[B, T]`` floating CUDA tensors.
+        mask: ``[B, T]`` bool CUDA tensor.
+        gamma, lam: discount and GAE lambda.
+        accumulate_fp64: run the scans in float64.
+        launch: launch shape override (benchmarks).
+
+    Returns:
+        ``(advantages, returns, flag)``: two ``[B, T]`` tensors in the promoted dtype of rewards and values, and a
+        0-d int32 tensor with bit 0 set when a reward and bit 1 when a value at a valid position is NaN or inf.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True]], device="cuda")
+        >>> r = torch.tensor([[0.0, float("nan"), 1.0]], device="cuda")
+        >>> adv, ret, flag = gae_returns_checked_triton(r, torch.zeros_like(r), m, 1.0, 1.0)
+        >>> adv, int(flag)
+        (tensor([[1., 0., 1.]], device='cuda:0'), 0)
+    """
+    flag = _new_flag(rewards.device)
+    adv, ret = _gae(
+        rewards,
+        values,
+        mask,
+        gamma,
+        lam,
+        with_returns=True,
+        flag=flag,
+        accumulate_fp64=accumulate_fp64,
+        launch=launch,
+    )
+    assert ret is not None
+    return adv, ret, flag[0]
+
+
+def _discounted(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    *,
+    flag: torch.Tensor | None,
+    accumulate_fp64: bool,
+    launch: ScanLaunch | None,
+) -> torch.Tensor:
+    r = rewards.detach().contiguous()
     m = mask.contiguous().view(torch.uint8)
     batch, length = r.shape
-    adv = torch.empty_like(r)
-    ret = torch.empty_like(r) if with_returns else adv  # an unused pointer when not writing returns
+    out = torch.empty_like(r)
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
-        _gae_kernel[_grid(batch, launch)](
+        _return_kernel[_grid(batch, launch)](
             r,
-            v,
             m,
-            adv,
-            ret,
+            out,
+            out if flag is None else flag,
             batch,
             length,
             float(gamma),
-            float(gamma * lam),
-            WITH_RETURNS=with_returns,
-            ACC=_acc(dtype, accumulate_fp64),
+            CHECKED=flag is not None,
+            ACC=_acc(r.dtype, accumulate_fp64),
             BLOCK_B=launch.block_b,
             BLOCK_T=launch.block_t,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
         )
-    return adv, (ret if with_returns else None)
+    return out
 
 
 def discounted_return_scan_triton(
@@ -266,23 +418,28 @@ def discounted_return_scan_triton(
         >>> discounted_return_scan_triton(torch.tensor([[1.0, 5.0, 1.0]], device="cuda"), m, 0.5)
         tensor([[1.5000, 0.0000, 1.0000]], device='cuda:0')
     """
-    r = rewards.detach().contiguous()
-    m = mask.contiguous().view(torch.uint8)
-    batch, length = r.shape
-    out = torch.empty_like(r)
-    if r.numel():
-        launch = _check_launch(launch) if launch else _default_launch(length)
-        _return_kernel[_grid(batch, launch)](
-            r,
-            m,
-            out,
-            batch,
-            length,
-            float(gamma),
-            ACC=_acc(r.dtype, accumulate_fp64),
-            BLOCK_B=launch.block_b,
-            BLOCK_T=launch.block_t,
-            num_warps=launch.num_warps,
-            num_stages=launch.num_stages,
-        )
-    return out
+    return _discounted(rewards, mask, gamma, flag=None, accumulate_fp64=accumulate_fp64, launch=launch)
+
+
+def discounted_return_scan_checked_triton(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    *,
+    accumulate_fp64: bool = False,
+    launch: ScanLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`discounted_return_scan_triton` and the kernel's non-finite flag (bit 0: a reward at a valid position).
+
+    Returns:
+        ``(returns, flag)``: ``[B, T]`` returns (0 at masked positions) and a 0-d int32 tensor.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True]], device="cuda")
+        >>> out, flag = discounted_return_scan_checked_triton(torch.tensor([[1.0, 5.0, 1.0]], device="cuda"), m, 0.5)
+        >>> int(flag)
+        0
+    """
+    flag = _new_flag(rewards.device)
+    out = _discounted(rewards, mask, gamma, flag=flag, accumulate_fp64=accumulate_fp64, launch=launch)
+    return out, flag[0]

@@ -1,4 +1,4 @@
-"""Group label factorisation and per-group statistics (ppo_core._groups) against Python-loop references."""
+"""Group label factorisation and per-group statistics (ppo_core.advantages._groups) against Python-loop references."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_core._groups import factorize_index, group_count, group_stats, group_weighted_mean
+from ppo_core.advantages._groups import factorize_index, group_count, group_stats, group_weighted_mean
 
 labels_st = st.one_of(
     st.text(alphabet="0123456789abcdef-", min_size=0, max_size=4),

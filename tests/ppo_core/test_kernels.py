@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core import kernels
-from ppo_core.kernels import chunked, cpu, reference, triton_scan
+from ppo_core.kernels import chunked, reference, triton_scan
 from ppo_core.testing import ppo_batches
 
 TOL = 1e-4
@@ -121,14 +121,6 @@ def test_long_rows_cross_chunks(backend: str, gamma: float, lam: float) -> None:
     )
 
 
-def test_cpu_kernel_splits_rows_across_threads() -> None:
-    if "cpu" not in CPU_BACKENDS:
-        pytest.skip("no C compiler on this machine")
-    r, v, m = _random_case(37, 4096, seed=5)  # enough work for several threads, rows not divisible by them
-    adv = cpu.gae_scan_cpu(r, v, m, 0.99, 0.95)[0]
-    assert _max_err(adv, _oracle_gae(r, v, m, 0.99, 0.95)) < TOL
-
-
 @pytest.mark.parametrize("backend", [*CPU_BACKENDS, "reference"])
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0), (4, 6)])
 def test_empty_and_all_masked(backend: str, shape: tuple[int, int]) -> None:
@@ -155,20 +147,12 @@ def test_dtypes(backend: str, dtype: torch.dtype) -> None:
     assert mixed.dtype == torch.float64
 
 
-def test_auto_picks_compiled_cpu_kernel_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    if "cpu" in CPU_BACKENDS:
-        assert kernels.available_backends("cpu")[0] == "cpu"
-    monkeypatch.setattr(cpu, "_compiler", lambda: None)
-    cpu._library.cache_clear()
-    try:
-        assert not cpu.is_available()
-        assert kernels.available_backends("cpu") == ["chunked", "reference"]
-        r, v, m = _random_case(4, 30, seed=2)
-        assert _max_err(kernels.masked_gae_scan(r, v, m, 0.9, 0.8), _oracle_gae(r, v, m, 0.9, 0.8)) < TOL
-        with pytest.raises(ValueError, match="not available"):
-            kernels.masked_gae_scan(r, v, m, 0.9, 0.8, backend="cpu")
-    finally:
-        cpu._library.cache_clear()
+def test_cpu_backends_need_no_compiler() -> None:
+    assert kernels.available_backends("cpu")[-2:] == ["chunked", "reference"]
+    r, v, m = _random_case(4, 30, seed=2)
+    assert _max_err(kernels.masked_gae_scan(r, v, m, 0.9, 0.8), _oracle_gae(r, v, m, 0.9, 0.8)) < TOL
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.masked_gae_scan(r, v, m, 0.9, 0.8, backend="cpu")
 
 
 def test_auto_is_differentiable() -> None:
