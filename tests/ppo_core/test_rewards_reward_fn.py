@@ -157,7 +157,7 @@ def test_process_pool_errors_reach_the_trainer(pool_reward):
     batch = _batch(["#### 7", "x"], ["openai/gsm8k", "boom"], ["7", "1"])
     with pytest.raises(RuntimeError, match="cannot score 'x'"):
         pool_reward(batch).result(timeout=300)
-    with pytest.raises(RewardFunctionError, match="reward function .* failed at step 4"):
+    with pytest.raises(RewardFunctionError, match=r"reward function .* failed at step 4"):
         call_reward_fn(pool_reward, batch, 4, None).result()  # type: ignore[arg-type]
 
 
