@@ -186,9 +186,9 @@ def test_log_probs_alignment_and_micro_batching() -> None:
     expected = _reference_log_probs(actor.module, batch)
     assert torch.allclose(batch["old_log_probs"].double(), expected, atol=1e-5)
     # the reference is a frozen copy of the initial policy
-    assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"])
+    assert torch.allclose(batch["ref_log_probs"], batch["old_log_probs"])
     assert all(not p.requires_grad for p in actor.ref_model.parameters())
-    assert batch["entropys"].shape == batch["old_log_probs"].shape and (batch["entropys"] >= 0).all()
+    assert batch["entropies"].shape == batch["old_log_probs"].shape and (batch["entropies"] >= 0).all()
 
 
 def test_temperature_scales_log_prob_logits() -> None:
@@ -222,7 +222,7 @@ def _manual_actor_grads(lm: torch.nn.Module, batch: TensorDict, cfg: TorchActorC
     loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode)
     if cfg.use_kl_loss:
         loss = loss + cfg.kl_loss_coef * agg_loss(
-            kl_penalty(lp, batch["ref_log_prob"], cfg.kl_loss_type), mask, mode
+            kl_penalty(lp, batch["ref_log_probs"], cfg.kl_loss_type), mask, mode
         )
     loss.backward()
     return [p.grad for p in lm.parameters()]
@@ -254,9 +254,13 @@ def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int
     assert len(steps) == 1
     for got, want in zip(steps[0], expected, strict=True):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
-    assert {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"} <= set(
-        metrics
-    )
+    assert {
+        "actor/pg_loss",
+        "actor/update_entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/ppo_kl",
+    } <= set(metrics)
 
 
 def test_update_actor_ignores_everything_on_masked_tokens() -> None:
@@ -273,7 +277,7 @@ def test_update_actor_ignores_everything_on_masked_tokens() -> None:
     batch["response_mask"][1] = 0
     dirty = batch.clone()
     masked = ~batch["response_mask"].bool()
-    for key in ("advantages", "old_log_probs", "ref_log_prob"):
+    for key in ("advantages", "old_log_probs", "ref_log_probs"):
         dirty[key] = torch.where(masked, torch.tensor(float("nan")), dirty[key])
     clean_steps, dirty_steps = _capture_grads(clean_actor), _capture_grads(dirty_actor)
     clean_metrics, dirty_metrics = clean_actor.update_actor(batch), dirty_actor.update_actor(dirty)
@@ -456,7 +460,7 @@ def test_ddp_two_ranks_equal_one_rank(tmp_path: pytest.TempPathFactory) -> None:
 def test_workers_on_cuda_match_cpu_and_return_cpu_tensors() -> None:
     gpu = _actor(device="cuda", ppo_mini_batch_size=6)
     batch = _rollout(gpu, batch=6)
-    assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_prob"))
+    assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_probs"))
     cpu_lp = _actor(device="cpu").compute_log_prob(batch)["old_log_probs"]
     assert torch.allclose(batch["old_log_probs"], cpu_lp, atol=1e-4)
     assert torch.isfinite(torch.tensor(list(gpu.update_actor(batch).values()))).all()
