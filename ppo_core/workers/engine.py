@@ -7,16 +7,19 @@ device, with ``input_ids [b, P+R]``, ``attention_mask [b, P+R]`` and ``responses
 at the response positions (position ``t`` is read from the model output at ``P + t - 1``):
 
 - a **policy** engine (``head == "policy"``) gives ``log_probs [b, R]`` (log-prob of ``responses`` under
-  ``softmax(logits / temperature)``) and, when asked, ``entropy [b, R]`` (of the same distribution);
+  ``softmax(logits / spec.temperature)``) and, when ``spec.entropy``, ``entropy [b, R]`` (of the same
+  distribution);
 - a **value** engine (``head == "value"``) gives ``values [b, R]``.
 
 Implementations: :class:`ppo_core.workers.torch.TorchEngine` (any ``nn.Module``, DDP, AdamW) and
-:class:`ppo_core.workers.megatron.MegatronEngine` (megatron-core GPT, TP/PP/DP, pipeline schedules). A
-forward-only engine (a frozen reference policy) implements :class:`ForwardEngine` only.
+:class:`ppo_core.workers.megatron.MegatronEngine` (megatron-core GPT, TP/PP/DP, pipeline schedules), both on
+:class:`EngineBase`. A forward-only engine (a frozen reference policy) implements :class:`ForwardEngine` only.
 
 Example:
     >>> StepResult(grad_norm=float("nan"), nonfinite_grad="layer.weight").skipped
     True
+    >>> OutputSpec(temperature=0.7, entropy=True)
+    OutputSpec(temperature=0.7, entropy=True)
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
+from torch import nn
+
+from ppo_core.workers.config import OptimConfig
 
 __all__ = [
     "ENTROPY",
     "HEADS",
     "LOG_PROBS",
     "VALUES",
+    "EngineBase",
     "ForwardEngine",
     "LossFn",
+    "OutputSpec",
     "StepResult",
     "TrainingEngine",
 ]
@@ -52,6 +60,16 @@ HEADS = ("policy", "value")
 LossFn = Callable[[TensorDictBase, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(micro, outputs) -> (loss, metrics)``: ``outputs`` as :meth:`ForwardEngine.forward` gives them (with
 autograd), ``loss`` a scalar to differentiate, ``metrics`` detached scalar tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """Which per-token outputs a policy engine computes (a value engine ignores it)."""
+
+    temperature: float = 1.0
+    """The logits are divided by it (the sampling temperature; 1 for greedy sampling)."""
+    entropy: bool = False
+    """Also compute the per-token entropy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +117,8 @@ class ForwardEngine(Protocol):
         """Whether this rank's outputs represent its data-parallel group (e.g. TP rank 0 of the last PP stage)."""
         ...
 
-    def forward(
-        self, micros: Sequence[TensorDictBase], *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> list[dict[str, torch.Tensor]]:
-        """Outputs of every micro-batch without autograd (``[]`` on ranks that hold none, e.g. early PP stages).
-
-        ``temperature`` divides the logits of a policy (1 for none); ``with_entropy`` adds ``entropy``.
-        """
+    def forward(self, micros: Sequence[TensorDictBase], spec: OutputSpec) -> list[dict[str, torch.Tensor]]:
+        """Outputs of every micro-batch without autograd (``[]`` on ranks that hold none, e.g. early PP stages)."""
         ...
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -140,12 +153,7 @@ class TrainingEngine(ForwardEngine, Protocol):
         ...
 
     def forward_backward(
-        self,
-        micros: Sequence[TensorDictBase],
-        loss_fn: LossFn,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
+        self, micros: Sequence[TensorDictBase], loss_fn: LossFn, spec: OutputSpec
     ) -> list[dict[str, torch.Tensor]]:
         """Forward every micro-batch, call ``loss_fn(micro, outputs)``, back-propagate its loss; gradients accumulate
         over the micro-batches (synchronised over dp once, after the last). Returns ``loss_fn``'s metrics per
@@ -174,3 +182,70 @@ class TrainingEngine(ForwardEngine, Protocol):
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under the engine's names (what a rollout engine's ``update_weights`` gets)."""
         ...
+
+
+class EngineBase:
+    """The plumbing every engine shares (no PPO, no framework): layout attributes, model modes, the optimiser's
+    presence, learning rate and parameters. Subclasses set ``dp_rank``, ``dp_size`` and ``is_collect_rank``
+    (default: one rank) and implement ``all_reduce_sum``, ``forward``, ``forward_backward``, ``optimizer_step``,
+    ``zero_grad``, ``state_dict`` and ``load_state_dict``.
+
+    Args:
+        module: the model without any data-parallel wrapper (state dicts and parameters are read from it).
+        model: what runs forward/backward (``module`` wrapped for data parallelism, or ``module`` itself).
+        head: ``"policy"`` or ``"value"``.
+        device: where the model and the micro-batches live.
+        optim: optimiser settings; None for a forward-only engine.
+        optimizer: the optimiser (None for a forward-only engine).
+    """
+
+    checkpoint_weights_only = True
+    dp_rank = 0
+    dp_size = 1
+    is_collect_rank = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        *,
+        head: str,
+        device: torch.device,
+        optim: OptimConfig | None = None,
+        optimizer: Any = None,
+    ) -> None:
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        if (optim is None) != (optimizer is None):
+            raise ValueError("optim and optimizer must both be given (a trained engine) or both be None")
+        self.module, self.model = module, model
+        self.head, self.device = head, device
+        self.optim_config, self.optimizer = optim, optimizer
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def _trained(self) -> tuple[OptimConfig, Any]:
+        """The optimiser settings and the optimiser; ``ValueError`` for a forward-only engine."""
+        if self.optim_config is None:
+            raise ValueError(
+                f"this {type(self).__name__} is forward-only (built without optim): it has no optimizer"
+            )
+        return self.optim_config, self.optimizer
+
+    @property
+    def lr(self) -> float:
+        return float(self._trained()[1].param_groups[0]["lr"])
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_parameters()
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.zero_grad()
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError

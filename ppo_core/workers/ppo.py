@@ -39,7 +39,15 @@ from ppo_core.workers._common import check_keys, global_loss_denominators, local
 from ppo_core.workers.base import Worker, register
 from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig, PPOWorkerConfig
 from ppo_core.workers.dispatch import Dispatch
-from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, ForwardEngine, StepResult, TrainingEngine
+from ppo_core.workers.engine import (
+    ENTROPY,
+    LOG_PROBS,
+    VALUES,
+    ForwardEngine,
+    OutputSpec,
+    StepResult,
+    TrainingEngine,
+)
 
 __all__ = [
     "ACTOR_UPDATE_KEYS",
@@ -63,34 +71,33 @@ ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.old_log_probs, KEYS
 CRITIC_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.values, KEYS.returns)
 """What ``update_critic`` reads."""
 
-Objective = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
+Objective = Callable[..., LossAndMetrics]
+"""``objective(micro, outputs, *, agg, n_micro) -> (loss, metrics)``: :func:`actor_loss`, :func:`critic_loss`."""
 
 
 def actor_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    micro: TensorDictBase,
+    outputs: Mapping[str, torch.Tensor],
     *,
     config: PPOActorConfig,
     agg: Mapping[str, Any],
     n_micro: int = 1,
-    entropy: torch.Tensor | None = None,
-    ref_log_probs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """One micro-batch's share of the actor loss ``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl``.
 
-    The policy loss is ``config.policy_loss`` (registry); the entropy and the KL (``kl_loss_type`` of
-    ``log_probs`` and ``ref_log_probs``) are aggregated with its ``loss_agg_mode``; ``agg`` holds the mini-batch's
-    global denominators (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
+    The policy loss is ``config.policy_loss`` (registry); the entropy and the KL (``kl_loss_type`` between the
+    policy and the reference) are aggregated with its ``loss_agg_mode``; ``agg`` holds the mini-batch's global
+    denominators (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
 
     Args:
-        log_probs, old_log_probs, advantages, response_mask: ``[b, R]``; only ``log_probs`` is differentiated.
+        micro: ``old_log_probs``, ``advantages``, ``response_mask`` ``[b, R]`` (and ``ref_log_probs`` with
+            ``config.use_kl_loss``).
+        outputs: the policy engine's ``log_probs [b, R]`` (differentiated) and, when ``config.entropy_coeff > 0``,
+            ``entropy [b, R]``.
         config: the actor's settings.
         agg: ``agg_loss`` keywords of the mini-batch.
         n_micro: micro-batches in the mini-batch (ratio metrics are divided by it).
-        entropy: ``[b, R]`` per-token entropy; needed when ``config.entropy_coeff > 0``.
-        ref_log_probs: ``[b, R]``; needed when ``config.use_kl_loss``.
 
     Returns:
         ``(loss, metrics)``: detached scalar metrics that add up over the micro-batches of a mini-batch:
@@ -98,21 +105,22 @@ def actor_loss(
         ``actor/update_entropy`` when ``entropy_coeff > 0``, ``actor/kl_loss`` with the KL loss.
     """
     mode = config.policy_loss.loss_agg_mode
+    log_probs, mask = outputs[LOG_PROBS], micro[KEYS.response_mask]
     pg_loss, pg_metrics = compute_policy_loss(
-        old_log_probs, log_probs, advantages, response_mask, config=config.policy_loss, **agg
+        micro[KEYS.old_log_probs], log_probs, micro[KEYS.advantages], mask, config=config.policy_loss, **agg
     )
     loss = pg_loss
     metrics = {"actor/pg_loss": pg_loss.detach()}
     if config.entropy_coeff:
-        if entropy is None:
-            raise ValueError(f"entropy_coeff={config.entropy_coeff} needs the per-token entropy")
-        entropy_term = agg_loss(entropy, response_mask, mode, **agg)
-        loss = loss - config.entropy_coeff * entropy_term
-        metrics["actor/update_entropy"] = entropy_term.detach()
+        if ENTROPY not in outputs:
+            raise ValueError(f"entropy_coeff={config.entropy_coeff} needs the engine's {ENTROPY!r} output")
+        entropy = agg_loss(outputs[ENTROPY], mask, mode, **agg)
+        loss = loss - config.entropy_coeff * entropy
+        metrics["actor/update_entropy"] = entropy.detach()
     if config.use_kl_loss:
-        if ref_log_probs is None:
-            raise ValueError(f"use_kl_loss needs {KEYS.ref_log_probs!r}")
-        kl = agg_loss(kl_penalty(log_probs, ref_log_probs, config.kl_loss_type), response_mask, mode, **agg)
+        kl = agg_loss(
+            kl_penalty(log_probs, micro[KEYS.ref_log_probs], config.kl_loss_type), mask, mode, **agg
+        )
         loss = loss + config.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl.detach()
     for name, value in pg_metrics.items():
@@ -121,20 +129,18 @@ def actor_loss(
 
 
 def critic_loss(
-    vpreds: torch.Tensor,
-    values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
+    micro: TensorDictBase,
+    outputs: Mapping[str, torch.Tensor],
     *,
     config: PPOCriticConfig,
     agg: Mapping[str, Any],
     n_micro: int = 1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """One micro-batch's share of the clipped value loss (``cliprange_value`` around the rollout ``values``).
 
     Args:
-        vpreds: ``[b, R]`` current value predictions (differentiated).
-        values, returns, response_mask: ``[b, R]`` rollout-time values, regression targets, loss mask.
+        micro: rollout-time ``values``, regression targets ``returns`` and ``response_mask``, all ``[b, R]``.
+        outputs: the value engine's ``values [b, R]`` (the predictions, differentiated).
         config: the critic's settings (``cliprange_value``, ``loss_agg_mode``).
         agg: ``agg_loss`` keywords of the mini-batch.
         n_micro: micro-batches in the mini-batch (ratio metrics are divided by it).
@@ -142,13 +148,20 @@ def critic_loss(
     Returns:
         ``(loss, metrics)`` with ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``.
     """
+    vpreds, mask = outputs[VALUES], micro[KEYS.response_mask]
     vf_loss, clipfrac = compute_value_loss(
-        vpreds, returns, values, response_mask, config.cliprange_value, config.loss_agg_mode, **agg
+        vpreds,
+        micro[KEYS.returns],
+        micro[KEYS.values],
+        mask,
+        config.cliprange_value,
+        config.loss_agg_mode,
+        **agg,
     )
     return vf_loss, {
         "critic/vf_loss": vf_loss.detach(),
         "critic/vf_clipfrac": clipfrac / n_micro,
-        "critic/vpred_mean": masked_mean(vpreds.detach(), response_mask) / n_micro,
+        "critic/vpred_mean": masked_mean(vpreds.detach(), mask) / n_micro,
     }
 
 
@@ -181,17 +194,11 @@ class PPOWorkerBase(Worker):
 
     # ----- forward passes -----------------------------------------------------------------------------------
     def _forward(
-        self,
-        engine: ForwardEngine,
-        batch: TensorDictBase,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
+        self, engine: ForwardEngine, batch: TensorDictBase, spec: OutputSpec
     ) -> dict[str, torch.Tensor] | None:
         """Outputs of ``engine`` for the whole batch, concatenated on the device (None off the collect rank)."""
         engine.eval()
-        micros = split_rows(batch, self.config.forward_micro_batch_size)
-        outs = engine.forward(micros, temperature=temperature, with_entropy=with_entropy)
+        outs = engine.forward(split_rows(batch, self.config.forward_micro_batch_size), spec)
         if not self.is_collect_rank:
             return None
         return {key: torch.cat([out[key] for out in outs]) for key in outs[0]}
@@ -217,13 +224,13 @@ class PPOWorkerBase(Worker):
         finite: list[torch.Tensor],
         micro: TensorDictBase,
         outputs: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> LossAndMetrics:
         loss, metrics = objective(micro, outputs, agg=agg, n_micro=n_micro)
         finite.append(torch.isfinite(loss.detach()))  # on the device: read only if the step is skipped
         return loss, metrics
 
     def _update(
-        self, batch: TensorDictBase, method: str, objective: Objective, **forward_kwargs: Any
+        self, batch: TensorDictBase, method: str, objective: Objective, spec: OutputSpec
     ) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batches, one optimiser step each; returns the metrics (see the module)."""
         engine, prefix = self.engine, self.role
@@ -242,7 +249,7 @@ class PPOWorkerBase(Worker):
             micros = split_rows(mini, self.config.micro_batch_size)
             finite: list[torch.Tensor] = []
             loss_fn = functools.partial(self._micro_loss, objective, agg, len(micros), finite)
-            outs = engine.forward_backward(micros, loss_fn, **forward_kwargs)
+            outs = engine.forward_backward(micros, loss_fn, spec)
             step = engine.optimizer_step()
             sums[f"{prefix}/grad_norm"].append(step.grad_norm)
             if step.skipped:
@@ -397,7 +404,7 @@ class PPOActorWorker(PPOWorkerBase):
         (logits divided by the rollout temperature)."""
         check_keys(batch, FORWARD_KEYS, "compute_log_prob")
         selected = batch.select(*FORWARD_KEYS).to(self.engine.device)
-        out = self._forward(self.engine, selected, temperature=self._temperature(), with_entropy=True)
+        out = self._forward(self.engine, selected, OutputSpec(temperature=self._temperature(), entropy=True))
         if out is None:
             return None
         return TensorDict(
@@ -412,25 +419,10 @@ class PPOActorWorker(PPOWorkerBase):
             raise ValueError("compute_ref_log_prob needs a reference model; set use_reference=True")
         check_keys(batch, FORWARD_KEYS, "compute_ref_log_prob")
         selected = batch.select(*FORWARD_KEYS).to(self.reference.device)
-        out = self._forward(self.reference, selected, temperature=self._temperature())
+        out = self._forward(self.reference, selected, OutputSpec(temperature=self._temperature()))
         if out is None:
             return None
         return TensorDict({KEYS.ref_log_probs: out[LOG_PROBS].cpu()}, batch_size=batch.batch_size)
-
-    def _objective(
-        self, micro: TensorDictBase, outputs: dict[str, torch.Tensor], *, agg: dict[str, Any], n_micro: int
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return actor_loss(
-            outputs[LOG_PROBS],
-            micro[KEYS.old_log_probs],
-            micro[KEYS.advantages],
-            micro[KEYS.response_mask],
-            config=self.config,
-            agg=agg,
-            n_micro=n_micro,
-            entropy=outputs.get(ENTROPY),
-            ref_log_probs=micro.get(KEYS.ref_log_probs) if self.config.use_kl_loss else None,
-        )
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, batch: TensorDictBase) -> dict[str, float]:
@@ -451,13 +443,8 @@ class PPOActorWorker(PPOWorkerBase):
         check_keys(batch, with_ref if cfg.use_kl_loss else ACTOR_UPDATE_KEYS, "update_actor")
         has_ref = KEYS.ref_log_probs in batch
         batch = batch.select(*(with_ref if has_ref else ACTOR_UPDATE_KEYS)).to(self.engine.device)
-        metrics = self._update(
-            batch,
-            "update_actor",
-            self._objective,
-            temperature=self._temperature(),
-            with_entropy=bool(cfg.entropy_coeff),
-        )
+        spec = OutputSpec(temperature=self._temperature(), entropy=bool(cfg.entropy_coeff))
+        metrics = self._update(batch, "update_actor", functools.partial(actor_loss, config=cfg), spec)
         if has_ref:
             # k1 estimate of KL(pi_old || pi_ref) over this rank's valid tokens: how far training has drifted
             k1 = kl_penalty(batch[KEYS.old_log_probs], batch[KEYS.ref_log_probs], "kl")
@@ -489,24 +476,11 @@ class PPOCriticWorker(PPOWorkerBase):
         keys = (*FORWARD_KEYS, KEYS.response_mask)
         check_keys(batch, keys, "compute_values")
         selected = batch.select(*keys).to(self.engine.device)
-        out = self._forward(self.engine, selected)
+        out = self._forward(self.engine, selected, OutputSpec())
         if out is None:
             return None
         values = out[VALUES] * selected[KEYS.response_mask]
         return TensorDict({KEYS.values: values.cpu()}, batch_size=batch.batch_size)
-
-    def _objective(
-        self, micro: TensorDictBase, outputs: dict[str, torch.Tensor], *, agg: dict[str, Any], n_micro: int
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return critic_loss(
-            outputs[VALUES],
-            micro[KEYS.values],
-            micro[KEYS.returns],
-            micro[KEYS.response_mask],
-            config=self.config,
-            agg=agg,
-            n_micro=n_micro,
-        )
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, batch: TensorDictBase) -> dict[str, float]:
@@ -522,4 +496,5 @@ class PPOCriticWorker(PPOWorkerBase):
         """
         check_keys(batch, CRITIC_UPDATE_KEYS, "update_critic")
         batch = batch.select(*CRITIC_UPDATE_KEYS).to(self.engine.device)
-        return self._update(batch, "update_critic", self._objective)
+        objective = functools.partial(critic_loss, config=self.config)
+        return self._update(batch, "update_critic", objective, OutputSpec())

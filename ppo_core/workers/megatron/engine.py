@@ -24,7 +24,7 @@ from torch import nn
 from ppo_core.keys import KEYS
 from ppo_core.workers._common import first_nonfinite_grad
 from ppo_core.workers.config import OptimConfig
-from ppo_core.workers.engine import ENTROPY, HEADS, LOG_PROBS, VALUES, LossFn, StepResult
+from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, LossFn, OutputSpec, StepResult
 from ppo_core.workers.megatron.model import logits_window
 from ppo_core.workers.megatron.optim import clip_grads, grad_norm, speed_up_megatron_optimizer
 from ppo_core.workers.megatron.parallel import MegatronLayout
@@ -66,7 +66,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-class MegatronEngine:
+class MegatronEngine(EngineBase):
     """This rank's stage of a megatron-core ``GPTModel``, trained (``optim`` given) or frozen.
 
     Args:
@@ -93,23 +93,21 @@ class MegatronEngine:
         optim: OptimConfig | None = None,
         use_distributed_optimizer: bool = False,
     ) -> None:
-        if head not in HEADS:
-            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         from megatron.core import parallel_state as ps
 
-        self._head, self._device, self.layout = head, device, layout
-        self.vocab_size = vocab_size
-        self.optim_config = optim
         self.use_distributed_optimizer = use_distributed_optimizer
+        model, optimizer = (module.eval(), None) if optim is None else self._wrap(module, optim, device)
+        super().__init__(module, model, head=head, device=device, optim=optim, optimizer=optimizer)
+        self.dp_rank, self.dp_size, self.is_collect_rank = (
+            layout.dp_rank,
+            layout.dp_size,
+            layout.is_collect_rank,
+        )
+        self.layout, self.vocab_size = layout, vocab_size
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
-        self.optimizer: Any = None
-        if optim is None:
-            self.model = module.eval()
-        else:
-            self.model, self.optimizer = self._wrap(module, optim)
 
-    def _wrap(self, module: nn.Module, optim: OptimConfig) -> tuple[nn.Module, Any]:
+    def _wrap(self, module: nn.Module, optim: OptimConfig, device: torch.device) -> tuple[nn.Module, Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -135,74 +133,42 @@ class MegatronEngine:
             use_distributed_optimizer=self.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, [model])
-        speed_up_megatron_optimizer(optimizer, self._device)
+        speed_up_megatron_optimizer(optimizer, device)
         return model, optimizer
-
-    # ----- layout -------------------------------------------------------------------------------------------
-    @property
-    def head(self) -> str:
-        return self._head
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp_size
-
-    @property
-    def is_collect_rank(self) -> bool:
-        return self.layout.is_collect_rank
-
-    @property
-    def module(self) -> nn.Module:
-        """This rank's ``GPTModel`` stage without the DDP wrapper."""
-        return self.model if self.optimizer is None else self.model.module
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
             dist.all_reduce(value, group=self._dp_group)
         return value
 
-    def train(self) -> None:
-        self.model.train()
-
-    def eval(self) -> None:
-        self.model.eval()
-
     # ----- outputs at the response positions ----------------------------------------------------------------
     def _output_window(self, micro: TensorDictBase) -> contextlib.AbstractContextManager:
         """A policy projects onto the vocabulary only the positions that predict responses: ``[S - R - 1, S - 1)``."""
-        if self._head == "value":
+        if self.head == "value":
             return contextlib.nullcontext()
         s, r = micro[KEYS.input_ids].shape[1], micro[KEYS.responses].shape[1]
         return logits_window(self.module, s - r - 1, s - 1)
 
     def _outputs(
-        self, micro: TensorDictBase, output: torch.Tensor, temperature: float, with_entropy: bool
+        self, micro: TensorDictBase, output: torch.Tensor, spec: OutputSpec
     ) -> dict[str, torch.Tensor]:
         r = micro[KEYS.responses].shape[1]
-        if self._head == "value":
+        if self.head == "value":
             return {VALUES: output[:, -r - 1 : -1, 0].float()}
         logits = output
         if logits.shape[1] != r:  # the model ignored the logits window (sequence parallelism)
             logits = logits[:, -r - 1 : -1]
-        if temperature != 1.0:
-            logits = logits / temperature
+        if spec.temperature != 1.0:
+            logits = logits / spec.temperature
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             logits,
             micro[KEYS.responses],
             self._tp_group,
             vocab_size=self.vocab_size,
-            with_entropy=with_entropy,
+            with_entropy=spec.entropy,
             validate=False,  # responses are sampled from this vocabulary; saves two host syncs per micro-batch
         )
-        return {LOG_PROBS: log_probs, ENTROPY: entropy} if with_entropy else {LOG_PROBS: log_probs}
+        return {LOG_PROBS: log_probs, ENTROPY: entropy} if spec.entropy else {LOG_PROBS: log_probs}
 
     # ----- forward / backward -------------------------------------------------------------------------------
     def _run(
@@ -258,7 +224,7 @@ class MegatronEngine:
         return list(run())
 
     def _frozen_forward(
-        self, micros: Sequence[TensorDictBase], temperature: float, with_entropy: bool
+        self, micros: Sequence[TensorDictBase], spec: OutputSpec
     ) -> list[dict[str, torch.Tensor]]:
         if self.layout.pp_size > 1:
             raise ValueError(
@@ -272,47 +238,31 @@ class MegatronEngine:
                     output = self.model(
                         micro[KEYS.input_ids], position_ids(mask), megatron_attention_mask(mask)
                     )
-                outs.append(self._outputs(micro, output, temperature, with_entropy))
+                outs.append(self._outputs(micro, output, spec))
         return outs
 
-    def forward(
-        self, micros: Sequence[TensorDictBase], *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> list[dict[str, torch.Tensor]]:
+    def forward(self, micros: Sequence[TensorDictBase], spec: OutputSpec) -> list[dict[str, torch.Tensor]]:
         if self.optimizer is None:
-            return self._frozen_forward(micros, temperature, with_entropy)
+            return self._frozen_forward(micros, spec)
 
         def outputs(
             micro: TensorDictBase, output: torch.Tensor
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return output.new_zeros(()), self._outputs(micro, output, temperature, with_entropy)
+            return output.new_zeros(()), self._outputs(micro, output, spec)
 
         return self._run(micros, outputs, forward_only=True)
 
     def forward_backward(
-        self,
-        micros: Sequence[TensorDictBase],
-        loss_fn: LossFn,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
+        self, micros: Sequence[TensorDictBase], loss_fn: LossFn, spec: OutputSpec
     ) -> list[dict[str, torch.Tensor]]:
         self._trained()
 
         def loss(micro: TensorDictBase, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return loss_fn(micro, self._outputs(micro, output, temperature, with_entropy))
+            return loss_fn(micro, self._outputs(micro, output, spec))
 
         return self._run(micros, loss, forward_only=False)
 
-    # ----- optimiser ----------------------------------------------------------------------------------------
-    def _trained(self) -> tuple[OptimConfig, Any]:
-        if self.optim_config is None or self.optimizer is None:
-            raise ValueError("this engine is forward-only (built without optim): it has no optimizer")
-        return self.optim_config, self.optimizer
-
-    @property
-    def lr(self) -> float:
-        return float(self._trained()[1].param_groups[0]["lr"])
-
+    # ----- optimiser and state ------------------------------------------------------------------------------
     def optimizer_step(self) -> StepResult:
         """Clip and step (skipped, as in verl, when the gradient norm is not finite); clear the gradients."""
         optim, opt = self._trained()
@@ -333,7 +283,6 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self._trained()[1].zero_grad()
 
-    # ----- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         opt = self._trained()[1]
         state = {"model": self.module.state_dict(), "optimizer": opt.state_dict()}
@@ -347,10 +296,3 @@ class MegatronEngine:
         opt.load_state_dict(state["optimizer"])
         if self.use_distributed_optimizer:
             opt.load_parameter_state_from_dp_reshardable(state["optimizer_shard"])
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_parameters()
-
-    def close(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()

@@ -9,7 +9,7 @@ parallelism is on (see :mod:`ppo_core.workers.torch.distributed`) and steps it w
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,8 @@ from ppo_core.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_core.rollout.sampling import logits_of
 from ppo_core.workers._common import first_nonfinite_grad
 from ppo_core.workers.config import OptimConfig
-from ppo_core.workers.engine import ENTROPY, HEADS, LOG_PROBS, VALUES, LossFn, StepResult
-from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, unwrap, wrap_ddp
+from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, LossFn, OutputSpec, StepResult
+from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, wrap_ddp
 
 __all__ = ["TorchEngine", "response_outputs"]
 
@@ -47,7 +47,7 @@ def _as_values(out: torch.Tensor) -> torch.Tensor:
     return out.float()
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     """One ``nn.Module`` on one device, with AdamW when ``optim`` is given (a forward-only engine otherwise).
 
     Args:
@@ -67,8 +67,6 @@ class TorchEngine:
         ('policy', 1, 0.001)
     """
 
-    checkpoint_weights_only = True
-
     def __init__(
         self,
         module: nn.Module,
@@ -80,106 +78,51 @@ class TorchEngine:
         dp_size: int = 1,
         data_parallel: bool = False,
     ) -> None:
-        if head not in HEADS:
-            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
-        self._head, self._device = head, device
-        self._dp_rank, self._dp_size = dp_rank, dp_size
-        self.data_parallel = data_parallel
-        self.optim_config = optim
-        if optim is None:
-            self.model = module
-            self.optimizer: torch.optim.Optimizer | None = None
-        else:
-            self.model = wrap_ddp(module, device, data_parallel)
-            self.optimizer = torch.optim.AdamW(
-                unwrap(self.model).parameters(),
+        model, optimizer = module, None
+        if optim is not None:
+            model = wrap_ddp(module, device, data_parallel)
+            optimizer = torch.optim.AdamW(
+                module.parameters(),
                 lr=optim.lr,
                 betas=tuple(optim.betas),
                 eps=optim.eps,
                 weight_decay=optim.weight_decay,
             )
-
-    # ----- layout -------------------------------------------------------------------------------------------
-    @property
-    def head(self) -> str:
-        return self._head
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dp_rank(self) -> int:
-        return self._dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self._dp_size
-
-    @property
-    def is_collect_rank(self) -> bool:
-        return True
-
-    @property
-    def module(self) -> nn.Module:
-        """The model without its DDP wrapper."""
-        return unwrap(self.model)
+        super().__init__(module, model, head=head, device=device, optim=optim, optimizer=optimizer)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.data_parallel = data_parallel
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(value, self.data_parallel)
 
-    def train(self) -> None:
-        self.model.train()
-
-    def eval(self) -> None:
-        self.model.eval()
-
     # ----- forward / backward -------------------------------------------------------------------------------
-    def _outputs(
-        self, model: nn.Module, micro: TensorDictBase, temperature: float, with_entropy: bool
-    ) -> dict[str, torch.Tensor]:
+    def _outputs(self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec) -> dict[str, torch.Tensor]:
         out = response_outputs(model, micro)
-        if self._head == "value":
+        if self.head == "value":
             return {VALUES: _as_values(out)}
-        logits = out / temperature
+        logits = out / spec.temperature
         outputs = {LOG_PROBS: logprobs_from_logits(logits, micro[KEYS.responses])}
-        if with_entropy:
+        if spec.entropy:
             outputs[ENTROPY] = entropy_from_logits(logits)
         return outputs
 
     @torch.no_grad()
-    def forward(
-        self, micros: Sequence[TensorDictBase], *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> list[dict[str, torch.Tensor]]:
-        return [self._outputs(self.module, m, temperature, with_entropy) for m in micros]
+    def forward(self, micros: Sequence[TensorDictBase], spec: OutputSpec) -> list[dict[str, torch.Tensor]]:
+        return [self._outputs(self.module, m, spec) for m in micros]
 
     def forward_backward(
-        self,
-        micros: Sequence[TensorDictBase],
-        loss_fn: LossFn,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
+        self, micros: Sequence[TensorDictBase], loss_fn: LossFn, spec: OutputSpec
     ) -> list[dict[str, torch.Tensor]]:
         results = []
         for i, micro in enumerate(micros):
             # DDP averages gradients over ranks once, in the backward of the last micro-batch
             with maybe_no_sync(self.model, skip_sync=i < len(micros) - 1):
-                loss, metrics = loss_fn(micro, self._outputs(self.model, micro, temperature, with_entropy))
+                loss, metrics = loss_fn(micro, self._outputs(self.model, micro, spec))
                 loss.backward()
             results.append(metrics)
         return results
 
-    # ----- optimiser ----------------------------------------------------------------------------------------
-    def _trained(self) -> tuple[OptimConfig, torch.optim.Optimizer]:
-        if self.optim_config is None or self.optimizer is None:
-            raise ValueError("this engine is forward-only (built without optim): it has no optimizer")
-        return self.optim_config, self.optimizer
-
-    @property
-    def lr(self) -> float:
-        return float(self._trained()[1].param_groups[0]["lr"])
-
+    # ----- optimiser and state ------------------------------------------------------------------------------
     def optimizer_step(self) -> StepResult:
         """Clip the gradient norm, step if it is finite (else skip, as verl does), clear gradients."""
         optim, optimizer = self._trained()
@@ -197,17 +140,9 @@ class TorchEngine:
     def zero_grad(self) -> None:
         self._trained()[1].zero_grad(set_to_none=True)
 
-    # ----- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self._trained()[1].state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self._trained()[1].load_state_dict(state["optimizer"])
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_parameters()
-
-    def close(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)

@@ -54,7 +54,23 @@ def _build_engine(
     )
 
 
-class TorchActorWorker(PPOActorWorker):
+class _ModelAccess:
+    """``module`` and ``optimizer`` of a torch worker's engine, for users who inspect or patch them."""
+
+    engine: TorchEngine
+
+    @property
+    def module(self) -> nn.Module:
+        """The trained model without its DDP wrapper."""
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The trained model's AdamW."""
+        return self.engine.optimizer
+
+
+class TorchActorWorker(_ModelAccess, PPOActorWorker):
     """Samples responses, scores them (policy and frozen reference) and runs the PPO policy update.
 
     Args:
@@ -95,22 +111,12 @@ class TorchActorWorker(PPOActorWorker):
         self.config: TorchActorConfig = config
 
     @property
-    def module(self) -> nn.Module:
-        """The policy without its DDP wrapper."""
-        return self.engine.module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The policy's AdamW."""
-        return self.engine.optimizer
-
-    @property
     def ref_model(self) -> nn.Module | None:
         """The frozen reference policy (None without ``use_reference``)."""
         return None if self.reference is None else self.reference.module
 
 
-class TorchCriticWorker(PPOCriticWorker):
+class TorchCriticWorker(_ModelAccess, PPOCriticWorker):
     """Computes values of the response tokens and fits them to the returns with the clipped value loss.
 
     Like log-probs, the value of response position ``t`` is read at position ``P + t - 1``: the value of the state
@@ -139,13 +145,3 @@ class TorchCriticWorker(PPOCriticWorker):
         config = as_config(config, TorchCriticConfig)
         super().__init__(config, _build_engine(model_factory, config.device, config.optim, "value"))
         self.config: TorchCriticConfig = config
-
-    @property
-    def module(self) -> nn.Module:
-        """The value model without its DDP wrapper."""
-        return self.engine.module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The value model's AdamW."""
-        return self.engine.optimizer
