@@ -2,7 +2,7 @@
 
 The math is pure functions on ``[B, T]`` tensors (``B`` responses, ``T`` response tokens); the trainer is written
 once against a small backend protocol. Subpackages: ``advantages``, ``losses``, ``batch``, ``metrics``,
-``workers``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``.
+``workers``, ``rollout``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; batch key names in ``keys``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ppo_core.advantages import (
 )
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.config import AlgorithmConfig
+from ppo_core.keys import KEYS, BatchKeys
 from ppo_core.kl import KL_ESTIMATORS, kl_penalty
 from ppo_core.kl_control import (
     AdaptiveKLController,
@@ -52,12 +53,14 @@ from ppo_core.workers import ColocatedWorker, Dispatch, Worker, WorkerGroup, Wor
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "KEYS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "AdvantageInputs",
     "AlgorithmConfig",
     "BasePPOTrainer",
+    "BatchKeys",
     "ColocatedWorker",
     "Dispatch",
     "FixedKLController",
