@@ -3,6 +3,7 @@
 - :class:`SamplingConfig`, :func:`top_p_filter`, :func:`sample_from_logits`, :func:`sampling_log_probs`: the
   per-step sampling rule (:mod:`~ppo_core.rollout.sampling`);
 - :func:`generate`: batched sampling from any causal LM ``nn.Module`` (:mod:`~ppo_core.rollout.generate`);
+- :func:`rollout_batch`: the output layout of every rollout engine (:mod:`~ppo_core.rollout.layout`);
 - :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
   implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`).
 
@@ -13,8 +14,8 @@ Plugging in an external inference engine (vLLM, SGLang, a KV-cached CUDA-graph e
   contract is the docstring of :class:`RolloutEngine`): translate the left-padded prompts into the engine's
   requests (strip the padding with ``prompt_mask``), map ``config`` to its sampling parameters (``temperature``,
   ``top_p``, ``max_new_tokens``, stop at ``eos_token_id``), seed it from ``generator`` so that a resumed run
-  samples the same tokens, ask it for the log-prob of every sampled token, and pad the answers back to
-  ``[B, R]`` with ``config.pad_token_id``;
+  samples the same tokens, ask it for the log-prob of every sampled token, pad the answers back to ``[B, R]``
+  with ``config.pad_token_id`` and assemble the output with :func:`rollout_batch`;
 - ``update_weights(named_tensors)`` (:class:`WeightReceiver`) if the engine holds its own copy of the weights:
   the actor calls it after each ``update_actor`` with the training engine's ``named_parameters()`` (this rank's
   shard, under the training engine's names; megatron names convert with
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine, WeightReceiver
 from ppo_core.rollout.generate import generate
+from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.sampling import (
     SamplingConfig,
     logits_of,
@@ -53,6 +55,7 @@ __all__ = [
     "WeightReceiver",
     "generate",
     "logits_of",
+    "rollout_batch",
     "sample_from_logits",
     "sampling_log_probs",
     "top_p_filter",

@@ -5,7 +5,7 @@ The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)
 :class:`ppo_core.models.TinyGPT`), decoding is incremental: ``model(new_ids, attention_mask=mask, cache=cache)``
 sees one new token per call; otherwise the whole sequence is recomputed each step (same result, slower).
 
-Output keys (verl's layout, names from :data:`ppo_core.keys.KEYS`): ``prompts [B, P]`` (left-padded, as given),
+Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``prompts [B, P]`` (left-padded, as given),
 ``responses [B, R]`` (right-padded with ``pad_token_id``, ``R = max_new_tokens``), ``input_ids [B, P+R]``,
 ``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to and including the first EOS, 0 after it) and
 ``rollout_log_probs [B, R]`` (see :func:`~ppo_core.rollout.sampling.sampling_log_probs`; 0 after the end).
@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
-from ppo_core.keys import KEYS
+from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_from_logits, sampling_log_probs
 
 __all__ = ["generate"]
@@ -91,14 +91,4 @@ def generate(
     # steps after every response ended (early break) were not decoded: log-prob 0, like every masked position
     log_probs = torch.stack(step_log_probs, dim=1)
     log_probs = torch.nn.functional.pad(log_probs, (0, R - log_probs.shape[1]))
-    return TensorDict(
-        {
-            KEYS.prompts: prompts,
-            KEYS.responses: responses,
-            KEYS.input_ids: torch.cat([prompts, responses], dim=1),
-            KEYS.attention_mask: torch.cat([mask_BP, response_mask], dim=1),
-            KEYS.response_mask: response_mask,
-            KEYS.rollout_log_probs: log_probs,
-        },
-        batch_size=[B],
-    )
+    return rollout_batch(prompts, mask_BP, responses, response_mask, log_probs)

@@ -1,44 +1,121 @@
-"""The rollout package: ``rollout_log_probs`` of :func:`generate`, :func:`sampling_log_probs` against a loop, the
+"""The rollout package: top-p and sampling against loops, :func:`generate` (layout, KV cache = recompute, left
+padding), ``rollout_log_probs`` against ``compute_log_prob`` and :func:`sampling_log_probs` against a loop, the
 ``ModelRolloutEngine`` and the actor's ``rollout_engine`` argument."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
+from _tiny_lm import CFG, EOS, LM, PAD, NoCache
+from _tiny_lm import left_padded_prompts as _prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
 
 from ppo_core.keys import KEYS
-from ppo_core.models import TinyGPT, TinyGPTConfig
-from ppo_core.rollout import ModelRolloutEngine, RolloutEngine, SamplingConfig, generate, sampling_log_probs
+from ppo_core.models import TinyGPT
+from ppo_core.rollout import (
+    ModelRolloutEngine,
+    RolloutEngine,
+    SamplingConfig,
+    generate,
+    rollout_batch,
+    sample_from_logits,
+    sampling_log_probs,
+    top_p_filter,
+)
 from ppo_core.workers.torch import TorchActorWorker
-
-V, EOS, PAD = 9, 8, 0
-CFG = TinyGPTConfig(vocab_size=V, max_seq_len=12, d_model=16, n_layers=1, n_heads=2)
-LM = functools.partial(TinyGPT, CFG, seed=1)
+from ppo_core.workers.torch import generate as torch_generate
 
 
-def _prompts(seed: int, rows: int, width: int = 3) -> TensorDict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, EOS, (rows, width), generator=g)
-    lengths = torch.randint(1, width + 1, (rows,), generator=g)
-    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
-    return TensorDict({"input_ids": ids * mask, "attention_mask": mask}, batch_size=[rows])
+@settings(max_examples=50)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(0.01, 1.0))
+def test_top_p_filter_matches_loop(seed: int, top_p: float) -> None:
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    out = top_p_filter(logits, top_p)
+    for row in range(3):
+        probs = logits[row].softmax(-1).tolist()
+        order = sorted(range(6), key=lambda v: -probs[v])
+        mass, keep = 0.0, set()
+        for v in order:
+            if mass >= top_p:
+                break
+            keep.add(v)
+            mass += probs[v]
+        for v in range(6):
+            assert (out[row, v] == float("-inf")) == (v not in keep)
+            if v in keep:
+                assert out[row, v] == logits[row, v]
 
 
-class _NoCache(torch.nn.Module):
-    """The LM without ``new_cache``: generation recomputes every step."""
+def test_sample_from_logits_greedy_and_frequencies() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20_000, 3)
+    assert sample_from_logits(logits[:2], temperature=0, generator=None).tolist() == [2, 2]
+    draws = sample_from_logits(logits, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=3).double() / draws.numel()
+    assert torch.allclose(freq, logits[0].double().softmax(-1), atol=0.015)
+    hot = sample_from_logits(logits, temperature=0.5, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(
+        torch.bincount(hot, minlength=3).double() / hot.numel(),
+        (logits[0] / 0.5).double().softmax(-1),
+        atol=0.015,
+    )
+    nucleus = sample_from_logits(logits, top_p=0.7, generator=torch.Generator().manual_seed(0))
+    assert set(nucleus.tolist()) == {1, 2}  # p = (.09, .24, .67): mass 0.7 needs the top two
+    with pytest.raises(ValueError, match="generator"):
+        sample_from_logits(logits, generator=None)
 
-    def __init__(self, lm: TinyGPT) -> None:
-        super().__init__()
-        self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids, attention_mask=attention_mask)
+def test_sampling_config_validation() -> None:
+    for bad in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingConfig(**bad)
+    assert SamplingConfig.from_dict(SamplingConfig(top_p=0.9).to_dict()) == SamplingConfig(top_p=0.9)
+
+
+@settings(max_examples=8)
+@given(
+    seed=st.integers(0, 10_000),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=st.sampled_from([0.8, 1.0]),
+)
+def test_generate_layout_and_cache_equivalence(seed: int, temperature: float, top_p: float) -> None:
+    lm = TinyGPT(CFG, seed=seed)
+    p = _prompts(seed, batch=5)
+    cfg = SamplingConfig(
+        max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD, temperature=temperature, top_p=top_p
+    )
+    out = generate(
+        lm, p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
+    )
+    ref = generate(
+        NoCache(lm), p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
+    )
+    assert torch.equal(out["responses"], ref["responses"])
+    resp, rmask = out["responses"], out["response_mask"]
+    assert resp.shape == (5, 5)
+    for row in range(5):
+        tokens = resp[row].tolist()
+        end = tokens.index(EOS) + 1 if EOS in tokens else len(tokens)
+        assert rmask[row].tolist() == [1] * end + [0] * (5 - end)
+        assert tokens[end:] == [PAD] * (5 - end)
+    assert torch.equal(out["input_ids"], torch.cat([p["input_ids"], resp], 1))
+    assert torch.equal(out["attention_mask"], torch.cat([p["attention_mask"], rmask], 1))
+    assert torch.equal(out["prompts"], p["input_ids"])
+
+
+def test_generate_left_padded_batch_equals_one_by_one() -> None:
+    p = _prompts(3, batch=6)
+    cfg = SamplingConfig(max_new_tokens=4, eos_token_id=EOS, temperature=0.0)
+    lm = LM()
+    batched = generate(lm, p["input_ids"], p["attention_mask"], cfg)["responses"]
+    for row in range(6):
+        keep = p["attention_mask"][row].bool()
+        single = generate(lm, p["input_ids"][row, keep][None], torch.ones(1, int(keep.sum())), cfg)[
+            "responses"
+        ]
+        assert torch.equal(batched[row], single[0])
 
 
 @settings(max_examples=20)
@@ -128,7 +205,7 @@ def test_generate_of_no_prompts() -> None:
 
 def test_model_rollout_engine_restores_the_mode_and_matches_generate() -> None:
     lm = LM().train()
-    engine = ModelRolloutEngine(_NoCache(lm))
+    engine = ModelRolloutEngine(NoCache(lm))
     assert isinstance(engine, RolloutEngine)
     p = _prompts(4, 5)
     cfg = SamplingConfig(max_new_tokens=4, eos_token_id=EOS)
@@ -152,18 +229,8 @@ class _Greedy:
     def generate(self, prompts, prompt_mask, config, *, generator):
         self.calls.append((config.temperature, generator))
         b = prompts.shape[0]
-        responses = torch.ones(b, 2, dtype=torch.long)
-        mask = torch.ones(b, 2, dtype=torch.long)
-        return TensorDict(
-            {
-                KEYS.prompts: prompts,
-                KEYS.responses: responses,
-                KEYS.input_ids: torch.cat([prompts, responses], 1),
-                KEYS.attention_mask: torch.cat([prompt_mask, mask], 1),
-                KEYS.response_mask: mask,
-            },
-            batch_size=[b],
-        )
+        ones = torch.ones(b, 2, dtype=torch.long)
+        return rollout_batch(prompts, prompt_mask, ones, ones)
 
 
 def test_the_actor_samples_through_the_rollout_engine_it_is_given() -> None:
@@ -173,3 +240,7 @@ def test_the_actor_samples_through_the_rollout_engine_it_is_given() -> None:
     assert (out[KEYS.responses] == 1).all()
     ((temperature, generator),) = actor.rollout.calls
     assert temperature == 0.0 and generator is actor.generator
+
+
+def test_generate_is_re_exported_by_the_torch_workers() -> None:
+    assert torch_generate is generate

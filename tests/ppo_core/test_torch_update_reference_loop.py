@@ -9,12 +9,12 @@ micro-batches in float32 and averaged over steps). Parameters and metrics must m
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
 
 import pytest
 import torch
+from _tiny_lm import EOS, LM, VALUE_MODEL
 from tensordict import TensorDict
 
 from ppo_core.batch import iter_minibatches
@@ -22,13 +22,7 @@ from ppo_core.kl import kl_penalty
 from ppo_core.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_core.losses import agg_loss, compute_policy_loss, compute_value_loss
 from ppo_core.masked import masked_mean
-from ppo_core.models import TinyGPT, TinyGPTConfig
 from ppo_core.workers.torch import TorchActorConfig, TorchActorWorker, TorchCriticConfig, TorchCriticWorker
-
-V, EOS = 9, 8
-CFG = TinyGPTConfig(vocab_size=V, max_seq_len=12, d_model=16, n_layers=1, n_heads=2)
-LM = functools.partial(TinyGPT, CFG, seed=1)
-VALUE_MODEL = functools.partial(TinyGPT, TinyGPTConfig(**{**CFG.to_dict(), "value_head": True}), seed=2)
 
 
 def _adamw(module: torch.nn.Module, cfg: TorchActorConfig | TorchCriticConfig) -> torch.optim.AdamW:
@@ -56,48 +50,9 @@ def _step(module: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | Non
     return norm
 
 
-def reference_actor_update(batch: TensorDict, cfg: TorchActorConfig) -> tuple[torch.nn.Module, dict]:
-    module = LM()
-    opt = _adamw(module, cfg)
-    shuffle = torch.Generator().manual_seed(cfg.seed)
-    t = cfg.rollout.temperature or 1.0
-    mode = cfg.policy_loss.loss_agg_mode
-    sums: dict[str, list[float]] = defaultdict(list)
-    module.train()
-    minis = iter_minibatches(batch, cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, shuffle)
-    for mini in minis:
-        agg = _denominators(mini["response_mask"])
-        step: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-        size = cfg.micro_batch_size or int(mini.batch_size[0])
-        micros = [mini[i : i + size] for i in range(0, int(mini.batch_size[0]), size)]
-        for mb in micros:
-            mask, r = mb["response_mask"], mb["responses"].shape[1]
-            logits = module(mb["input_ids"], attention_mask=mb["attention_mask"])[:, -r - 1 : -1] / t
-            log_prob = logprobs_from_logits(logits, mb["responses"])
-            pg_loss, pg_metrics = compute_policy_loss(
-                mb["old_log_probs"], log_prob, mb["advantages"], mask, config=cfg.policy_loss, **agg
-            )
-            entropy = agg_loss(entropy_from_logits(logits), mask, mode, **agg)
-            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask, mode, **agg)
-            loss = pg_loss - cfg.entropy_coeff * entropy + cfg.kl_loss_coef * kl
-            loss.backward()
-            step["actor/pg_loss"] += pg_loss.detach()
-            step["actor/update_entropy"] += entropy.detach()
-            step["actor/kl_loss"] += kl.detach()
-            for name, value in pg_metrics.items():
-                step[f"actor/{name}"] += value.detach() / len(micros)
-        sums["actor/grad_norm"].append(_step(module, opt, cfg.optim.grad_clip))
-        for name, value in step.items():
-            sums[name].append(float(value))
-    metrics = {name: sum(v) / len(v) for name, v in sums.items()}
-    k1 = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "kl")
-    metrics |= {"actor/lr": cfg.optim.lr, "actor/skipped_steps": 0.0}
-    metrics["actor/ref_kl"] = float(masked_mean(k1, batch["response_mask"]))
-    return module, metrics
-
-
-def reference_critic_update(batch: TensorDict, cfg: TorchCriticConfig) -> tuple[torch.nn.Module, dict]:
-    module = VALUE_MODEL()
+def reference_update(module, batch: TensorDict, cfg, prefix: str, micro_loss) -> tuple[torch.nn.Module, dict]:
+    """Epochs of shuffled mini-batches, micro-batches with the mini-batch's denominators, one clipped AdamW step
+    per mini-batch; ``micro_loss(module, mb, agg, n_micro) -> (loss, {metric: share})``."""
     opt = _adamw(module, cfg)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     sums: dict[str, list[float]] = defaultdict(list)
@@ -108,20 +63,55 @@ def reference_critic_update(batch: TensorDict, cfg: TorchCriticConfig) -> tuple[
         size = cfg.micro_batch_size or int(mini.batch_size[0])
         micros = [mini[i : i + size] for i in range(0, int(mini.batch_size[0]), size)]
         for mb in micros:
-            mask, r = mb["response_mask"], mb["responses"].shape[1]
-            vpreds = module(mb["input_ids"], attention_mask=mb["attention_mask"])[:, -r - 1 : -1].float()
-            vf_loss, clipfrac = compute_value_loss(
-                vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg
-            )
-            vf_loss.backward()
-            step["critic/vf_loss"] += vf_loss.detach()
-            step["critic/vf_clipfrac"] += clipfrac / len(micros)
-            step["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask) / len(micros)
-        sums["critic/grad_norm"].append(_step(module, opt, cfg.optim.grad_clip))
+            loss, shares = micro_loss(module, mb, agg, len(micros))
+            loss.backward()
+            for name, value in shares.items():
+                step[name] += value
+        sums[f"{prefix}/grad_norm"].append(_step(module, opt, cfg.optim.grad_clip))
         for name, value in step.items():
             sums[name].append(float(value))
     metrics = {name: sum(v) / len(v) for name, v in sums.items()}
-    return module, metrics | {"critic/lr": cfg.optim.lr, "critic/skipped_steps": 0.0}
+    return module, metrics | {f"{prefix}/lr": cfg.optim.lr, f"{prefix}/skipped_steps": 0.0}
+
+
+def reference_actor_update(batch: TensorDict, cfg: TorchActorConfig) -> tuple[torch.nn.Module, dict]:
+    t = cfg.rollout.temperature or 1.0
+    mode = cfg.policy_loss.loss_agg_mode
+
+    def micro_loss(module, mb, agg, n_micro):
+        mask, r = mb["response_mask"], mb["responses"].shape[1]
+        logits = module(mb["input_ids"], attention_mask=mb["attention_mask"])[:, -r - 1 : -1] / t
+        log_prob = logprobs_from_logits(logits, mb["responses"])
+        pg_loss, pg_metrics = compute_policy_loss(
+            mb["old_log_probs"], log_prob, mb["advantages"], mask, config=cfg.policy_loss, **agg
+        )
+        entropy = agg_loss(entropy_from_logits(logits), mask, mode, **agg)
+        kl = agg_loss(kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask, mode, **agg)
+        loss = pg_loss - cfg.entropy_coeff * entropy + cfg.kl_loss_coef * kl
+        shares = {"actor/pg_loss": pg_loss, "actor/update_entropy": entropy, "actor/kl_loss": kl}
+        shares |= {f"actor/{name}": value / n_micro for name, value in pg_metrics.items()}
+        return loss, {name: value.detach() for name, value in shares.items()}
+
+    module, metrics = reference_update(LM(), batch, cfg, "actor", micro_loss)
+    k1 = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "kl")
+    metrics["actor/ref_kl"] = float(masked_mean(k1, batch["response_mask"]))
+    return module, metrics
+
+
+def reference_critic_update(batch: TensorDict, cfg: TorchCriticConfig) -> tuple[torch.nn.Module, dict]:
+    def micro_loss(module, mb, agg, n_micro):
+        mask, r = mb["response_mask"], mb["responses"].shape[1]
+        vpreds = module(mb["input_ids"], attention_mask=mb["attention_mask"])[:, -r - 1 : -1].float()
+        vf_loss, clipfrac = compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg
+        )
+        return vf_loss, {
+            "critic/vf_loss": vf_loss.detach(),
+            "critic/vf_clipfrac": clipfrac / n_micro,
+            "critic/vpred_mean": masked_mean(vpreds.detach(), mask) / n_micro,
+        }
+
+    return reference_update(VALUE_MODEL(), batch, cfg, "critic", micro_loss)
 
 
 def _rollout(actor: TorchActorWorker, rows: int) -> TensorDict:

@@ -29,7 +29,7 @@ from ppo_core.losses import (
     compute_policy_loss,
     compute_value_loss,
 )
-from ppo_core.rollout import RolloutEngine, SamplingConfig
+from ppo_core.rollout import RolloutEngine, SamplingConfig, rollout_batch
 from ppo_core.workers import (
     ForwardEngine,
     PPOActorConfig,
@@ -177,18 +177,8 @@ class Sampler:
             responses = torch.zeros(b, r, dtype=torch.long)
         else:
             responses = torch.randint(0, V, (b, r), generator=generator)
-        mask = torch.ones(b, r, dtype=torch.long)
-        return TensorDict(
-            {
-                KEYS.prompts: prompts,
-                KEYS.responses: responses,
-                KEYS.input_ids: torch.cat([prompts, responses], 1),
-                KEYS.attention_mask: torch.cat([prompt_mask, mask], 1),
-                KEYS.response_mask: mask,
-                KEYS.rollout_log_probs: torch.full((b, r), -math.log(V), dtype=torch.float64),
-            },
-            batch_size=[b],
-        )
+        log_probs = torch.full((b, r), -math.log(V), dtype=torch.float64)
+        return rollout_batch(prompts, prompt_mask, responses, torch.ones(b, r, dtype=torch.long), log_probs)
 
     def update_weights(self, named_tensors: Any) -> None:
         self.received.append({name: t.detach().clone() for name, t in named_tensors})
