@@ -2,9 +2,9 @@
 
 The math is pure functions on ``[B, T]`` tensors (``B`` responses, ``T`` response tokens); the trainer is written
 once against a small backend protocol. Subpackages: ``advantages``, ``losses``, ``batch``, ``metrics``,
-``workers``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; with the ``hf`` extra, ``data``
-(prompt datasets), ``rewards`` (rule-based scorers), ``models.hf`` (Hugging Face checkpoints in and out) and
-``examples`` (offline example data).
+``workers``, ``rollout``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; batch key names in ``keys``;
+with the ``hf`` extra, ``data`` (prompt datasets), ``rewards`` (rule-based scorers), ``models.hf`` (Hugging Face
+checkpoints in and out) and ``examples`` (offline example data).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ppo_core.advantages import (
 )
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.config import AlgorithmConfig
+from ppo_core.keys import KEYS, BatchKeys
 from ppo_core.kl import KL_ESTIMATORS, kl_penalty
 from ppo_core.kl_control import (
     AdaptiveKLController,
@@ -54,12 +55,14 @@ from ppo_core.workers import ColocatedWorker, Dispatch, Worker, WorkerGroup, Wor
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "KEYS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "AdvantageInputs",
     "AlgorithmConfig",
     "BasePPOTrainer",
+    "BatchKeys",
     "ColocatedWorker",
     "Dispatch",
     "FixedKLController",

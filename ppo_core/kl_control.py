@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from ppo_core._checks import check_floating, check_mask, check_positive
 from ppo_core._config_base import ConfigBase
+from ppo_core.keys import KEYS
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
 
@@ -178,7 +179,7 @@ def build_kl_controller(config: KLConfig | dict[str, Any]) -> FixedKLController 
     return AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon)
 
 
-_APPLY_KL_KEYS = ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask")
+_APPLY_KL_KEYS = (KEYS.token_level_scores, KEYS.old_log_probs, KEYS.ref_log_probs, KEYS.response_mask)
 
 
 def apply_kl_penalty(
@@ -186,7 +187,7 @@ def apply_kl_penalty(
 ) -> tuple[TensorDict, dict[str, float]]:
     """Shape the rewards with a KL penalty: ``token_level_rewards = token_level_scores - beta * kl``.
 
-    Reads ``token_level_scores``, ``old_log_probs``, ``ref_log_prob`` (all ``[B, T]`` floating) and
+    Reads ``token_level_scores``, ``old_log_probs``, ``ref_log_probs`` (all ``[B, T]`` floating) and
     ``response_mask`` (``[B, T]`` bool or 0/1). The per-token penalty is :func:`ppo_core.kl.kl_penalty` of the old
     and reference log-probs, zeroed outside the mask (``where``, so garbage at padding never leaks). ``beta`` is
     ``kl_ctrl.value`` before this call; afterwards ``kl_ctrl.update(current_kl, n_steps=B)`` runs, where
@@ -208,7 +209,7 @@ def apply_kl_penalty(
         ...     {
         ...         "token_level_scores": torch.tensor([[0.0, 1.0]]),
         ...         "old_log_probs": torch.tensor([[-1.0, -1.0]]),
-        ...         "ref_log_prob": torch.tensor([[-1.5, -1.0]]),
+        ...         "ref_log_probs": torch.tensor([[-1.5, -1.0]]),
         ...         "response_mask": torch.tensor([[1, 1]]),
         ...     },
         ...     batch_size=[1],
@@ -227,13 +228,15 @@ def apply_kl_penalty(
             raise KeyError(
                 f"batch is missing key {key!r} (apply_kl_penalty needs {', '.join(_APPLY_KL_KEYS)})"
             )
-    scores = check_floating("token_level_scores", batch["token_level_scores"])
-    old = check_floating("old_log_probs", batch["old_log_probs"])
-    ref = check_floating("ref_log_prob", batch["ref_log_prob"])
+    scores = check_floating(KEYS.token_level_scores, batch[KEYS.token_level_scores])
+    old = check_floating(KEYS.old_log_probs, batch[KEYS.old_log_probs])
+    ref = check_floating(KEYS.ref_log_probs, batch[KEYS.ref_log_probs])
     if scores.dim() != 2:
         raise ValueError(f"token_level_scores must have shape [B, T], got {tuple(scores.shape)}")
-    mask = check_mask("response_mask", batch["response_mask"], like=scores, like_name="token_level_scores")
-    for name, tensor in (("old_log_probs", old), ("ref_log_prob", ref)):
+    mask = check_mask(
+        KEYS.response_mask, batch[KEYS.response_mask], like=scores, like_name=KEYS.token_level_scores
+    )
+    for name, tensor in ((KEYS.old_log_probs, old), (KEYS.ref_log_probs, ref)):
         if tensor.shape != scores.shape:
             raise ValueError(
                 f"{name} has shape {tuple(tensor.shape)} but token_level_scores has shape "
@@ -244,14 +247,14 @@ def apply_kl_penalty(
         kld = kl_penalty(old, ref, estimator)
         if bool((mask & ~torch.isfinite(kld)).any()):
             raise ValueError(
-                f"KL penalty ({estimator!r}) is not finite at a valid token; check old_log_probs and ref_log_prob"
+                f"KL penalty ({estimator!r}) is not finite at a valid token; check old_log_probs and ref_log_probs"
             )
         kld = torch.where(mask, kld, torch.zeros((), dtype=kld.dtype, device=kld.device))
         rewards = scores - beta * kld.to(scores.dtype)
         n_rows = scores.shape[0]
         current_kl = float(masked_mean(kld, mask, dim=-1).mean()) if n_rows else 0.0
     out = batch.copy()
-    out["token_level_rewards"] = rewards
+    out[KEYS.token_level_rewards] = rewards
     kl_ctrl.update(current_kl, n_steps=n_rows)
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
     return out, metrics

@@ -15,6 +15,7 @@ from tensordict import TensorDictBase
 
 from ppo_core._checks import check_mask
 from ppo_core.batch._td import _check_batch
+from ppo_core.keys import KEYS
 
 __all__: list[str] = []
 
@@ -38,15 +39,15 @@ class _Lengths:
 
 def _lengths(batch: TensorDictBase) -> _Lengths:
     _check_batch("batch", batch)
-    if "response_mask" not in batch:
-        raise KeyError("batch must have a 'response_mask' [B, T] tensor to measure response lengths")
-    response_mask = check_mask("response_mask", batch.get("response_mask"))
+    if KEYS.response_mask not in batch:
+        raise KeyError(f"batch must have a {KEYS.response_mask!r} [B, T] tensor to measure response lengths")
+    response_mask = check_mask(KEYS.response_mask, batch.get(KEYS.response_mask))
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must have shape [B, T], got {tuple(response_mask.shape)}")
     width = int(response_mask.shape[1])
-    if "attention_mask" not in batch:
+    if KEYS.attention_mask not in batch:
         return _Lengths(response_mask.sum(-1, dtype=torch.float64), width, None, None)
-    attention_mask = check_mask("attention_mask", batch.get("attention_mask"))
+    attention_mask = check_mask(KEYS.attention_mask, batch.get(KEYS.attention_mask))
     if attention_mask.dim() != 2 or attention_mask.shape[1] < width:
         raise ValueError(
             f"attention_mask must have shape [B, P + T] with T={width} (from response_mask), "

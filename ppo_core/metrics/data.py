@@ -15,6 +15,7 @@ from tensordict import TensorDictBase, is_non_tensor
 from ppo_core._checks import check_all_finite, check_floating
 from ppo_core.batch._td import _field_values
 from ppo_core.batch.validate import validate_batch
+from ppo_core.keys import KEYS
 from ppo_core.masked import masked_mean, masked_var
 from ppo_core.metrics._lengths import _lengths
 
@@ -101,27 +102,33 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
         >>> out["critic/score/mean"], out["response/aborted_ratio"], out["response_length/mean"]
         (2.0, 0.5, 1.0)
     """
-    token_keys = ["response_mask", "token_level_scores", "token_level_rewards", "advantages", "returns"]
+    token_keys = [
+        KEYS.response_mask,
+        KEYS.token_level_scores,
+        KEYS.token_level_rewards,
+        KEYS.advantages,
+        KEYS.returns,
+    ]
     if use_critic:
-        token_keys.append("values")
+        token_keys.append(KEYS.values)
     validate_batch(batch, token_keys=token_keys)
     for key in token_keys[1:]:
         check_floating(key, batch.get(key))
     lengths = _lengths(batch)
-    mask = batch.get("response_mask") != 0
+    mask = batch.get(KEYS.response_mask) != 0
     non_aborted = lengths.response > 0
     all_rows = torch.ones_like(non_aborted)
     _check_finite(batch, token_keys[1:], mask, non_aborted)
 
     metrics: dict[str, float] = {}
-    metrics |= _stats("critic/score", batch.get("token_level_scores").sum(-1), non_aborted)
-    metrics |= _stats("critic/rewards", batch.get("token_level_rewards").sum(-1), non_aborted)
-    metrics |= _stats("critic/advantages", batch.get("advantages"), mask)
-    metrics |= _stats("critic/returns", batch.get("returns"), mask)
+    metrics |= _stats("critic/score", batch.get(KEYS.token_level_scores).sum(-1), non_aborted)
+    metrics |= _stats("critic/rewards", batch.get(KEYS.token_level_rewards).sum(-1), non_aborted)
+    metrics |= _stats("critic/advantages", batch.get(KEYS.advantages), mask)
+    metrics |= _stats("critic/returns", batch.get(KEYS.returns), mask)
     if use_critic:
-        metrics |= _stats("critic/values", batch.get("values"), mask)
+        metrics |= _stats("critic/values", batch.get(KEYS.values), mask)
         metrics["critic/vf_explained_var"] = _explained_variance(
-            batch.get("returns"), batch.get("values"), mask
+            batch.get(KEYS.returns), batch.get(KEYS.values), mask
         )
 
     clipped = (lengths.response == lengths.response_width).to(torch.float64)
@@ -134,11 +141,11 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
         metrics |= _stats("prompt_length", lengths.prompt, all_rows)
         prompt_clipped = (lengths.prompt == lengths.prompt_width).to(torch.float64)
         metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
-    if "__num_turns__" in batch:
-        turns = batch.get("__num_turns__")
+    if KEYS.num_turns in batch:
+        turns = batch.get(KEYS.num_turns)
         if is_non_tensor(turns):
             turns = torch.tensor(
-                [float(t) for t in _field_values(batch, "__num_turns__")], dtype=torch.float64
+                [float(t) for t in _field_values(batch, KEYS.num_turns)], dtype=torch.float64
             )
         turns = turns.reshape(-1).to(torch.float64)
         stats = _stats("num_turns", turns, torch.ones_like(turns, dtype=torch.bool))

@@ -1,6 +1,6 @@
 """``BasePPOTrainer``: the PPO loop written once, for any backend; subclasses only implement ``init_workers()``.
 
-One step, in verl's order (``fit``, verl_inventory §9.6): sample ``n`` responses per prompt (one ``uid`` per
+One step, in verl's order (:meth:`BasePPOTrainer.train_step`): sample ``n`` responses per prompt (one ``uid`` per
 prompt) -> start the reward (sync, or a Future/awaitable awaited later) -> old log-probs -> reference log-probs
 -> values -> in-reward KL (``apply_kl_penalty``) -> advantages (registry) -> critic update -> actor update
 (after ``critic_warmup`` steps) -> metrics -> validation (every ``test_freq`` steps and at the end) ->
@@ -8,8 +8,9 @@ checkpoint (every ``save_freq`` steps and at the end) -> log.
 
 Differences from verl, on purpose: validation runs *before* the checkpoint of a step, so a resumed run continues
 from the state an uninterrupted one had; the controller state (KL coefficient, RNGs, dataloader position) is
-saved too (pitfall 33); ``val_before_train`` applies to a fresh start only; ``critic_warmup = k`` means exactly ``k`` critic-only steps (verl skips ``k - 1``); an
-empty validation set or an empty metric dict is "nothing to log", never an error (seed PR #3713).
+saved too, and a dataloader state taken at the end of an epoch resumes at the start of the next one;
+``val_before_train`` applies to a fresh start only; ``critic_warmup = k`` means exactly ``k`` critic-only steps
+(verl skips ``k - 1``); an empty validation set or an empty metric dict is "nothing to log", never an error.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ppo_core.batch import repeat_interleave
+from ppo_core.keys import KEYS
 from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
 from ppo_core.losses import agg_loss
 from ppo_core.metrics import (
@@ -240,33 +242,37 @@ class BasePPOTrainer(abc.ABC):
         with timer("step"):
             prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
             with timer("gen"):
-                generated = self.actor_wg.generate_sequences(prompts.select("input_ids", "attention_mask"))
+                generated = self.actor_wg.generate_sequences(
+                    prompts.select(KEYS.input_ids, KEYS.attention_mask)
+                )
             batch = merge_generation(prompts, generated)
             with timer("reward"):
                 reward = call_reward_fn(self.reward_fn, batch, step, self._executor)
             with timer("old_log_prob"):
                 out = self.actor_wg.compute_log_prob(batch)
-                batch = take_outputs(batch, out, ["old_log_probs"], "compute_log_prob")
-                if "entropys" in out:
-                    entropy = agg_loss(out["entropys"], batch["response_mask"], cfg.actor.loss_agg_mode)
+                batch = take_outputs(batch, out, [KEYS.old_log_probs], "compute_log_prob")
+                if KEYS.entropies in out:
+                    # the pre-update policy on the rollout batch; the update's own entropy term is
+                    # actor/update_entropy, logged by the worker
+                    entropy = agg_loss(out[KEYS.entropies], batch[KEYS.response_mask], "token-mean")
                     metrics["actor/entropy"] = float(entropy)
             if cfg.use_reference:
                 with timer("ref"):
                     out = self._reference_group().compute_ref_log_prob(batch)
-                    batch = take_outputs(batch, out, ["ref_log_prob"], "compute_ref_log_prob")
+                    batch = take_outputs(batch, out, [KEYS.ref_log_probs], "compute_ref_log_prob")
             if cfg.use_critic:
                 with timer("values"):
                     batch = take_outputs(
-                        batch, self.critic_wg.compute_values(batch), ["values"], "compute_values"
+                        batch, self.critic_wg.compute_values(batch), [KEYS.values], "compute_values"
                     )
             with timer("adv"):
                 scores, _extra = reward.result()
-                batch.set("token_level_scores", scores.to(batch["response_mask"].device))
+                batch.set(KEYS.token_level_scores, scores.to(batch[KEYS.response_mask].device))
                 if self.kl_ctrl is not None:
                     batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
                     metrics.update(kl_metrics)
                 else:
-                    batch.set("token_level_rewards", batch["token_level_scores"])
+                    batch.set(KEYS.token_level_rewards, batch[KEYS.token_level_scores])
                 batch = compute_advantages(batch, cfg.algorithm)
             if cfg.use_critic:
                 with timer("update_critic"):
@@ -282,7 +288,19 @@ class BasePPOTrainer(abc.ABC):
         return metrics
 
     def _validate(self) -> dict[str, float]:
-        return run_validation(self, self._executor)
+        cfg = self.config
+        return run_validation(
+            self.actor_wg,
+            self.val_dataset,
+            self.val_reward_fn,
+            rollout=cfg.rollout,
+            batch_size=cfg.data.val_batch_size,
+            step=self.global_steps,
+            seed=cfg.trainer.seed,
+            pad_token_id=self.pad_token_id,
+            collate_fn=self.collate_fn,
+            executor=self._executor,
+        )
 
     # ----- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:

@@ -14,7 +14,6 @@ from typing import Any, Literal
 from ppo_core._checks import FieldValueError, check_int
 from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
-from ppo_core.losses.aggregation import LossAggMode
 
 __all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]
 
@@ -59,10 +58,8 @@ class ActorConfig(ConfigBase):
     world_size: int = 1
     """Ranks of the actor group (read by ``init_workers()``; also the ``n_gpus`` of throughput metrics)."""
     use_kl_loss: bool = False
-    """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_prob``.
+    """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_probs``.
     The worker's loss reads its own ``worker["use_kl_loss"]``, which must agree when given."""
-    loss_agg_mode: LossAggMode = "token-mean"
-    """Aggregation of the ``actor/entropy`` metric over the batch (the worker's loss has its own setting)."""
     worker: dict[str, Any] = field(default_factory=dict)
     """Free-form settings for the actor worker's constructor (e.g. a ``TorchActorConfig`` as a dict)."""
 

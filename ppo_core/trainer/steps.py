@@ -12,6 +12,7 @@ from tensordict import NonTensorStack, TensorDictBase, is_non_tensor
 
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.config import AlgorithmConfig
+from ppo_core.keys import KEYS
 
 __all__ = ["assign_uids", "compute_advantages", "merge_generation", "take_outputs"]
 
@@ -29,7 +30,7 @@ def assign_uids(batch: TensorDictBase, prefix: str) -> TensorDictBase:
         ['7:0', '7:1']
     """
     out = batch.clone(False)
-    out.set("uid", NonTensorStack.from_list([f"{prefix}:{i}" for i in range(int(batch.batch_size[0]))]))
+    out.set(KEYS.uid, NonTensorStack.from_list([f"{prefix}:{i}" for i in range(int(batch.batch_size[0]))]))
     return out
 
 
@@ -55,14 +56,14 @@ def merge_generation(prompts: TensorDictBase, generated: TensorDictBase) -> Tens
         raise ValueError(
             f"generate_sequences returned {int(generated.batch_size[0])} rows for {size} prompts"
         )
-    for key in ("responses", "attention_mask"):
+    for key in (KEYS.responses, KEYS.attention_mask):
         if key not in generated:
             raise KeyError(f"generate_sequences output has no {key!r}; it has {sorted(generated.keys())}")
     out = generated.clone(False)
-    if "response_mask" not in out:
+    if KEYS.response_mask not in out:
         # slice from P = total - R, not from -R: with R = 0, [:, -0:] would be the whole attention mask
-        start = out["attention_mask"].shape[-1] - out["responses"].shape[-1]
-        out.set("response_mask", out["attention_mask"][:, start:].clone())
+        start = out[KEYS.attention_mask].shape[-1] - out[KEYS.responses].shape[-1]
+        out.set(KEYS.response_mask, out[KEYS.attention_mask][:, start:].clone())
     for key, value in prompts.items():
         if is_non_tensor(value) and key not in out:
             out.set(key, value)
@@ -108,19 +109,19 @@ def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> Ten
     """
     fn = get_advantage_estimator(algorithm.adv_estimator)
     kwargs = {
-        "token_level_rewards": batch["token_level_rewards"],
-        "response_mask": batch["response_mask"],
+        "token_level_rewards": batch[KEYS.token_level_rewards],
+        "response_mask": batch[KEYS.response_mask],
         "gamma": algorithm.gamma,
         "lam": algorithm.lam,
         "norm_by_std": algorithm.norm_adv_by_std_in_grpo,
     }
-    if "uid" in batch:
-        kwargs["index"] = list(batch.get("uid").tolist())
-    for key in ("values", "reward_baselines"):
+    if KEYS.uid in batch:
+        kwargs["index"] = list(batch.get(KEYS.uid).tolist())
+    for arg, key in (("values", KEYS.values), ("reward_baselines", KEYS.reward_baselines)):
         if key in batch:
-            kwargs[key] = batch[key]
+            kwargs[arg] = batch[key]
     advantages, returns = fn(**kwargs)
     out = batch.clone(False)
-    out.set("advantages", advantages)
-    out.set("returns", returns)
+    out.set(KEYS.advantages, advantages)
+    out.set(KEYS.returns, returns)
     return out

@@ -1,64 +1,87 @@
-"""Validation for ``BasePPOTrainer``: generate on the validation prompts, score, reduce with verl's metric names.
+"""Validation: generate on the validation prompts, score, reduce with verl's metric names.
 
 An empty (or missing) validation set, a reward function without extra infos, or a metric computation that yields
-nothing all mean "nothing to log": the result is ``{}`` and training goes on (the seed PR asserted a non-empty
-dict and crashed).
+nothing all mean "nothing to log": the result is ``{}`` and training goes on.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDictBase
 
 from ppo_core.batch import repeat_interleave
+from ppo_core.keys import KEYS
 from ppo_core.metrics import flatten_validation_metrics, process_validation_metrics
+from ppo_core.trainer.config import RolloutConfig
 from ppo_core.trainer.data import PromptDataLoader
-from ppo_core.trainer.reward import call_reward_fn
+from ppo_core.trainer.reward import RewardFn, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, merge_generation
-
-if TYPE_CHECKING:
-    from ppo_core.trainer.base import BasePPOTrainer
+from ppo_core.workers.group import WorkerGroup
 
 __all__ = ["run_validation"]
 
 logger = logging.getLogger(__name__)
 
 
-def run_validation(trainer: BasePPOTrainer, executor: concurrent.futures.Executor) -> dict[str, float]:
-    """``val-core/...`` and ``val-aux/...`` metrics of the trainer's validation set (``{}`` when there is none).
+def run_validation(
+    actor_wg: WorkerGroup,
+    dataset: Sequence[Mapping[str, Any]] | None,
+    reward_fn: RewardFn,
+    *,
+    rollout: RolloutConfig,
+    batch_size: int | None,
+    step: int,
+    seed: int,
+    pad_token_id: int,
+    collate_fn: Callable[[Sequence[Mapping[str, Any]]], TensorDictBase] | None,
+    executor: concurrent.futures.Executor,
+) -> dict[str, float]:
+    """``val-core/...`` and ``val-aux/...`` metrics of ``dataset`` (``{}`` when there is none).
 
     Every prompt is answered ``rollout.val_n`` times (greedy unless ``rollout.val_do_sample``); the variable
     ``reward`` is each response's summed token scores, plus every extra info the reward function returns.
+
+    Args:
+        actor_wg: the group whose ``generate_sequences`` answers.
+        dataset: validation prompts (mappings with ``input_ids``, ``data_source``...); None or empty: no metrics.
+        reward_fn: scores the answers (see :mod:`ppo_core.trainer.reward`).
+        rollout: ``val_n`` and ``val_do_sample``.
+        batch_size: prompts per generation call; None: the whole dataset at once.
+        step: the training step (names the uids and the reward calls).
+        seed: seeds the bootstrap of the N-sample metrics.
+        pad_token_id: left padding of the prompts.
+        collate_fn: replaces :func:`ppo_core.trainer.data.collate_prompts`.
+        executor: runs coroutine reward functions.
     """
-    dataset = trainer.val_dataset
     if dataset is None or len(dataset) == 0:
         return {}
-    cfg = trainer.config
     loader = PromptDataLoader(
         dataset,
-        cfg.data.val_batch_size or len(dataset),
+        batch_size or len(dataset),
         shuffle=False,
         drop_last=False,
-        pad_token_id=trainer.pad_token_id,
-        collate_fn=trainer.collate_fn,
+        pad_token_id=pad_token_id,
+        collate_fn=collate_fn,
     )
-    step = trainer.global_steps
     sources: list[str] = []
     uids: list[str] = []
     infos: dict[str, list] = {"reward": []}
     extra_counts: dict[str, int] = {}
     for i, batch in enumerate(loader):
-        prompts = repeat_interleave(assign_uids(batch, f"val{step}.{i}"), cfg.rollout.val_n)
-        generated = trainer.actor_wg.generate_sequences(
-            prompts.select("input_ids", "attention_mask"), do_sample=cfg.rollout.val_do_sample
+        prompts = repeat_interleave(assign_uids(batch, f"val{step}.{i}"), rollout.val_n)
+        generated = actor_wg.generate_sequences(
+            prompts.select(KEYS.input_ids, KEYS.attention_mask), do_sample=rollout.val_do_sample
         )
         batch = merge_generation(prompts, generated)
-        scores, extra = call_reward_fn(trainer.val_reward_fn, batch, step, executor).result()
+        scores, extra = call_reward_fn(reward_fn, batch, step, executor).result()
         size = int(batch.batch_size[0])
         offset = len(uids)
-        sources += [str(s) for s in batch.get("data_source").tolist()]
-        uids += list(batch.get("uid").tolist())
+        sources += [str(s) for s in batch.get(KEYS.data_source).tolist()]
+        uids += list(batch.get(KEYS.uid).tolist())
         infos["reward"] += scores.sum(-1).tolist()
         for key, values in extra.items():
             if key == "reward":
@@ -70,4 +93,4 @@ def run_validation(trainer: BasePPOTrainer, executor: concurrent.futures.Executo
     for key in partial:
         logger.warning("validation extra info %r was returned for only some batches; not logged", key)
         del infos[key]
-    return flatten_validation_metrics(process_validation_metrics(sources, uids, infos, seed=cfg.trainer.seed))
+    return flatten_validation_metrics(process_validation_metrics(sources, uids, infos, seed=seed))

@@ -1,22 +1,30 @@
-"""The backend protocol: ``Worker``, ``@register`` dispatch modes, and the ``WorkerGroup`` a trainer drives.
+"""Workers: the backend protocol (``Worker``, ``@register`` dispatch modes, the ``WorkerGroup`` a trainer drives) and
+the PPO workers, written once over pluggable engines.
+
+Layout: :mod:`~ppo_core.workers.base`, :mod:`~ppo_core.workers.dispatch`, :mod:`~ppo_core.workers.group` (the
+protocol); :mod:`~ppo_core.workers.ppo` (the PPO algorithm: ``PPOActorWorker``, ``PPOCriticWorker``),
+:mod:`~ppo_core.workers.engine` (the training-engine protocol it calls), :mod:`~ppo_core.workers.config` (their
+configs); engines in :mod:`ppo_core.workers.torch` and :mod:`ppo_core.workers.megatron`; sampling behind the
+rollout-engine protocol of :mod:`ppo_core.rollout`.
 
 Worker methods ``BasePPOTrainer`` calls (full contract in ``docs/backends.md``). Batches are ``TensorDict`` with
-``batch_size=[B]``; ``P`` = prompt width (left-padded), ``R`` = response width (right-padded).
+``batch_size=[B]`` and the keys of :data:`ppo_core.keys.KEYS`; ``P`` = prompt width (left-padded), ``R`` = response
+width (right-padded).
 
 Actor group (``actor_wg``; rollout and actor in one worker):
 
 - ``generate_sequences(batch, do_sample=True) -> TensorDict`` (``DP_COMPUTE``). In: ``input_ids`` [B, P],
   ``attention_mask`` [B, P] (the prompt, already repeated ``n`` times). Out: ``prompts`` [B, P],
-  ``responses`` [B, R], ``input_ids`` [B, P+R], ``attention_mask`` [B, P+R], ``response_mask`` [B, R].
-  ``do_sample=False`` is greedy decoding (validation). Sampling draws from a generator the worker owns and
-  checkpoints, so that a resumed run samples the same tokens.
+  ``responses`` [B, R], ``input_ids`` [B, P+R], ``attention_mask`` [B, P+R], ``response_mask`` [B, R], and
+  optionally ``rollout_log_probs`` [B, R]. ``do_sample=False`` is greedy decoding (validation). Sampling draws
+  from a generator the worker owns and checkpoints, so that a resumed run samples the same tokens.
 - ``compute_log_prob(batch) -> TensorDict`` (``DP_COMPUTE``): ``old_log_probs`` [B, R] and optionally
-  ``entropys`` [B, R].
+  ``entropies`` [B, R].
 - ``update_actor(batch) -> dict[str, float]`` (``DP_COMPUTE_METRIC``): one PPO update (epochs of mini-batches)
   from ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``, ``old_log_probs``,
-  ``advantages`` (and ``ref_log_prob`` when the KL loss is on); returns ``actor/*`` metrics.
+  ``advantages`` (and ``ref_log_probs`` when the KL loss is on); returns ``actor/*`` metrics.
 
-Reference group (``ref_wg``): ``compute_ref_log_prob(batch) -> TensorDict`` (``DP_COMPUTE``): ``ref_log_prob``
+Reference group (``ref_wg``): ``compute_ref_log_prob(batch) -> TensorDict`` (``DP_COMPUTE``): ``ref_log_probs``
 [B, R].
 
 Critic group (``critic_wg``): ``compute_values(batch) -> TensorDict`` (``DP_COMPUTE``): ``values`` [B, R];
@@ -36,12 +44,14 @@ from ppo_core.workers.base import (
     Worker,
     WorkerContext,
     WorkerSpec,
+    current_worker_context,
     get_registration,
     register,
     registered_methods,
     resolve_method,
     worker_context,
 )
+from ppo_core.workers.config import OptimConfig, PPOActorConfig, PPOCriticConfig
 from ppo_core.workers.dispatch import (
     Dispatch,
     DispatchMode,
@@ -52,6 +62,7 @@ from ppo_core.workers.dispatch import (
     WorkerLayout,
     resolve_dispatch,
 )
+from ppo_core.workers.engine import ForwardEngine, StepResult, TrainingEngine
 from ppo_core.workers.errors import (
     CallTimeoutError,
     GroupBrokenError,
@@ -69,6 +80,7 @@ from ppo_core.workers.group import (
     WorkerCallError,
     WorkerGroup,
 )
+from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 
 #: Method names ``BasePPOTrainer`` calls on its groups, by role.
 TRAINER_METHODS: dict[str, tuple[str, ...]] = {
@@ -89,13 +101,21 @@ __all__ = [
     "DispatchMode",
     "DispatchPlan",
     "Execute",
+    "ForwardEngine",
     "FuturesCall",
     "GroupBrokenError",
     "GroupResult",
+    "OptimConfig",
+    "PPOActorConfig",
+    "PPOActorWorker",
+    "PPOCriticConfig",
+    "PPOCriticWorker",
     "PendingCall",
     "RankCall",
     "RankLocation",
     "Registration",
+    "StepResult",
+    "TrainingEngine",
     "Worker",
     "WorkerCallError",
     "WorkerContext",
@@ -104,6 +124,7 @@ __all__ = [
     "WorkerLayout",
     "WorkerLostError",
     "WorkerSpec",
+    "current_worker_context",
     "get_registration",
     "register",
     "registered_methods",

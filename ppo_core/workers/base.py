@@ -28,6 +28,7 @@ __all__ = [
     "Worker",
     "WorkerContext",
     "WorkerSpec",
+    "current_worker_context",
     "get_registration",
     "register",
     "registered_methods",
@@ -77,7 +78,16 @@ def worker_context(rank: int, world_size: int, local_rank: int = 0) -> Iterator[
         _CONTEXT.reset(token)
 
 
-def _current_context() -> WorkerContext:
+def current_worker_context() -> WorkerContext:
+    """The rank a worker being built runs as: the backend's :func:`worker_context`, else the ``RANK`` /
+    ``WORLD_SIZE`` / ``LOCAL_RANK`` environment variables, else rank 0 of 1 (what ``Worker.__init__`` reads; worker
+    constructors that build engines before ``Worker.__init__`` read it too).
+
+    Example:
+        >>> with worker_context(rank=1, world_size=2):
+        ...     current_worker_context().rank
+        1
+    """
     ctx = _CONTEXT.get()
     if ctx is not None:
         return ctx
@@ -105,7 +115,7 @@ class Worker:
     """
 
     def __init__(self) -> None:
-        ctx = _current_context()
+        ctx = current_worker_context()
         self._rank = ctx.rank
         self._world_size = ctx.world_size
         self._local_rank = ctx.local_rank

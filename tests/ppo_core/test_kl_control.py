@@ -186,7 +186,7 @@ def _to_tensordict(b: PPOBatch) -> TensorDict:
         {
             "token_level_scores": b.token_level_rewards,
             "old_log_probs": b.old_log_probs,
-            "ref_log_prob": b.ref_log_probs,
+            "ref_log_probs": b.ref_log_probs,
             "response_mask": b.response_mask,
             "values": b.values,
         },
@@ -239,7 +239,7 @@ def test_apply_kl_penalty_matches_loop_oracle_and_ignores_padding(
     junk = batch.copy()
     pad = ~b.response_mask
     junk["old_log_probs"] = b.old_log_probs.masked_fill(pad, float("nan"))
-    junk["ref_log_prob"] = b.ref_log_probs.masked_fill(pad, float("-inf"))
+    junk["ref_log_probs"] = b.ref_log_probs.masked_fill(pad, float("-inf"))
     out_junk, metrics_junk = apply_kl_penalty(junk, FixedKLController(0.2), estimator)
     torch.testing.assert_close(out_junk["token_level_rewards"], out["token_level_rewards"])
     assert metrics_junk == metrics
@@ -250,7 +250,7 @@ def test_reward_kl_metric_counts_an_all_masked_row_as_zero() -> None:
         {
             "token_level_scores": torch.zeros(2, 2),
             "old_log_probs": torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
-            "ref_log_prob": torch.tensor([[-1.4, -1.2], [-3.0, -3.0]]),
+            "ref_log_probs": torch.tensor([[-1.4, -1.2], [-3.0, -3.0]]),
             "response_mask": torch.tensor([[1, 1], [0, 0]]),
         },
         batch_size=[2],
@@ -264,7 +264,7 @@ def test_empty_batch_keeps_beta() -> None:
     batch = TensorDict(
         {
             k: torch.zeros(0, 4)
-            for k in ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask")
+            for k in ("token_level_scores", "old_log_probs", "ref_log_probs", "response_mask")
         },
         batch_size=[0],
     )
@@ -279,7 +279,7 @@ def test_apply_kl_penalty_errors() -> None:
     full = {
         "token_level_scores": torch.zeros(2, 3),
         "old_log_probs": torch.zeros(2, 3),
-        "ref_log_prob": torch.zeros(2, 3),
+        "ref_log_probs": torch.zeros(2, 3),
         "response_mask": torch.ones(2, 3),
     }
     for key in full:
@@ -289,7 +289,7 @@ def test_apply_kl_penalty_errors() -> None:
     ctrl = FixedKLController(0.1)
     with pytest.raises(ValueError, match="estimator"):
         apply_kl_penalty(TensorDict(full, batch_size=[2]), ctrl, "nope")
-    bad = dict(full, ref_log_prob=torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]]))
+    bad = dict(full, ref_log_probs=torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="not finite"):
         apply_kl_penalty(TensorDict(bad, batch_size=[2]), ctrl, "k1")
     bad = dict(full, old_log_probs=torch.zeros(2, 4))
@@ -301,6 +301,6 @@ def test_apply_kl_penalty_errors() -> None:
     with pytest.raises(TypeError, match="batch"):
         apply_kl_penalty(full, ctrl)
     # k3 clamps the same -inf to a finite penalty, so it is accepted
-    ok = dict(full, ref_log_prob=torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]]))
+    ok = dict(full, ref_log_probs=torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]]))
     out, _ = apply_kl_penalty(TensorDict(ok, batch_size=[2]), ctrl, "k3")
     assert math.isfinite(out["token_level_rewards"].abs().max().item())

@@ -218,7 +218,9 @@ def test_actor_checkpoint_round_trip_and_log_probs_match_full_vocab(single_rank,
     from ppo_core.workers.megatron.workers import megatron_attention_mask, position_ids
 
     with torch.no_grad():
-        logits = actor.module(batch["input_ids"].cuda(), position_ids(mask), megatron_attention_mask(mask))
+        logits = actor.engine.module(
+            batch["input_ids"].cuda(), position_ids(mask), megatron_attention_mask(mask)
+        )
     ref = logprobs_from_logits(logits[:, -6:-1, :50], batch["responses"].cuda()).cpu()
     torch.testing.assert_close(scored["old_log_probs"], ref, rtol=1e-4, atol=1e-4)
     batch.update(scored)
@@ -231,7 +233,7 @@ def test_actor_checkpoint_round_trip_and_log_probs_match_full_vocab(single_rank,
     assert first["actor/pg_loss"] == pytest.approx(again["actor/pg_loss"], rel=1e-5, abs=1e-6)
     assert first["actor/grad_norm"] == pytest.approx(again["actor/grad_norm"], rel=1e-4)
     assert all(math.isfinite(v) for v in first.values())
-    actor.optimizer.zero_grad()
+    actor.engine.optimizer.zero_grad()
 
 
 def test_distributed_optimizer_steps_like_the_plain_one(single_rank):
@@ -327,9 +329,12 @@ def test_fused_and_unfused_models_agree_on_log_probs_main_grads_and_norm(single_
 
     from tensordict import TensorDict
 
+    from ppo_core.workers._common import global_loss_denominators, split_rows
     from ppo_core.workers.base import worker_context
+    from ppo_core.workers.engine import OutputSpec
     from ppo_core.workers.megatron import MegatronActorWorker
     from ppo_core.workers.megatron.optim import grad_norm
+    from ppo_core.workers.ppo import actor_loss
 
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 50, (4, 12), generator=g)
@@ -356,25 +361,27 @@ def test_fused_and_unfused_models_agree_on_log_probs_main_grads_and_norm(single_
         }
         with worker_context(rank=0, world_size=1):
             actor = MegatronActorWorker(cfg)
+        engine = actor.engine
         if weights is None:
             weights = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v
-                for k, v in actor.module.state_dict().items()
+                for k, v in engine.module.state_dict().items()
             }
         else:  # megatron's RNG tracker has moved on since the first model: give both the same weights
-            actor.module.load_state_dict(weights)
+            engine.module.load_state_dict(weights)
         log_probs = actor.compute_log_prob(batch)["old_log_probs"]
-        actor.model.train()
-        agg = actor._global_denominators(batch["response_mask"])
-        micros = actor._micro_batches(batch, 2)
-        actor._run(micros, partial(actor._actor_loss, agg=agg, n_micro=2), forward_only=False)
-        grads = {n: p.main_grad.clone() for n, p in actor.module.named_parameters()}
-        assert all(p.grad is None for p in actor.module.parameters())  # nothing left for the DDP hook
-        actor.optimizer.prepare_grads()
-        norm = grad_norm(actor.optimizer)
-        assert norm == pytest.approx(float(actor.optimizer.get_grad_norm()), rel=1e-6)
-        actor.model.zero_grad_buffer()
-        actor.optimizer.zero_grad()
+        engine.train()
+        agg = global_loss_denominators(
+            batch["response_mask"], dp_size=1, loss_scale_factor=None, all_reduce_sum=engine.all_reduce_sum
+        )
+        loss_fn = partial(actor_loss, config=actor.config, agg=agg, n_micro=2)
+        engine.forward_backward(split_rows(batch, 2), loss_fn, OutputSpec())
+        grads = {n: p.main_grad.clone() for n, p in engine.module.named_parameters()}
+        assert all(p.grad is None for p in engine.module.parameters())  # nothing left for the DDP hook
+        engine.optimizer.prepare_grads()
+        norm = grad_norm(engine.optimizer)
+        assert norm == pytest.approx(float(engine.optimizer.get_grad_norm()), rel=1e-6)
+        engine.zero_grad()
         metrics = actor.update_actor(batch)
         assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
         results[fused] = (log_probs, grads, metrics)

@@ -1,14 +1,15 @@
-"""Reference torch workers: sampling, log-probs/values alignment, PPO/critic updates, checkpoints, DDP."""
+"""Torch workers: log-probs/values alignment, PPO/critic updates, checkpoints, DDP (sampling: test_rollout.py)."""
 
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import socket
 
 import pytest
 import torch
+from _tiny_lm import EOS, LM, VALUE_MODEL
+from _tiny_lm import left_padded_prompts as _prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -16,31 +17,8 @@ from tensordict import TensorDict
 from ppo_core.backends.local import LocalWorkerGroup
 from ppo_core.kl import kl_penalty
 from ppo_core.losses import agg_loss, compute_policy_loss, compute_value_loss
-from ppo_core.models import TinyGPT, TinyGPTConfig
 from ppo_core.workers import WorkerSpec, worker_context
-from ppo_core.workers.torch import (
-    SamplingConfig,
-    TorchActorConfig,
-    TorchActorWorker,
-    TorchCriticWorker,
-    generate,
-    sample_from_logits,
-    top_p_filter,
-)
-
-V, EOS, PAD = 9, 8, 0
-CFG = TinyGPTConfig(vocab_size=V, max_seq_len=12, d_model=16, n_layers=1, n_heads=2)
-CRITIC_CFG = TinyGPTConfig(**{**CFG.to_dict(), "value_head": True})
-LM = functools.partial(TinyGPT, CFG, seed=1)
-VALUE_MODEL = functools.partial(TinyGPT, CRITIC_CFG, seed=2)
-
-
-def _prompts(seed: int = 0, batch: int = 4, width: int = 3) -> TensorDict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, EOS, (batch, width), generator=g)
-    lengths = torch.randint(1, width + 1, (batch,), generator=g)
-    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
-    return TensorDict({"input_ids": ids * mask, "attention_mask": mask}, batch_size=[batch])
+from ppo_core.workers.torch import TorchActorConfig, TorchActorWorker, TorchCriticWorker
 
 
 def _actor(**overrides: object) -> TorchActorWorker:
@@ -63,109 +41,6 @@ def _rollout(actor: TorchActorWorker, seed: int = 0, batch: int = 4) -> TensorDi
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- sampling
-
-
-@settings(max_examples=50)
-@given(seed=st.integers(0, 10_000), top_p=st.floats(0.01, 1.0))
-def test_top_p_filter_matches_loop(seed: int, top_p: float) -> None:
-    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    out = top_p_filter(logits, top_p)
-    for row in range(3):
-        probs = logits[row].softmax(-1).tolist()
-        order = sorted(range(6), key=lambda v: -probs[v])
-        mass, keep = 0.0, set()
-        for v in order:
-            if mass >= top_p:
-                break
-            keep.add(v)
-            mass += probs[v]
-        for v in range(6):
-            assert (out[row, v] == float("-inf")) == (v not in keep)
-            if v in keep:
-                assert out[row, v] == logits[row, v]
-
-
-def test_sample_from_logits_greedy_and_frequencies() -> None:
-    logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20_000, 3)
-    assert sample_from_logits(logits[:2], temperature=0, generator=None).tolist() == [2, 2]
-    draws = sample_from_logits(logits, generator=torch.Generator().manual_seed(0))
-    freq = torch.bincount(draws, minlength=3).double() / draws.numel()
-    assert torch.allclose(freq, logits[0].double().softmax(-1), atol=0.015)
-    hot = sample_from_logits(logits, temperature=0.5, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(
-        torch.bincount(hot, minlength=3).double() / hot.numel(),
-        (logits[0] / 0.5).double().softmax(-1),
-        atol=0.015,
-    )
-    nucleus = sample_from_logits(logits, top_p=0.7, generator=torch.Generator().manual_seed(0))
-    assert set(nucleus.tolist()) == {1, 2}  # p = (.09, .24, .67): mass 0.7 needs the top two
-    with pytest.raises(ValueError, match="generator"):
-        sample_from_logits(logits, generator=None)
-
-
-def test_sampling_config_validation() -> None:
-    for bad in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            SamplingConfig(**bad)
-    assert SamplingConfig.from_dict(SamplingConfig(top_p=0.9).to_dict()) == SamplingConfig(top_p=0.9)
-
-
-class _NoCache(torch.nn.Module):
-    """The same LM without ``new_cache``: generation must recompute and give the same tokens."""
-
-    def __init__(self, lm: TinyGPT) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids, attention_mask=attention_mask)
-
-
-@settings(max_examples=8)
-@given(
-    seed=st.integers(0, 10_000),
-    temperature=st.sampled_from([0.0, 0.7, 1.0]),
-    top_p=st.sampled_from([0.8, 1.0]),
-)
-def test_generate_layout_and_cache_equivalence(seed: int, temperature: float, top_p: float) -> None:
-    lm = TinyGPT(CFG, seed=seed)
-    p = _prompts(seed, batch=5)
-    cfg = SamplingConfig(
-        max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD, temperature=temperature, top_p=top_p
-    )
-    out = generate(
-        lm, p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
-    )
-    ref = generate(
-        _NoCache(lm), p["input_ids"], p["attention_mask"], cfg, generator=torch.Generator().manual_seed(seed)
-    )
-    assert torch.equal(out["responses"], ref["responses"])
-    resp, rmask = out["responses"], out["response_mask"]
-    assert resp.shape == (5, 5)
-    for row in range(5):
-        tokens = resp[row].tolist()
-        end = tokens.index(EOS) + 1 if EOS in tokens else len(tokens)
-        assert rmask[row].tolist() == [1] * end + [0] * (5 - end)
-        assert tokens[end:] == [PAD] * (5 - end)
-    assert torch.equal(out["input_ids"], torch.cat([p["input_ids"], resp], 1))
-    assert torch.equal(out["attention_mask"], torch.cat([p["attention_mask"], rmask], 1))
-    assert torch.equal(out["prompts"], p["input_ids"])
-
-
-def test_generate_left_padded_batch_equals_one_by_one() -> None:
-    p = _prompts(3, batch=6)
-    cfg = SamplingConfig(max_new_tokens=4, eos_token_id=EOS, temperature=0.0)
-    lm = LM()
-    batched = generate(lm, p["input_ids"], p["attention_mask"], cfg)["responses"]
-    for row in range(6):
-        keep = p["attention_mask"][row].bool()
-        single = generate(lm, p["input_ids"][row, keep][None], torch.ones(1, int(keep.sum())), cfg)[
-            "responses"
-        ]
-        assert torch.equal(batched[row], single[0])
-
-
 # ---------------------------------------------------------------------------------------------------- actor
 
 
@@ -186,9 +61,9 @@ def test_log_probs_alignment_and_micro_batching() -> None:
     expected = _reference_log_probs(actor.module, batch)
     assert torch.allclose(batch["old_log_probs"].double(), expected, atol=1e-5)
     # the reference is a frozen copy of the initial policy
-    assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"])
+    assert torch.allclose(batch["ref_log_probs"], batch["old_log_probs"])
     assert all(not p.requires_grad for p in actor.ref_model.parameters())
-    assert batch["entropys"].shape == batch["old_log_probs"].shape and (batch["entropys"] >= 0).all()
+    assert batch["entropies"].shape == batch["old_log_probs"].shape and (batch["entropies"] >= 0).all()
 
 
 def test_temperature_scales_log_prob_logits() -> None:
@@ -222,7 +97,7 @@ def _manual_actor_grads(lm: torch.nn.Module, batch: TensorDict, cfg: TorchActorC
     loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode)
     if cfg.use_kl_loss:
         loss = loss + cfg.kl_loss_coef * agg_loss(
-            kl_penalty(lp, batch["ref_log_prob"], cfg.kl_loss_type), mask, mode
+            kl_penalty(lp, batch["ref_log_probs"], cfg.kl_loss_type), mask, mode
         )
     loss.backward()
     return [p.grad for p in lm.parameters()]
@@ -254,9 +129,13 @@ def test_update_actor_gradient_equals_whole_minibatch_loss(mode: str, micro: int
     assert len(steps) == 1
     for got, want in zip(steps[0], expected, strict=True):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
-    assert {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"} <= set(
-        metrics
-    )
+    assert {
+        "actor/pg_loss",
+        "actor/update_entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/ppo_kl",
+    } <= set(metrics)
 
 
 def test_update_actor_ignores_everything_on_masked_tokens() -> None:
@@ -273,7 +152,7 @@ def test_update_actor_ignores_everything_on_masked_tokens() -> None:
     batch["response_mask"][1] = 0
     dirty = batch.clone()
     masked = ~batch["response_mask"].bool()
-    for key in ("advantages", "old_log_probs", "ref_log_prob"):
+    for key in ("advantages", "old_log_probs", "ref_log_probs"):
         dirty[key] = torch.where(masked, torch.tensor(float("nan")), dirty[key])
     clean_steps, dirty_steps = _capture_grads(clean_actor), _capture_grads(dirty_actor)
     clean_metrics, dirty_metrics = clean_actor.update_actor(batch), dirty_actor.update_actor(dirty)
@@ -456,7 +335,7 @@ def test_ddp_two_ranks_equal_one_rank(tmp_path: pytest.TempPathFactory) -> None:
 def test_workers_on_cuda_match_cpu_and_return_cpu_tensors() -> None:
     gpu = _actor(device="cuda", ppo_mini_batch_size=6)
     batch = _rollout(gpu, batch=6)
-    assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_prob"))
+    assert all(batch[k].device.type == "cpu" for k in ("responses", "old_log_probs", "ref_log_probs"))
     cpu_lp = _actor(device="cpu").compute_log_prob(batch)["old_log_probs"]
     assert torch.allclose(batch["old_log_probs"], cpu_lp, atol=1e-4)
     assert torch.isfinite(torch.tensor(list(gpu.update_actor(batch).values()))).all()

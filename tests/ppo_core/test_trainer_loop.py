@@ -70,12 +70,12 @@ class ToyActor(Worker):
         logp = self._log_probs(self.logits.detach(), batch["responses"])
         p = torch.softmax(self.logits.detach(), -1)
         entropy = -(p * p.log()).sum(-1).expand(logp.shape[0], R)
-        return TensorDict({"old_log_probs": logp, "entropys": entropy}, batch_size=batch.batch_size)
+        return TensorDict({"old_log_probs": logp, "entropies": entropy}, batch_size=batch.batch_size)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         return TensorDict(
-            {"ref_log_prob": self._log_probs(self.ref_logits, batch["responses"])},
+            {"ref_log_probs": self._log_probs(self.ref_logits, batch["responses"])},
             batch_size=batch.batch_size,
         )
 
@@ -448,7 +448,7 @@ def test_kl_loss_sends_reference_log_probs_to_the_actor(tmp_path, use_kl_loss):
     assert len(KeyRecordingActor.seen) == 3
     for keys in KeyRecordingActor.seen:
         assert {"advantages", "old_log_probs", "responses", "response_mask", "uid"} <= keys
-        assert ("ref_log_prob" in keys) is use_kl_loss
+        assert ("ref_log_probs" in keys) is use_kl_loss
 
 
 class TinyGPTTrainer(BasePPOTrainer):

@@ -8,10 +8,13 @@ Modules: :mod:`~ppo_core.workers.megatron.config` (model shape, parallel layout,
 :mod:`~ppo_core.workers.megatron.optim` (megatron's optimizer without Apex: multi-tensor norm, clip, copy),
 :mod:`~ppo_core.workers.megatron.vocab_parallel` (log-probs / entropy without gathering the vocabulary),
 :mod:`~ppo_core.workers.megatron.hf_loading` (Hugging Face Llama/Qwen2 safetensors),
-:mod:`~ppo_core.workers.megatron.workers` (``MegatronActorWorker``, ``MegatronCriticWorker``).
+:mod:`~ppo_core.workers.megatron.engine` (``MegatronEngine``: the training-engine protocol over megatron's pipeline
+schedules, DDP and optimizer),
+:mod:`~ppo_core.workers.megatron.workers` (``MegatronActorWorker``, ``MegatronCriticWorker``: the PPO workers of
+:mod:`ppo_core.workers.ppo` on megatron engines).
 
-Only ``config``, ``parallel``, ``fused``, ``optim`` and ``vocab_parallel`` import without megatron-core; the model, loading and worker
-modules import it lazily (on first use of their functions) or at import time (``workers``).
+Only ``config``, ``parallel``, ``fused``, ``optim`` and ``vocab_parallel`` import without megatron-core; the model,
+loading, engine and worker modules import it lazily (on first use of their functions) or at import time.
 
 Example:
     >>> from ppo_core.workers.megatron import MegatronModelConfig, ParallelConfig
@@ -48,6 +51,7 @@ __all__ = [
     "MegatronActorWorker",
     "MegatronCriticConfig",
     "MegatronCriticWorker",
+    "MegatronEngine",
     "MegatronLayout",
     "MegatronModelConfig",
     "ParallelConfig",
@@ -66,6 +70,7 @@ __all__ = [
 _LAZY = {
     "MegatronActorWorker": "ppo_core.workers.megatron.workers",
     "MegatronCriticWorker": "ppo_core.workers.megatron.workers",
+    "MegatronEngine": "ppo_core.workers.megatron.engine",
     "build_gpt_model": "ppo_core.workers.megatron.model",
     "hf_to_megatron": "ppo_core.workers.megatron.hf_loading",
     "megatron_to_hf": "ppo_core.workers.megatron.hf_loading",

@@ -22,7 +22,7 @@ import torch
 
 from ppo_core._checks import check_int, check_positive
 from ppo_core._config_base import ConfigBase
-from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
+from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
 
 __all__ = ["NORMS", "MegatronActorConfig", "MegatronCriticConfig", "MegatronModelConfig", "ParallelConfig"]
 
@@ -249,8 +249,10 @@ def _default_model() -> MegatronModelConfig:
 
 @dataclass(kw_only=True)
 class _MegatronFields(ConfigBase):
-    """What the megatron workers add to the reference workers' PPO settings."""
+    """What the megatron workers add to the PPO settings."""
 
+    device: str | None = None
+    """Torch device; None picks ``cuda:<local_rank>`` when CUDA is available (megatron's optimizer needs it)."""
     model: MegatronModelConfig = field(default_factory=_default_model)
     """Shape and dtype of the transformer (the default is a toy model for tests)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -262,8 +264,8 @@ class _MegatronFields(ConfigBase):
 
 
 @dataclass(kw_only=True)
-class MegatronActorConfig(TorchActorConfig, _MegatronFields):
-    """Actor / rollout / reference on megatron-core: the reference actor's PPO fields plus model and layout.
+class MegatronActorConfig(PPOActorConfig, _MegatronFields):
+    """Actor / rollout / reference on megatron-core: the PPO actor's fields plus model and layout.
 
     ``ppo_mini_batch_size`` counts rows over all dp ranks; ``micro_batch_size`` rows per forward/backward
     (megatron micro-batches; with PP > 1 the local mini-batch must be a multiple of it).
@@ -271,5 +273,5 @@ class MegatronActorConfig(TorchActorConfig, _MegatronFields):
 
 
 @dataclass(kw_only=True)
-class MegatronCriticConfig(TorchCriticConfig, _MegatronFields):
-    """Critic on megatron-core: the reference critic's PPO fields plus model and layout."""
+class MegatronCriticConfig(PPOCriticConfig, _MegatronFields):
+    """Critic on megatron-core: the PPO critic's fields plus model and layout."""

@@ -1,4 +1,10 @@
-"""Reference PyTorch workers (actor/rollout/reference and critic) for any causal-LM ``nn.Module``.
+"""PyTorch workers (actor/rollout/reference and critic) for any causal-LM ``nn.Module``: the PPO algorithm of
+:mod:`ppo_core.workers.ppo` on :class:`TorchEngine` (DDP when ``world_size > 1``, AdamW).
+
+Modules: :mod:`~ppo_core.workers.torch.engine` (the engine), :mod:`~ppo_core.workers.torch.workers`
+(``TorchActorWorker``, ``TorchCriticWorker``), :mod:`~ppo_core.workers.torch.config`,
+:mod:`~ppo_core.workers.torch.distributed` (process group, DDP). The sampling functions are re-exported from
+:mod:`ppo_core.rollout`.
 
 Example:
     >>> import functools
@@ -11,10 +17,11 @@ Example:
 
 from __future__ import annotations
 
-from ppo_core.workers.torch.actor import TorchActorWorker
-from ppo_core.workers.torch.config import OptimConfig, TorchActorConfig, TorchCriticConfig
-from ppo_core.workers.torch.critic import TorchCriticWorker
-from ppo_core.workers.torch.sampling import SamplingConfig, generate, sample_from_logits, top_p_filter
+from ppo_core.rollout import SamplingConfig, generate, sample_from_logits, top_p_filter
+from ppo_core.workers.config import OptimConfig
+from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
+from ppo_core.workers.torch.engine import TorchEngine
+from ppo_core.workers.torch.workers import TorchActorWorker, TorchCriticWorker
 
 __all__ = [
     "OptimConfig",
@@ -23,6 +30,7 @@ __all__ = [
     "TorchActorWorker",
     "TorchCriticConfig",
     "TorchCriticWorker",
+    "TorchEngine",
     "generate",
     "sample_from_logits",
     "top_p_filter",

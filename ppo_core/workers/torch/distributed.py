@@ -18,23 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ppo_core.workers._common import resolve_device
+
 __all__ = ["all_reduce_sum", "init_data_parallel", "maybe_no_sync", "resolve_device", "unwrap", "wrap_ddp"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str | None, local_rank: int = 0) -> torch.device:
-    """``device`` as a ``torch.device``; None means ``cuda:<local_rank>`` when CUDA is available, else CPU.
-
-    Example:
-        >>> resolve_device("cpu")
-        device(type='cpu')
-    """
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def init_data_parallel(rank: int, world_size: int, device: torch.device) -> bool:

@@ -1,0 +1,62 @@
+"""Rollout: sampling responses from the policy, behind a small engine protocol.
+
+- :class:`SamplingConfig`, :func:`top_p_filter`, :func:`sample_from_logits`, :func:`sampling_log_probs`: the
+  per-step sampling rule (:mod:`~ppo_core.rollout.sampling`);
+- :func:`generate`: batched sampling from any causal LM ``nn.Module`` (:mod:`~ppo_core.rollout.generate`);
+- :func:`rollout_batch`: the output layout of every rollout engine (:mod:`~ppo_core.rollout.layout`);
+- :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
+  implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`).
+
+Plugging in an external inference engine (vLLM, SGLang, a KV-cached CUDA-graph engine): write a class with
+
+- ``generate(prompts [B, P], prompt_mask [B, P], config, *, generator) -> TensorDict`` returning ``prompts``,
+  ``responses``, ``input_ids``, ``attention_mask``, ``response_mask`` and ``rollout_log_probs`` (the exact
+  contract is the docstring of :class:`RolloutEngine`): translate the left-padded prompts into the engine's
+  requests (strip the padding with ``prompt_mask``), map ``config`` to its sampling parameters (``temperature``,
+  ``top_p``, ``max_new_tokens``, stop at ``eos_token_id``), seed it from ``generator`` so that a resumed run
+  samples the same tokens, ask it for the log-prob of every sampled token, pad the answers back to ``[B, R]``
+  with ``config.pad_token_id`` and assemble the output with :func:`rollout_batch`;
+- ``update_weights(named_tensors)`` (:class:`WeightReceiver`) if the engine holds its own copy of the weights:
+  the actor calls it after each ``update_actor`` with the training engine's ``named_parameters()`` (this rank's
+  shard, under the training engine's names; megatron names convert with
+  :func:`ppo_core.workers.megatron.megatron_to_hf`).
+
+and give it to the actor worker: ``TorchActorWorker(model_factory, config, rollout_engine=factory)`` (or
+``MegatronActorWorker(config, rollout_engine=factory)``), where ``factory(policy)`` builds the engine from the
+actor's policy module (a class taking the module works, e.g. :class:`ModelRolloutEngine`, the default). No
+adapter for an external engine ships with ppo-core.
+
+Example:
+    >>> import torch
+    >>> from ppo_core.models import TinyGPT, TinyGPTConfig
+    >>> lm = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=8, d_model=16, n_heads=2))
+    >>> out = generate(lm, torch.tensor([[1, 2]]), torch.ones(1, 2), SamplingConfig(max_new_tokens=2, temperature=0))
+    >>> sorted(out.keys())
+    ['attention_mask', 'input_ids', 'prompts', 'response_mask', 'responses', 'rollout_log_probs']
+"""
+
+from __future__ import annotations
+
+from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine, WeightReceiver
+from ppo_core.rollout.generate import generate
+from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.sampling import (
+    SamplingConfig,
+    logits_of,
+    sample_from_logits,
+    sampling_log_probs,
+    top_p_filter,
+)
+
+__all__ = [
+    "ModelRolloutEngine",
+    "RolloutEngine",
+    "SamplingConfig",
+    "WeightReceiver",
+    "generate",
+    "logits_of",
+    "rollout_batch",
+    "sample_from_logits",
+    "sampling_log_probs",
+    "top_p_filter",
+]

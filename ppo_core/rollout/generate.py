@@ -1,0 +1,94 @@
+"""Batched autoregressive sampling from a causal LM: left-padded prompts, temperature, nucleus (top-p), EOS.
+
+The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)`` that returns logits
+``[B, T, V]`` (or an object with a ``.logits`` attribute). If it has a ``new_cache()`` method (like
+:class:`ppo_core.models.TinyGPT`), decoding is incremental: ``model(new_ids, attention_mask=mask, cache=cache)``
+sees one new token per call; otherwise the whole sequence is recomputed each step (same result, slower).
+
+Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``prompts [B, P]`` (left-padded, as given),
+``responses [B, R]`` (right-padded with ``pad_token_id``, ``R = max_new_tokens``), ``input_ids [B, P+R]``,
+``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to and including the first EOS, 0 after it) and
+``rollout_log_probs [B, R]`` (see :func:`~ppo_core.rollout.sampling.sampling_log_probs`; 0 after the end).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from ppo_core._checks import check_mask, check_ndim, check_tensor
+from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_from_logits, sampling_log_probs
+
+__all__ = ["generate"]
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: SamplingConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> TensorDict:
+    """Sample one response per (left-padded) prompt.
+
+    Args:
+        model: the causal LM (see the module docstring for the calling convention). Put it in eval mode if it
+            has dropout; this function does not change its mode.
+        prompts: ``[B, P]`` int64 token ids, left-padded.
+        prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on left padding.
+        config: sampling settings.
+        generator: RNG on the model's device (required unless ``config.temperature == 0``).
+
+    Returns:
+        A ``TensorDict`` of batch size ``[B]`` with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
+        ``response_mask`` and ``rollout_log_probs`` (see the module docstring).
+
+    Example:
+        >>> from ppo_core.models import TinyGPT, TinyGPTConfig
+        >>> lm = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=8, d_model=16, n_layers=1, n_heads=2))
+        >>> out = generate(lm, torch.tensor([[0, 3], [4, 5]]), torch.tensor([[0, 1], [1, 1]]),
+        ...                SamplingConfig(max_new_tokens=4, eos_token_id=7), generator=torch.Generator().manual_seed(0))
+        >>> out["input_ids"].shape, out["rollout_log_probs"].shape
+        (torch.Size([2, 6]), torch.Size([2, 4]))
+    """
+    check_ndim("prompts", check_tensor("prompts", prompts), 2)
+    mask_BP = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts").long()
+    B, R = prompts.shape[0], config.max_new_tokens
+    device = prompts.device
+    use_cache = config.use_cache and callable(getattr(model, "new_cache", None))
+    cache = model.new_cache() if use_cache else None
+    responses = torch.full((B, R), config.pad_token_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
+    step_log_probs: list[torch.Tensor] = []
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    ids, mask = prompts, mask_BP
+    step_ids = prompts
+    for t in range(R):
+        if cache is not None:
+            logits = logits_of(model(step_ids, attention_mask=mask, cache=cache))
+        else:
+            logits = logits_of(model(ids, attention_mask=mask))
+        last = logits[:, -1]
+        tok = sample_from_logits(
+            last, temperature=config.temperature, top_p=config.top_p, generator=generator
+        )
+        step_lp = sampling_log_probs(last, tok, temperature=config.temperature)
+        step_log_probs.append(torch.where(done, torch.zeros_like(step_lp), step_lp))
+        tok = torch.where(done, torch.full_like(tok, config.pad_token_id), tok)
+        responses[:, t] = tok
+        response_mask[:, t] = (~done).long()
+        mask = torch.cat([mask, response_mask[:, t : t + 1]], dim=1)
+        ids = torch.cat([ids, tok[:, None]], dim=1)
+        step_ids = tok[:, None]
+        if config.eos_token_id is not None:
+            done = done | (tok == config.eos_token_id)
+            if bool(done.all()):
+                break
+    # steps after every response ended (early break) were not decoded: log-prob 0, like every masked position
+    log_probs = torch.stack(step_log_probs, dim=1)
+    log_probs = torch.nn.functional.pad(log_probs, (0, R - log_probs.shape[1]))
+    return rollout_batch(prompts, mask_BP, responses, response_mask, log_probs)

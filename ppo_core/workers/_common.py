@@ -1,0 +1,121 @@
+"""Private helpers of the PPO workers, whatever the engine: config coercion, key checks, row splitting, and the
+mini-batching and loss denominators that make micro-batch gradients add up to the mini-batch gradient over all
+data-parallel ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+from tensordict import TensorDictBase
+
+from ppo_core._config_base import ConfigBase
+from ppo_core.batch import iter_minibatches
+
+__all__: list[str] = []
+
+C = TypeVar("C", bound=ConfigBase)
+
+
+def as_config(config: C | Mapping[str, Any] | None, cls: type[C]) -> C:
+    """``config`` as a ``cls``: built from a dict (None: the defaults), or checked to be one."""
+    if config is None or isinstance(config, Mapping):
+        return cls.from_dict(config)
+    if not isinstance(config, cls):
+        raise TypeError(f"config must be a {cls.__name__} or a dict, got {type(config).__name__}")
+    return config
+
+
+def resolve_device(device: str | None, local_rank: int = 0) -> torch.device:
+    """``device`` as a ``torch.device``; None means ``cuda:<local_rank>`` when CUDA is available, else CPU.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def check_keys(batch: TensorDictBase, keys: Iterable[str], method: str) -> None:
+    """Raise ``ValueError`` naming ``method``, the keys it needs and the missing ones, unless ``batch`` has all."""
+    keys = tuple(keys)
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"{method} needs batch keys {list(keys)}; missing {missing}")
+
+
+def split_rows(batch: TensorDictBase, size: int | None) -> list[TensorDictBase]:
+    """``batch`` cut into consecutive chunks of ``size`` rows (the last may be smaller); None keeps it whole."""
+    n = int(batch.batch_size[0])
+    if size is None or size >= n:
+        return [batch]
+    return [batch[i : i + size] for i in range(0, n, size)]
+
+
+def local_minibatches(
+    batch: TensorDictBase,
+    *,
+    ppo_mini_batch_size: int,
+    ppo_epochs: int,
+    shuffle: bool,
+    generator: torch.Generator,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[TensorDictBase]:
+    """This rank's mini-batches for every epoch, each ``ppo_mini_batch_size / dp_size`` rows.
+
+    ``ppo_mini_batch_size`` counts responses over all data-parallel ranks.
+    """
+    local = ppo_mini_batch_size // dp_size
+    n = int(batch.batch_size[0])
+    if n % local:
+        raise ValueError(
+            f"the batch of {n} rows on dp rank {dp_rank} is not a multiple of the local mini-batch size "
+            f"{local} (ppo_mini_batch_size={ppo_mini_batch_size} / dp_size={dp_size})"
+        )
+    return iter_minibatches(batch, local, epochs=ppo_epochs, shuffle=shuffle, generator=generator)
+
+
+def global_loss_denominators(
+    mask: torch.Tensor,
+    *,
+    dp_size: int,
+    loss_scale_factor: float | None,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
+    """``agg_loss`` keywords normalising a mini-batch by its token and row counts summed over all dp ranks, so that
+    the losses of its micro-batches, on every rank, add up to the loss of the whole mini-batch.
+
+    Args:
+        mask: ``[b, T]`` loss mask of this rank's mini-batch.
+        dp_size: number of data-parallel ranks.
+        loss_scale_factor: passed through (``seq-mean-token-sum-norm``).
+        all_reduce_sum: sums a float64 ``[2]`` tensor over the data-parallel group (identity when ``dp_size == 1``).
+    """
+    counts = torch.stack(
+        [
+            mask.sum().to(torch.float64),
+            torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device),
+        ]
+    )
+    counts = all_reduce_sum(counts)
+    return {
+        "dp_size": dp_size,
+        "batch_num_tokens": counts[0],
+        "global_batch_size": counts[1],
+        "loss_scale_factor": loss_scale_factor,
+    }
+
+
+def first_nonfinite_grad(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """Name of the first gradient with a NaN or inf entry (None if there is none); one host sync per gradient,
+    for diagnosing a skipped optimiser step only."""
+    for name, grad in named_grads:
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            return name
+    return None

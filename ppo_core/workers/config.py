@@ -1,0 +1,116 @@
+"""Configs of the PPO workers, engine-neutral: optimiser, actor (with rollout and reference), critic.
+
+Engines add their own fields by subclassing (:class:`ppo_core.workers.torch.TorchActorConfig` adds ``device``,
+:class:`ppo_core.workers.megatron.MegatronActorConfig` the model shape and parallel layout); the field names
+are the keys of the dicts users pass to the worker constructors.
+
+Example:
+    >>> cfg = PPOActorConfig.from_dict({"ppo_mini_batch_size": 4, "policy_loss": {"clip_ratio": 0.1}})
+    >>> cfg.policy_loss.clip_ratio, cfg.optim.lr
+    (0.1, 1e-06)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ppo_core._checks import check_int, check_positive
+from ppo_core._config_base import ConfigBase
+from ppo_core.kl import KLEstimator
+from ppo_core.losses import PolicyLossConfig
+from ppo_core.losses.aggregation import LossAggMode
+from ppo_core.rollout.sampling import SamplingConfig
+
+__all__ = ["OptimConfig", "PPOActorConfig", "PPOCriticConfig", "PPOWorkerConfig"]
+
+
+@dataclass(kw_only=True)
+class OptimConfig(ConfigBase):
+    """AdamW settings and gradient clipping."""
+
+    lr: float = 1e-6
+    """Learning rate (verl's actor default; the critic's is 1e-5)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (verl's default)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient L2 norm to this value before each step; None disables clipping."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        if self.grad_clip is not None:
+            check_positive("grad_clip", self.grad_clip)
+
+
+@dataclass(kw_only=True)
+class PPOWorkerConfig(ConfigBase):
+    """Fields shared by the actor and the critic: seed, epochs and batch sizes."""
+
+    seed: int = 0
+    """Seeds the worker's generators (sampling and mini-batch shuffling); data-parallel rank ``r`` uses
+    ``seed + r`` (tensor/pipeline-parallel peers share it)."""
+    ppo_epochs: int = 1
+    """Passes over each batch in an update."""
+    ppo_mini_batch_size: int = 256
+    """Rows (responses) per optimiser step, counted over all data-parallel ranks (each rank gets 1/dp_size)."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward on one rank (gradient accumulation); None: the whole local mini-batch."""
+    forward_micro_batch_size: int | None = None
+    """Rows per forward pass when only computing log-probs/values; None: the whole batch."""
+    shuffle: bool = False
+    """Shuffle the rows before cutting mini-batches (verl's default is False)."""
+    loss_scale_factor: float | None = None
+    """Constant divisor of ``seq-mean-token-sum-norm`` aggregation (e.g. the response length)."""
+
+    def __post_init__(self) -> None:
+        check_int("ppo_epochs", self.ppo_epochs, 1)
+        check_int("ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
+        for name in ("micro_batch_size", "forward_micro_batch_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+
+
+@dataclass(kw_only=True)
+class PPOActorConfig(PPOWorkerConfig):
+    """Actor (policy update), rollout (sampling) and reference (frozen initial policy) settings."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimiser of the policy."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Registry policy loss, its clip ranges and its ``loss_agg_mode`` (also used for entropy and KL terms)."""
+    rollout: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling settings; its temperature also scales the logits of every log-prob computation."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus: ``loss = pg_loss - entropy_coeff * entropy`` (0: entropy not computed)."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef * KL(policy || reference)`` to the actor loss (GRPO style); needs ``ref_log_probs``."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: KLEstimator = "low_var_kl"
+    """KL estimator of the KL loss (a name accepted by :func:`ppo_core.kl.kl_penalty`)."""
+    use_reference: bool = True
+    """Keep a frozen copy of the initial policy for ``compute_ref_log_prob``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("entropy_coeff", self.entropy_coeff, allow_zero=True)
+        check_positive("kl_loss_coef", self.kl_loss_coef, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class PPOCriticConfig(PPOWorkerConfig):
+    """Critic (value model) settings."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimiser of the value model."""
+    cliprange_value: float = 0.5
+    """Clip range of the value prediction around the rollout values (verl's default)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """Aggregation of the value loss (:data:`ppo_core.losses.LOSS_AGG_MODES`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("cliprange_value", self.cliprange_value)

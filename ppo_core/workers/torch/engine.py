@@ -1,0 +1,148 @@
+"""``TorchEngine``: the training-engine protocol (:mod:`ppo_core.workers.engine`) for any PyTorch ``nn.Module``.
+
+A policy is called as ``model(input_ids, attention_mask=mask)`` and returns logits ``[B, S, V]`` (or an object
+whose ``.logits`` they are); a value model returns values ``[B, S]`` or ``[B, S, 1]`` the same way (a Hugging
+Face token-classification head works). Training wraps the model in ``DistributedDataParallel`` when data
+parallelism is on (see :mod:`ppo_core.workers.torch.distributed`) and steps it with AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from ppo_core.keys import KEYS
+from ppo_core.logprobs import entropy_from_logits, logprobs_from_logits
+from ppo_core.rollout.sampling import logits_of
+from ppo_core.workers._common import first_nonfinite_grad
+from ppo_core.workers.config import OptimConfig
+from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, LossFn, OutputSpec, StepResult
+from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, wrap_ddp
+
+__all__ = ["TorchEngine", "response_outputs"]
+
+
+def response_outputs(model: nn.Module, batch: TensorDictBase) -> torch.Tensor:
+    """Model outputs at the positions that predict the response: ``out[:, P-1 : P+R-1]`` (``[B, R, ...]``).
+
+    Position ``t`` of the response is predicted from the output at position ``P + t - 1`` of ``input_ids``.
+    """
+    R = batch[KEYS.responses].shape[1]
+    out = logits_of(model(batch[KEYS.input_ids], attention_mask=batch[KEYS.attention_mask]))
+    return out[:, -R - 1 : -1]
+
+
+def _as_values(out: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 3:
+        if out.shape[-1] != 1:
+            raise ValueError(
+                f"the critic model must output [B, S] or [B, S, 1] values, got {tuple(out.shape)}"
+            )
+        out = out.squeeze(-1)
+    return out.float()
+
+
+class TorchEngine(EngineBase):
+    """One ``nn.Module`` on one device, with AdamW when ``optim`` is given (a forward-only engine otherwise).
+
+    Args:
+        module: the model, already on ``device``.
+        device: where the model and the micro-batches live.
+        head: ``"policy"`` (log-probs and entropy from logits) or ``"value"`` (values).
+        optim: optimiser settings; None builds a frozen forward-only engine (a reference policy).
+        dp_rank / dp_size: this rank's data-parallel position (every rank is a replica).
+        data_parallel: wrap the trained model in DDP and sum over the default process group (the caller has
+            joined it, :func:`~ppo_core.workers.torch.distributed.init_data_parallel`).
+
+    Example:
+        >>> from ppo_core.models import TinyGPT, TinyGPTConfig
+        >>> lm = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=8, d_model=16, n_heads=2))
+        >>> engine = TorchEngine(lm, device=torch.device("cpu"), optim=OptimConfig(lr=1e-3))
+        >>> engine.head, engine.dp_size, engine.lr
+        ('policy', 1, 0.001)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        device: torch.device,
+        head: str = "policy",
+        optim: OptimConfig | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        data_parallel: bool = False,
+    ) -> None:
+        model, optimizer = module, None
+        if optim is not None:
+            model = wrap_ddp(module, device, data_parallel)
+            optimizer = torch.optim.AdamW(
+                module.parameters(),
+                lr=optim.lr,
+                betas=tuple(optim.betas),
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+        super().__init__(module, model, head=head, device=device, optim=optim, optimizer=optimizer)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.data_parallel = data_parallel
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(value, self.data_parallel)
+
+    # ----- forward / backward -------------------------------------------------------------------------------
+    def _outputs(self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec) -> dict[str, torch.Tensor]:
+        out = response_outputs(model, micro)
+        if self.head == "value":
+            return {VALUES: _as_values(out)}
+        logits = out / spec.temperature
+        outputs = {LOG_PROBS: logprobs_from_logits(logits, micro[KEYS.responses])}
+        if spec.entropy:
+            outputs[ENTROPY] = entropy_from_logits(logits)
+        return outputs
+
+    @torch.no_grad()
+    def forward(self, micros: Sequence[TensorDictBase], spec: OutputSpec) -> list[dict[str, torch.Tensor]]:
+        return [self._outputs(self.module, m, spec) for m in micros]
+
+    def forward_backward(
+        self, micros: Sequence[TensorDictBase], loss_fn: LossFn, spec: OutputSpec
+    ) -> list[dict[str, torch.Tensor]]:
+        results = []
+        for i, micro in enumerate(micros):
+            # DDP averages gradients over ranks once, in the backward of the last micro-batch
+            with maybe_no_sync(self.model, skip_sync=i < len(micros) - 1):
+                loss, metrics = loss_fn(micro, self._outputs(self.model, micro, spec))
+                loss.backward()
+            results.append(metrics)
+        return results
+
+    # ----- optimiser and state ------------------------------------------------------------------------------
+    def optimizer_step(self) -> StepResult:
+        """Clip the gradient norm, step if it is finite (else skip, as verl does), clear gradients."""
+        optim, optimizer = self._trained()
+        clip = optim.grad_clip
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
+        bad = None
+        if math.isfinite(norm):
+            optimizer.step()
+        else:
+            bad = first_nonfinite_grad((n, p.grad) for n, p in self.module.named_parameters())
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm=norm, nonfinite_grad=bad)
+
+    def zero_grad(self) -> None:
+        self._trained()[1].zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self._trained()[1].state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self._trained()[1].load_state_dict(state["optimizer"])
