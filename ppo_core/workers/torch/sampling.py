@@ -12,6 +12,7 @@ Output keys (verl's layout): ``prompts [B, P]`` (left-padded, as given), ``respo
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor, check_unit_interval
 from ppo_core._config import ConfigBase
+from ppo_core.rollout.sampler import sample_tokens, top_p_filter
 
 __all__ = ["SamplingConfig", "generate", "logits_of", "sample_from_logits", "top_p_filter"]
 
@@ -34,6 +36,8 @@ class SamplingConfig(ConfigBase):
     """Logits are divided by it before sampling; 0 means greedy decoding."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1 keeps all)."""
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens before sampling (0 keeps all)."""
     eos_token_id: int | None = None
     """Token that ends a response (kept, with mask 1); None means every response has ``max_new_tokens`` tokens."""
     pad_token_id: int = 0
@@ -47,6 +51,8 @@ class SamplingConfig(ConfigBase):
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         check_unit_interval("top_p", self.top_p)
+        if int(self.top_k) < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.top_p == 0:
             raise ValueError("top_p must be > 0 (use temperature=0 for greedy decoding)")
 
@@ -56,55 +62,38 @@ def logits_of(output: object) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set to ``-inf`` the logits outside the nucleus: the most likely tokens whose probability mass reaches ``top_p``.
-
-    A token is kept when the mass of the strictly more likely tokens is below ``top_p``, so the most likely
-    token is always kept.
-
-    Args:
-        logits: ``[..., V]``.
-        top_p: in (0, 1]; 1 returns ``logits`` unchanged.
-
-    Example:
-        >>> top_p_filter(torch.tensor([2.0, 1.0, 0.0]).log(), 0.5)
-        tensor([0.6931,   -inf,   -inf])
-    """
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
 def sample_from_logits(
-    logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` ``[B, V]``: greedy when ``temperature == 0``, else sampled.
+
+    Draws ``[B, V]`` uniform noise from ``generator`` and applies
+    :func:`ppo_core.rollout.sampler.sample_tokens` (the Gumbel-max draw every decoding path shares).
 
     Args:
         logits: ``[B, V]`` next-token logits.
         temperature: divides the logits; 0 picks the argmax.
-        top_p: nucleus mass (see :func:`top_p_filter`).
+        top_p: nucleus mass (see :func:`top_p_filter`). top_k: most likely tokens kept (0: all).
         generator: RNG on ``logits.device``; required unless decoding greedily.
 
     Returns:
         ``[B]`` int64 token ids.
 
     Example:
-        >>> g = torch.Generator().manual_seed(0)
         >>> sample_from_logits(torch.tensor([[0.0, 9.0]]), temperature=0, generator=None)
         tensor([1])
     """
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return sample_tokens(logits, None, temperature=0.0)[0]
     if generator is None:
         raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
-    probs = top_p_filter(logits.float() / temperature, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    noise = torch.empty(logits.shape, device=logits.device).uniform_(generator=generator)
+    return sample_tokens(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)[0]
 
 
 @torch.no_grad()
@@ -140,12 +129,19 @@ def generate(
     """
     check_ndim("prompts", check_tensor("prompts", prompts), 2)
     mask_BP = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts").long()
+    if config.temperature > 0 and generator is None:
+        raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
+    if config.use_cache and _is_hf_causal_lm(model):
+        from ppo_core.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(model).generate(prompts, mask_BP, config, generator=generator)
     B, R = prompts.shape[0], config.max_new_tokens
     device = prompts.device
     use_cache = config.use_cache and callable(getattr(model, "new_cache", None))
     cache = model.new_cache() if use_cache else None
     responses = torch.full((B, R), config.pad_token_id, dtype=torch.long, device=device)
     response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
+    log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     ids, mask = prompts, mask_BP
     step_ids = prompts
@@ -154,17 +150,23 @@ def generate(
             logits = logits_of(model(step_ids, attention_mask=mask, cache=cache))
         else:
             logits = logits_of(model(ids, attention_mask=mask))
-        tok = sample_from_logits(
-            logits[:, -1], temperature=config.temperature, top_p=config.top_p, generator=generator
+        last = logits[:, -1]
+        noise = None
+        if config.temperature > 0:  # the draw every decoding path shares, from the same generator stream
+            noise = torch.empty(last.shape, device=device).uniform_(generator=generator)
+        tok, logp = sample_tokens(
+            last, noise, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
         )
-        tok = torch.where(done, torch.full_like(tok, config.pad_token_id), tok)
+        running = ~done
+        tok = torch.where(running, tok, config.pad_token_id)
         responses[:, t] = tok
-        response_mask[:, t] = (~done).long()
+        response_mask[:, t] = running.long()
+        log_probs[:, t] = torch.where(running, logp, 0.0)
         mask = torch.cat([mask, response_mask[:, t : t + 1]], dim=1)
         ids = torch.cat([ids, tok[:, None]], dim=1)
         step_ids = tok[:, None]
         if config.eos_token_id is not None:
-            done = done | (tok == config.eos_token_id)
+            done = done | (running & (tok == config.eos_token_id))
             if bool(done.all()):
                 break
     return TensorDict(
@@ -174,6 +176,13 @@ def generate(
             "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": torch.cat([mask_BP, response_mask], dim=1),
             "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
         },
         batch_size=[B],
     )
+
+
+def _is_hf_causal_lm(model: nn.Module) -> bool:
+    """A ``transformers`` model (checked without importing ``transformers`` when nothing has)."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel) and hasattr(model, "lm_head")
