@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ppo_core.rollout.decode_attention import decode_attention
+
 __all__ = ["KVCache", "prefill_attention_mask"]
 
 
@@ -111,7 +113,10 @@ class KVCache:
     def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
         """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len
-        self._decode_mask = self.key_valid[:, None, None, :kv_len]
+        # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
+        valid = self.key_valid[:, None, None, :kv_len]
+        zero = torch.zeros((), dtype=self.keys[0].dtype, device=valid.device)
+        self._decode_mask = torch.where(valid, zero, float("-inf"))
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
@@ -128,7 +133,7 @@ class KVCache:
             ``[B, H, S, d]`` attention outputs.
         """
         keys, values = self.keys[layer], self.values[layer]
-        b, h, s, d = q.shape
+        h, s = q.shape[1], q.shape[2]
         g = k.shape[1]
         if self.mode == "prefill":
             keys[:, :, :s] = k
@@ -140,13 +145,6 @@ class KVCache:
             raise ValueError(f"a decode step feeds one token per row, got {s}")
         keys.index_copy_(2, self.slot.view(1), k)
         values.index_copy_(2, self.slot.view(1), v)
-        # grouped-query attention as plain attention: the H / G query heads of a group are its "query positions"
-        q_grouped = q.reshape(b, g, h // g, d)
-        out = F.scaled_dot_product_attention(
-            q_grouped,
-            keys[:, :, : self.kv_len],
-            values[:, :, : self.kv_len],
-            attn_mask=self._decode_mask,
-            scale=scale,
+        return decode_attention(
+            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale
         )
-        return out.reshape(b, h, 1, d)

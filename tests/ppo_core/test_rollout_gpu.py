@@ -98,3 +98,23 @@ def test_bf16_cached_greedy_agrees_with_recomputation_up_to_near_ties():
         full = model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits[:, 31:-1].float()
     lp = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
     assert (lp - out["rollout_log_probs"]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "groups", "d"), [(32, 8, 64), (8, 8, 128), (16, 2, 64), (12, 4, 64)])
+@pytest.mark.parametrize("kv_len", [1, 37, 64, 384, 1000])
+def test_triton_decode_attention_matches_the_sdpa_reference(dtype, heads, groups, d, kv_len):
+    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+
+    g = torch.Generator("cuda").manual_seed(kv_len * heads + d)
+    b, length = 5, kv_len + 7  # the cache is longer than the slots attended to
+    q = torch.randn(b, heads, 1, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, groups, length, d, device="cuda", generator=g).to(dtype)[:, :, :kv_len]
+    v = torch.randn(b, groups, length, d, device="cuda", generator=g).to(dtype)[:, :, :kv_len]
+    visible = torch.rand(b, kv_len, device="cuda", generator=g) > 0.4
+    visible[:, -1] = True  # a query always sees its own slot
+    bias = torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, None, :]
+    ours = decode_attention_triton(q, k, v, bias, 0.125).float()
+    ref = decode_attention_sdpa(q.double(), k.double(), v.double(), bias.double(), 0.125).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
