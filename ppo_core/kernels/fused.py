@@ -23,7 +23,7 @@ import torch
 
 from ppo_core.kernels.compiled import cuda_compiled
 
-__all__ = ["apply_rotary", "rms_norm", "rotary_tables", "silu_mul"]
+__all__ = ["add_rms_norm", "apply_rotary", "rms_norm", "rotary_tables", "silu_mul"]
 
 
 def _math_dtype(t: torch.Tensor) -> torch.dtype:
@@ -47,6 +47,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(_math_dtype(x))
     inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * inv_rms * weight.to(xf.dtype)).to(x.dtype)
+
+
+@cuda_compiled
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm of its result in one pass: ``(x + delta, rms_norm(x + delta))``.
+
+    The sum is rounded to ``x.dtype`` first (it is the residual stream the next layer adds to), then
+    normalised exactly as :func:`rms_norm` does.
+
+    Args:
+        x: ``[..., D]`` residual stream. delta: ``[..., D]`` what the sub-layer adds. weight: ``[D]``.
+
+    Example:
+        >>> h, n = add_rms_norm(torch.tensor([[1.0, 2.0]]), torch.tensor([[2.0, 2.0]]), torch.ones(2), 0.0)
+        >>> h, n
+        (tensor([[3., 4.]]), tensor([[0.8485, 1.1314]]))
+    """
+    h = x + delta
+    hf = h.to(_math_dtype(h))
+    inv_rms = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+    return h, (hf * inv_rms * weight.to(hf.dtype)).to(x.dtype)
 
 
 @cuda_compiled

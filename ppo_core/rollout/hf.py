@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core.kernels.fused import apply_rotary, rms_norm, silu_mul
+from ppo_core.kernels.fused import add_rms_norm, apply_rotary, rms_norm, silu_mul
 from ppo_core.rollout.decoding import DecodeStats, ModelSpec, StaticCacheDecoder
 from ppo_core.rollout.kv_cache import KVCache
 
@@ -85,9 +85,13 @@ class _LlamaFamilyForward:
         # fp32 tables from the model's own rotary module (it reads only the device and dtype of its first input)
         cos, sin = body.rotary_emb(torch.empty(0, device=h.device), positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
+        mlp_out = None
         for i, layer in enumerate(body.layers):
             attn, norm1 = layer.self_attn, layer.input_layernorm
-            x = rms_norm(h, norm1.weight, norm1.variance_epsilon)
+            if mlp_out is None:
+                x = rms_norm(h, norm1.weight, norm1.variance_epsilon)
+            else:  # the previous layer's residual add fused with this layer's norm
+                h, x = add_rms_norm(h, mlp_out, norm1.weight, norm1.variance_epsilon)
             q = _linear(x, attn.q_proj).view(b, s, self.heads, self.head_dim)
             k = _linear(x, attn.k_proj).view(b, s, self.kv_heads, self.head_dim)
             v = _linear(x, attn.v_proj).view(b, s, self.kv_heads, self.head_dim)
@@ -96,11 +100,12 @@ class _LlamaFamilyForward:
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
             q, k = apply_rotary(q, k, cos, sin)
             out = cache.attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.scaling)
-            h = h + _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
             norm2, mlp = layer.post_attention_layernorm, layer.mlp
-            x = rms_norm(h, norm2.weight, norm2.variance_epsilon)
-            h = h + _linear(silu_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)), mlp.down_proj)
-        last = rms_norm(h[:, -1], body.norm.weight, body.norm.variance_epsilon)
+            attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
+            h, x = add_rms_norm(h, attn_out, norm2.weight, norm2.variance_epsilon)
+            mlp_out = _linear(silu_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)), mlp.down_proj)
+        h_last = h[:, -1] + mlp_out[:, -1]
+        last = rms_norm(h_last, body.norm.weight, body.norm.variance_epsilon)
         return self.lm_head(last).float()
 
 
