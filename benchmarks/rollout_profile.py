@@ -123,13 +123,22 @@ def main() -> None:
     from ppo_core.rollout.hf import HFRolloutEngine
     from ppo_core.workers.torch.sampling import SamplingConfig
 
-    result: dict = {"attention_b64_l384": _attn_times(64, 384), "attention_b256_l384": _attn_times(256, 384)}
+    result: dict = {}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    result["attention_b64_l384"] = _attn_times(64, 384)
+    result["attention_b256_l384"] = _attn_times(256, 384)
+    save()
     model = _hf_model()
     ids, mask = _prompts(64, 256, MODEL["vocab_size"])
     cfg = SamplingConfig(max_new_tokens=128, temperature=1.0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     engine = HFRolloutEngine(model)
     result["graphs"] = _ms_per_step(engine, ids, mask, cfg, gen)
+    save()
     import os
 
     os.environ["PPO_CORE_DECODE_ATTENTION"] = "sdpa"
@@ -145,6 +154,7 @@ def main() -> None:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     result["profile_top"] = table.splitlines()
+    save()
     if args.compile:
         t0 = time.perf_counter()
         compiled = HFRolloutEngine(model)

@@ -104,7 +104,7 @@ if triton is not None:
             k = tl.load(
                 k_base + slots[None, :] * sk_l + d[:, None], mask=inside[None, :], other=0.0
             )  # [D, L]
-            s = tl.dot(q, k, input_precision=PRECISION) * scale  # [REP_PAD, BLOCK_L] fp32
+            s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
             bias = tl.load(Bias + b * sb_b + slots * sb_l, mask=inside, other=float("-inf")).to(tl.float32)
             s = s + bias[None, :]
             m_new = tl.maximum(m_i, tl.max(s, 1))
