@@ -1,6 +1,7 @@
 """Rollout: sampling responses from the policy, behind a small engine protocol.
 
-- :class:`SamplingConfig`, :func:`top_p_filter`, :func:`sample_from_logits`, :func:`sampling_log_probs`: the
+- :class:`SamplingConfig`, :func:`sample_tokens` (the Gumbel-max draw every decoding path shares),
+  :func:`top_k_filter`, :func:`top_p_filter`, :func:`sample_from_logits`, :func:`sampling_log_probs`: the
   per-step sampling rule (:mod:`~ppo_core.rollout.sampling`);
 - :func:`generate`: batched sampling from any causal LM ``nn.Module`` (:mod:`~ppo_core.rollout.generate`);
 - :func:`rollout_batch`: the output layout of every rollout engine (:mod:`~ppo_core.rollout.layout`);
@@ -44,7 +45,9 @@ from ppo_core.rollout.sampling import (
     SamplingConfig,
     logits_of,
     sample_from_logits,
+    sample_tokens,
     sampling_log_probs,
+    top_k_filter,
     top_p_filter,
 )
 
@@ -57,6 +60,8 @@ __all__ = [
     "logits_of",
     "rollout_batch",
     "sample_from_logits",
+    "sample_tokens",
     "sampling_log_probs",
+    "top_k_filter",
     "top_p_filter",
 ]

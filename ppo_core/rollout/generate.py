@@ -1,9 +1,13 @@
 """Batched autoregressive sampling from a causal LM: left-padded prompts, temperature, nucleus (top-p), EOS.
 
 The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)`` that returns logits
-``[B, T, V]`` (or an object with a ``.logits`` attribute). If it has a ``new_cache()`` method (like
-:class:`ppo_core.models.TinyGPT`), decoding is incremental: ``model(new_ids, attention_mask=mask, cache=cache)``
-sees one new token per call; otherwise the whole sequence is recomputed each step (same result, slower).
+``[B, T, V]`` (or an object with a ``.logits`` attribute). A Hugging Face causal LM (a
+``transformers.PreTrainedModel`` with an ``lm_head``, or a wrapper exposing one as ``.model``, like
+:class:`ppo_core.models.hf.HFCausalLM`) decodes through the static KV cache of
+:class:`ppo_core.rollout.hf.HFRolloutEngine` (CUDA graphs on a GPU). A model with a ``new_cache()`` method (like
+:class:`ppo_core.models.TinyGPT`) decodes incrementally: ``model(new_ids, attention_mask=mask, cache=cache)``
+sees one new token per call. Otherwise (or with ``use_cache=False``) the whole sequence is recomputed each step
+(same tokens, slower).
 
 Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``prompts [B, P]`` (left-padded, as given),
 ``responses [B, R]`` (right-padded with ``pad_token_id``, ``R = max_new_tokens``), ``input_ids [B, P+R]``,
@@ -13,13 +17,15 @@ Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``p
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
 from ppo_core.rollout.layout import rollout_batch
-from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_from_logits, sampling_log_probs
+from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_tokens
 
 __all__ = ["generate"]
 
@@ -57,13 +63,21 @@ def generate(
     """
     check_ndim("prompts", check_tensor("prompts", prompts), 2)
     mask_BP = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts").long()
+    if config.temperature > 0 and generator is None:
+        raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
+    if config.use_cache:
+        hf_model = _hf_causal_lm(model)
+        if hf_model is not None:
+            from ppo_core.rollout.hf import HFRolloutEngine
+
+            return HFRolloutEngine(hf_model).generate(prompts, mask_BP, config, generator=generator)
     B, R = prompts.shape[0], config.max_new_tokens
     device = prompts.device
     use_cache = config.use_cache and callable(getattr(model, "new_cache", None))
     cache = model.new_cache() if use_cache else None
     responses = torch.full((B, R), config.pad_token_id, dtype=torch.long, device=device)
     response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
-    step_log_probs: list[torch.Tensor] = []
+    log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     ids, mask = prompts, mask_BP
     step_ids = prompts
@@ -73,22 +87,37 @@ def generate(
         else:
             logits = logits_of(model(ids, attention_mask=mask))
         last = logits[:, -1]
-        tok = sample_from_logits(
-            last, temperature=config.temperature, top_p=config.top_p, generator=generator
+        noise = None
+        if config.temperature > 0:  # the draw every decoding path shares, from the same generator stream
+            noise = torch.empty(last.shape, device=device).uniform_(generator=generator)
+        tok, step_lp = sample_tokens(
+            last, noise, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
         )
-        step_lp = sampling_log_probs(last, tok, temperature=config.temperature)
-        step_log_probs.append(torch.where(done, torch.zeros_like(step_lp), step_lp))
-        tok = torch.where(done, torch.full_like(tok, config.pad_token_id), tok)
+        running = ~done
+        tok = torch.where(running, tok, config.pad_token_id)
         responses[:, t] = tok
-        response_mask[:, t] = (~done).long()
+        response_mask[:, t] = running.long()
+        log_probs[:, t] = torch.where(running, step_lp.float(), 0.0)
         mask = torch.cat([mask, response_mask[:, t : t + 1]], dim=1)
         ids = torch.cat([ids, tok[:, None]], dim=1)
         step_ids = tok[:, None]
         if config.eos_token_id is not None:
-            done = done | (tok == config.eos_token_id)
+            done = done | (running & (tok == config.eos_token_id))
             if bool(done.all()):
                 break
     # steps after every response ended (early break) were not decoded: log-prob 0, like every masked position
-    log_probs = torch.stack(step_log_probs, dim=1)
-    log_probs = torch.nn.functional.pad(log_probs, (0, R - log_probs.shape[1]))
     return rollout_batch(prompts, mask_BP, responses, response_mask, log_probs)
+
+
+def _hf_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The ``transformers`` causal LM behind ``model`` (itself, or a wrapper's ``.model``), else None.
+
+    Checked without importing ``transformers`` when nothing has imported it.
+    """
+    tf = sys.modules.get("transformers")
+    if tf is None:
+        return None
+    for candidate in (model, getattr(model, "model", None)):
+        if isinstance(candidate, tf.PreTrainedModel) and hasattr(candidate, "lm_head"):
+            return candidate
+    return None

@@ -1,4 +1,18 @@
-"""Sampling settings and the per-step sampling rule: temperature, nucleus (top-p), greedy decoding.
+"""Sampling settings and the per-step sampling rule: temperature, top-k, nucleus (top-p), greedy decoding.
+
+A token is drawn with the Gumbel-max trick: ``argmax(filtered_logits / T - log(-log u))`` with ``u ~ U[0, 1)`` per
+vocabulary entry is an exact draw from ``softmax(filtered_logits / T)``. The noise is an input
+(:func:`sample_tokens`), filled by the caller from its ``torch.Generator``, so that
+
+- the draw is reproducible from the generator alone (no global RNG),
+- the same function runs inside a captured CUDA graph (no RNG state in the graph: the noise buffer is refilled
+  before each replay),
+- every decoding path (full recomputation, the model's own cache, the static-cache engines of
+  :mod:`ppo_core.rollout.decoding`) draws the same tokens from the same logits and the same generator.
+
+The log-probability returned with each token (``rollout_log_probs``) is ``log_softmax(logits / T)`` at the drawn
+token, *before* top-k/top-p truncation: what ``compute_log_prob`` computes for the same token, so comparing the
+two measures the numerical mismatch between the engines only. Greedy decoding (``T = 0``) scores at ``T = 1``.
 
 Example:
     >>> logits = torch.tensor([[0.0, 2.0, 1.0]])
@@ -16,8 +30,17 @@ import torch
 
 from ppo_core._checks import FieldValueError, check_int, check_positive, check_unit_interval
 from ppo_core._config_base import ConfigBase
+from ppo_core.kernels.compiled import cuda_compiled
 
-__all__ = ["SamplingConfig", "logits_of", "sample_from_logits", "sampling_log_probs", "top_p_filter"]
+__all__ = [
+    "SamplingConfig",
+    "logits_of",
+    "sample_from_logits",
+    "sample_tokens",
+    "sampling_log_probs",
+    "top_k_filter",
+    "top_p_filter",
+]
 
 
 @dataclass(kw_only=True)
@@ -30,17 +53,21 @@ class SamplingConfig(ConfigBase):
     """Logits are divided by it before sampling; 0 means greedy decoding."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1 keeps all)."""
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens before sampling (0 keeps all)."""
     eos_token_id: int | None = None
     """Token that ends a response (kept, with mask 1); None means every response has ``max_new_tokens`` tokens."""
     pad_token_id: int = 0
     """Token written after EOS (mask 0)."""
     use_cache: bool = True
-    """Decode incrementally with the model's KV cache when it has ``new_cache()``."""
+    """Decode with a KV cache: the static-cache engine for Hugging Face causal LMs, the model's own
+    ``new_cache()`` when it has one; False recomputes the whole sequence for every token."""
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_positive("temperature", self.temperature, allow_zero=True)
         check_unit_interval("top_p", self.top_p)
+        check_int("top_k", self.top_k, 0)
         if self.top_p == 0:
             raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
 
@@ -74,31 +101,106 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Set to ``-inf`` every logit below the ``top_k``-th largest of its row (ties at the boundary are kept).
+
+    Args:
+        logits: ``[..., V]``.
+        top_k: tokens to keep; 0 (or >= V) keeps all.
+
+    Example:
+        >>> top_k_filter(torch.tensor([1.0, 3.0, 2.0]), 2)
+        tensor([-inf, 3., 2.])
+    """
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+@cuda_compiled
+def _draw(
+    logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scaled = logits.to(dtype)
+    if temperature > 0:
+        scaled = scaled / temperature
+    log_probs = scaled.log_softmax(dim=-1)
+    if temperature == 0:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        filtered = top_p_filter(top_k_filter(scaled, top_k), top_p)
+        gumbel = -torch.log(-torch.log(noise.to(dtype)))
+        tokens = (filtered + gumbel).argmax(dim=-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` and its log-probability at the sampling temperature (see the module
+    docstring): the draw of every decoding path.
+
+    Args:
+        logits: ``[B, V]`` next-token logits (the maths is fp32, fp64 for fp64 logits).
+        noise: ``[B, V]`` uniform noise in ``[0, 1)``; ignored (may be None) when ``temperature == 0``.
+        temperature: divides the logits; 0 decodes greedily.
+        top_k: keep the ``top_k`` most likely tokens (0: all).
+        top_p: nucleus mass in (0, 1] (1: all).
+
+    Returns:
+        ``(tokens [B] int64, log_probs [B])``; ``log_probs`` is ``log_softmax(logits / T)`` at the token (``T = 1``
+        when greedy), before truncation.
+
+    Raises:
+        ValueError: ``noise`` is missing or not ``[B, V]`` while sampling.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> tok, _ = sample_tokens(torch.tensor([[0.0, 2.0, 1.0]]), torch.rand(1, 3, generator=g),
+        ...                        temperature=1.0, top_k=1)
+        >>> tok.tolist()
+        [1]
+    """
+    if temperature > 0 and (noise is None or noise.shape != logits.shape):
+        got = None if noise is None else tuple(noise.shape)
+        raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling, got {got}")
+    return _draw(logits, noise, float(temperature), int(top_k), float(top_p))
+
+
 def sample_from_logits(
-    logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` ``[B, V]``: greedy when ``temperature == 0``, else sampled.
+
+    Draws ``[B, V]`` uniform noise from ``generator`` and applies :func:`sample_tokens`.
 
     Args:
         logits: ``[B, V]`` next-token logits.
         temperature: divides the logits; 0 picks the argmax.
-        top_p: nucleus mass (see :func:`top_p_filter`).
+        top_p: nucleus mass (see :func:`top_p_filter`). top_k: most likely tokens kept (0: all).
         generator: RNG on ``logits.device``; required unless decoding greedily.
 
     Returns:
         ``[B]`` int64 token ids.
-
-    Example:
-        >>> g = torch.Generator().manual_seed(0)
-        >>> sample_from_logits(torch.tensor([[0.0, 9.0]]), temperature=0, generator=None)
-        tensor([1])
     """
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return sample_tokens(logits, None, temperature=0.0)[0]
     if generator is None:
         raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
-    probs = top_p_filter(logits.float() / temperature, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    noise = torch.empty(logits.shape, device=logits.device).uniform_(generator=generator)
+    return sample_tokens(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)[0]
 
 
 def sampling_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ from ppo_core.kernels.triton_scan import ScanLaunch
 from ppo_core.kl_control import KLConfig
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.models import TinyGPTConfig
+from ppo_core.rollout import SamplingConfig
 from ppo_core.trainer.config import (
     ActorConfig,
     CriticConfig,
@@ -36,14 +37,14 @@ from ppo_core.trainer.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from ppo_core.workers.config import OptimConfig, PPOActorConfig, PPOCriticConfig, PPOWorkerConfig
 from ppo_core.workers.megatron.config import (
     MegatronActorConfig,
     MegatronCriticConfig,
     MegatronModelConfig,
     ParallelConfig,
 )
-from ppo_core.workers.torch.config import ActorCriticCommon, OptimConfig, TorchActorConfig, TorchCriticConfig
-from ppo_core.workers.torch.sampling import SamplingConfig
+from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 from ppo_core_monarch.config import MonarchConfig
 
 _MODEL = {
@@ -68,7 +69,9 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     TinyGPTConfig: {"vocab_size": 16},
     MonarchConfig: {},
     OptimConfig: {},
-    ActorCriticCommon: {},
+    PPOWorkerConfig: {},
+    PPOActorConfig: {},
+    PPOCriticConfig: {},
     TorchActorConfig: {},
     TorchCriticConfig: {},
     SamplingConfig: {},

@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 
 from _megatron import tiny_config
 
-from ppo_core.workers.megatron import _compiled
+from ppo_core.kernels import compiled as _compiled
 from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rms_norm, rotary_tables
 from ppo_core.workers.megatron.optim import clip_grads, grad_norm
 

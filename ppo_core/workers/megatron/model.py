@@ -76,6 +76,9 @@ class SDPACoreAttention(nn.Module):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rotary_base = rotary_base
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [s_max, 1, 1, d] (fp32)
+        # decoding: the KVCache this layer reads and writes, and its index there (set by the rollout engine)
+        self.kv_cache: Any = None
+        self.kv_cache_layer = 0
 
     def _rotary_tables(self, s: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rotary is None or self._rotary[0].shape[0] < s or self._rotary[0].device != device:
@@ -96,6 +99,8 @@ class SDPACoreAttention(nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
         s, b, h, d = query.shape
+        if self.kv_cache is not None:
+            return self._cached(query, key, value)
         if self.rotary_base is not None:
             query, key = apply_rotary(query, key, *self._rotary_tables(s, d, query.device))
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -111,6 +116,26 @@ class SDPACoreAttention(nn.Module):
             enable_gqa=key.shape[2] != h,
         )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def prepare_rotary(self, max_position: int, head_dim: int, device: torch.device) -> None:
+        """Build the rotary tables for positions ``0 .. max_position - 1`` (before a graph is captured)."""
+        if self.rotary_base is not None:
+            self._rotary_tables(max_position, head_dim, device)
+
+    def _cached(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention through ``self.kv_cache`` (:class:`ppo_core.rollout.kv_cache.KVCache`): ``query [s, b, h, d]``,
+        ``key``/``value [s, b, g, d]`` of the tokens being decoded, rotated by the cache's per-row positions."""
+        s, b, h, d = query.shape
+        cache = self.kv_cache
+        if self.rotary_base is not None:
+            cos, sin = self._rotary
+            pos_sb = cache.positions.t()  # [s, b]
+            query, key = apply_rotary(
+                query, key, cos[:, 0, 0][pos_sb][:, :, None], sin[:, 0, 0][pos_sb][:, :, None]
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
 def gpt_layer_spec(config: MegatronModelConfig) -> Any:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ppo_core.workers.megatron._compiled import cuda_compiled
+from ppo_core.kernels.compiled import cuda_compiled
 
 __all__ = [
     "vocab_parallel_entropy",

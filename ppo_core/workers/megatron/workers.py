@@ -7,9 +7,10 @@ either engine. Each rank initialises megatron's parallel state from the backend'
 (:mod:`ppo_core.workers.megatron.parallel`) and declares its dp layout, so a ``DP_COMPUTE`` dispatch sends every
 TP x PP replica the same shard and collects the last stage's TP rank 0.
 
-Sampling (``generate_sequences``) goes through a rollout engine built on a view of the policy that returns the
-full-vocabulary logits of the last position; the default one recomputes the whole sequence at each step (no KV
-cache) and needs PP = 1.
+Sampling (``generate_sequences``) goes through the KV-cached, graph-captured
+:class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on the policy's own weights (PP = 1), or through
+any rollout engine the caller builds on a view of the policy that returns the full-vocabulary logits of the last
+position.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ppo_core.workers.megatron.parallel import (
     destroy_megatron_parallel,
     init_megatron_parallel,
 )
+from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 
 __all__ = ["MegatronActorWorker", "MegatronCriticWorker", "megatron_attention_mask", "position_ids"]
@@ -94,14 +96,29 @@ class _LastLogitsView(nn.Module):
         return last[..., : self.vocab_size]
 
 
+def _default_rollout(
+    engine: MegatronEngine, config: MegatronActorConfig, view: _LastLogitsView
+) -> RolloutEngine:
+    """The KV-cached, graph-captured engine where the model supports it (SDPA attention, no pipeline or sequence
+    parallelism), else full recomputation through ``view``."""
+    sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
+    if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
+        return MegatronRolloutEngine(
+            engine.module, config.model, tp_group=view._tp_group, tp_size=engine.layout.tp_size
+        )
+    return ModelRolloutEngine(view)
+
+
 class MegatronActorWorker(PPOActorWorker):
     """Actor, rollout and reference roles on a megatron-core GPT (see the module docstring).
 
     Args:
         config: a :class:`MegatronActorConfig` or a dict of its fields.
         rollout_engine: ``factory(policy) -> RolloutEngine``, called with the policy as a causal LM
-            (``policy(input_ids, attention_mask=mask)`` -> last-position logits ``[B, 1, V]``); None:
-            :class:`~ppo_core.rollout.ModelRolloutEngine`.
+            (``policy(input_ids, attention_mask=mask)`` -> last-position logits ``[B, 1, V]``; pass
+            :class:`~ppo_core.rollout.ModelRolloutEngine` to recompute every step); None: the KV-cached
+            :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine` (CUDA graphs on a GPU) where the model
+            supports it (``attention="sdpa"``, PP = 1, no sequence parallelism), else recomputation.
 
     Example:
         >>> # one process per rank, torch.distributed env set (Monarch / torchrun):
@@ -124,9 +141,10 @@ class MegatronActorWorker(PPOActorWorker):
                 frozen, layout=engine.layout, device=engine.device, vocab_size=config.model.vocab_size
             )
         view = _LastLogitsView(engine.module, engine.layout, config.model.vocab_size)
-        super().__init__(
-            config, engine, rollout=(rollout_engine or ModelRolloutEngine)(view), reference=reference
+        rollout = (
+            rollout_engine(view) if rollout_engine is not None else _default_rollout(engine, config, view)
         )
+        super().__init__(config, engine, rollout=rollout, reference=reference)
         self.config: MegatronActorConfig = config
 
     def close(self) -> None:

@@ -1,0 +1,366 @@
+"""Benchmark of rollout (sampling responses) on one GPU: ppo-core's KV-cached, graph-captured engines against
+Hugging Face ``generate`` and full recomputation, in the same run.
+
+Prints ONE JSON object. The model is Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 heads, 8 key/value groups,
+SwiGLU 8192, vocabulary 128256, tied embeddings; 1.24 B parameters), random weights, bf16. Each case samples
+``new`` tokens for ``batch`` prompts of ``prompt`` tokens at temperature 1 (top-p 1, no top-k), without EOS so that
+every row produces every token, except the mixed case, where EOS is forced after ``eos_after`` tokens in half of
+the rows (``step_hook``) and the other half runs to the end. Reported per method: new tokens per second (tokens
+actually produced over the wall time of a whole call: prefill + decode), the median of ``repeats`` calls after a
+warm-up call (compilation, graph capture), and the peak GPU memory of a call.
+
+- ``ours_hf``: :class:`ppo_core.rollout.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` (the fused
+  Llama-family path);
+- ``ours_megatron``: :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on a megatron-core
+  ``GPTModel`` of the same shape (SDPA attention, fused kernels);
+- ``hf_generate_static`` / ``hf_generate_dynamic``: ``model.generate(..., do_sample=True)`` with
+  ``cache_implementation="static"`` (which ``transformers`` compiles) and the default dynamic cache;
+- ``recompute``: the full sequence recomputed for every new token (``use_cache=False``), timed on ``recompute_new``
+  tokens only (it is slow) and reported per token;
+- ``bandwidth_bound``: new tokens/s if each decode step only read every weight once, from a device-to-device copy
+  measured in the same run (bytes read + written over time).
+
+Also checks exactness in bf16 (``exactness``): greedy tokens of the cached engines against full recomputation for
+``exact_new`` tokens (rows identical, and for each differing row the gap between the two competing logits at the
+first difference), and ``rollout_log_probs`` against one forward over the finished sequences.
+
+Usage: ``python benchmarks/rollout.py [--repeats 3] [--cases b64,b256,mixed] [--out FILE]`` (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = {
+    "num_layers": 16,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_query_groups": 8,
+    "ffn_hidden_size": 8192,
+    "vocab_size": 128256,
+    "rotary_base": 500000.0,
+    "norm_epsilon": 1e-5,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+CASES = {
+    "b64": {"batch": 64, "prompt": 256, "new": 128},
+    "b256": {"batch": 256, "prompt": 256, "new": 128},
+    "mixed": {"batch": 64, "prompt": 256, "new": 128, "eos_after": 16},
+}
+EOS = 7
+
+
+def _hf_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=MODEL["vocab_size"],
+        hidden_size=MODEL["hidden_size"],
+        intermediate_size=MODEL["ffn_hidden_size"],
+        num_hidden_layers=MODEL["num_layers"],
+        num_attention_heads=MODEL["num_attention_heads"],
+        num_key_value_heads=MODEL["num_query_groups"],
+        rope_theta=MODEL["rotary_base"],
+        rms_norm_eps=MODEL["norm_epsilon"],
+        tie_word_embeddings=True,
+        max_position_embeddings=MODEL["max_position_embeddings"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg).to(dtype=torch.bfloat16).eval()
+
+
+def _megatron_model() -> Any:
+    from ppo_core.workers.megatron import MegatronModelConfig, ParallelConfig, init_megatron_parallel
+    from ppo_core.workers.megatron.model import build_gpt_model
+
+    init_megatron_parallel(ParallelConfig(), rank=0, world_size=1, device=torch.device("cuda", 0))
+    cfg = MegatronModelConfig(**MODEL)
+    return build_gpt_model(cfg, ParallelConfig()).eval(), cfg
+
+
+def _prompts(batch: int, prompt: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(batch * 1000 + prompt)
+    ids = torch.randint(8, vocab, (batch, prompt), generator=g)
+    return ids.cuda(), torch.ones(batch, prompt, dtype=torch.long, device="cuda")
+
+
+def _eos_hook(batch: int, after: int):
+    """Force EOS at token ``after`` in the first half of the rows (a device-only operation, graph-safe)."""
+    rows = torch.zeros(batch, 1, dtype=torch.bool, device="cuda")
+    rows[: batch // 2] = True
+
+    def hook(t: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        force = rows & (t == after)
+        boost = torch.zeros_like(logits)
+        boost[:, EOS] = 1e4
+        return torch.where(force, logits + boost, logits)
+
+    return hook
+
+
+def _timed(call, repeats: int) -> tuple[list[float], Any]:
+    out = call()  # warm-up: compilation, graph capture
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def _report(times: list[float], tokens: int, extra: dict | None = None) -> dict:
+    med = statistics.median(times)
+    return {
+        "new_tokens": tokens,
+        "s_median": round(med, 4),
+        "s_all": [round(t, 4) for t in times],
+        "new_tokens_per_s": round(tokens / med, 1),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        **(extra or {}),
+    }
+
+
+def _engine_case(engine: Any, case: dict, repeats: int) -> dict:
+    from ppo_core.rollout import SamplingConfig
+    from ppo_core.rollout.sampling import sample_tokens  # noqa: F401 (compiled on first use)
+
+    b, p, r = case["batch"], case["prompt"], case["new"]
+    ids, mask = _prompts(b, p, MODEL["vocab_size"])
+    eos = EOS if "eos_after" in case else None
+    cfg = SamplingConfig(max_new_tokens=r, temperature=1.0, eos_token_id=eos)
+    hook = _eos_hook(b, case["eos_after"]) if eos is not None else None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def call():
+        return engine.generate(ids, mask, cfg, generator=gen, step_hook=hook)
+
+    times, out = _timed(call, repeats)
+    tokens = int(out["response_mask"].sum())
+    s = engine.stats
+    return _report(
+        times,
+        tokens,
+        {
+            "prefill_s": round(s.prefill_s, 4),
+            "decode_s": round(s.decode_s, 4),
+            "decode_steps": s.decode_steps,
+            "decode_ms_per_step": round(1e3 * s.decode_s / max(s.decode_steps, 1), 3),
+            "kv_cache_gib": round(s.cache_bytes / 2**30, 3),
+            "graphs_captured": s.graphs_captured,
+            "cuda_graphs": s.cuda_graphs,
+        },
+    )
+
+
+def _hf_generate_case(model: Any, case: dict, repeats: int, static: bool) -> dict:
+    b, p, r = case["batch"], case["prompt"], case["new"]
+    ids, mask = _prompts(b, p, MODEL["vocab_size"])
+    kwargs = dict(
+        max_new_tokens=r,
+        min_new_tokens=r,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    if static:
+        kwargs["cache_implementation"] = "static"
+
+    def call():
+        return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+    times, out = _timed(call, repeats)
+    return _report(times, b * (out.shape[1] - p))
+
+
+def _recompute_case(model: Any, case: dict, new: int) -> dict:
+    from ppo_core.rollout import SamplingConfig, generate
+
+    b, p = case["batch"], case["prompt"]
+    ids, mask = _prompts(b, p, MODEL["vocab_size"])
+    cfg = SamplingConfig(max_new_tokens=new, temperature=1.0, use_cache=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    times, _ = _timed(lambda: generate(model, ids, mask, cfg, generator=gen), 1)
+    return _report(times, b * new, {"note": f"timed on {new} new tokens per row"})
+
+
+def _bandwidth(weight_bytes: int, batch: int) -> dict:
+    n = 2 * 1024**3 // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    bw = 2 * src.numel() * src.element_size() / seconds
+    step = weight_bytes / bw
+    return {
+        "copy_tb_per_s": round(bw / 1e12, 3),
+        "weight_gib": round(weight_bytes / 2**30, 3),
+        "weights_read_ms": round(step * 1e3, 3),
+        "new_tokens_per_s_at_batch": {str(batch): round(batch / step, 1)},
+    }
+
+
+def _exactness(model: Any, engine: Any, forward_logits, new: int) -> dict:
+    """Greedy cached tokens vs full recomputation (bf16), and rollout log-probs vs one forward."""
+    from ppo_core.rollout import SamplingConfig
+
+    b, p = 64, 256
+    ids, mask = _prompts(b, p, MODEL["vocab_size"])
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0))
+    seq, seq_mask = ids, mask
+    ref = []
+    gaps = []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = forward_logits(seq, seq_mask)[:, -1].float()
+            tok = logits.argmax(-1)
+            ref.append(tok)
+            seq = torch.cat([seq, tok[:, None]], 1)
+            seq_mask = torch.cat([seq_mask, torch.ones_like(tok[:, None])], 1)
+        ref = torch.stack(ref, 1)
+        differ = (ref != out["responses"]).any(1)
+        # for each differing row: the recomputed logit gap between the two tokens at the first difference
+        for row in differ.nonzero().flatten().tolist():
+            t = int((ref[row] != out["responses"][row]).nonzero()[0])
+            prefix = torch.cat([ids[row], ref[row, :t]])[None]
+            logits = forward_logits(prefix, torch.ones_like(prefix))[0, -1].float()
+            gaps.append(float(logits[ref[row, t]] - logits[out["responses"][row, t]]))
+        full = forward_logits(out["input_ids"], out["attention_mask"])[:, p - 1 : -1].float()
+        lp = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
+    diff = (lp - out["rollout_log_probs"]).abs()
+    return {
+        "rows": b,
+        "new_tokens": new,
+        "rows_identical": int((~differ).sum()),
+        "first_difference_logit_gaps": [round(g, 4) for g in gaps],
+        "rollout_log_probs_max_abs_diff": round(float(diff.max()), 5),
+        "rollout_log_probs_mean_abs_diff": round(float(diff.mean()), 6),
+    }
+
+
+def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> None:
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf_model()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    result["bandwidth_bound"] = _bandwidth(weight_bytes, 64)
+    engine = HFRolloutEngine(model)
+    for case in cases:
+        attempt(f"ours_hf:{case}", lambda c=cases[case]: _engine_case(engine, c, args.repeats))
+
+    def hf_logits(seq: torch.Tensor, seq_mask: torch.Tensor) -> torch.Tensor:
+        pos = (seq_mask.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits
+
+    attempt("exactness:hf", lambda: _exactness(model, engine, hf_logits, args.exact_new))
+    attempt("hf_static:b64", lambda: _hf_generate_case(model, CASES["b64"], 2, static=True))
+    attempt("hf_dynamic:b64", lambda: _hf_generate_case(model, CASES["b64"], 1, static=False))
+    attempt("recompute:b64", lambda: _recompute_case(model, CASES["b64"], args.recompute_new))
+
+
+def _bench_megatron(cases: dict, args: argparse.Namespace, attempt) -> None:
+    from ppo_core.workers.megatron.engine import megatron_attention_mask, position_ids
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    model, cfg = _megatron_model()
+    engine = MegatronRolloutEngine(model, cfg)
+    for case in cases:
+        attempt(f"ours_megatron:{case}", lambda c=cases[case]: _engine_case(engine, c, args.repeats))
+
+    def meg_logits(seq: torch.Tensor, seq_mask: torch.Tensor) -> torch.Tensor:
+        return model(seq, position_ids(seq_mask), megatron_attention_mask(seq_mask))[..., : cfg.vocab_size]
+
+    attempt("exactness:megatron", lambda: _exactness(model, engine, meg_logits, args.exact_new))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default="b64,b256,mixed")
+    ap.add_argument("--recompute-new", type=int, default=8)
+    ap.add_argument("--exact-new", type=int, default=32)
+    ap.add_argument(
+        "--skip", default="", help="comma-separated methods to skip (hf_static,hf_dynamic,megatron,...)"
+    )
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/rollout.py needs a CUDA device")
+    skip = set(filter(None, args.skip.split(",")))
+    cases = {name: CASES[name] for name in args.cases.split(",")}
+    result: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": MODEL,
+        "cases": cases,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    }
+
+    def attempt(name: str, fn) -> None:
+        if name.split(":")[0] in skip:
+            return
+        try:
+            result.setdefault(name.split(":")[0], {})[name.split(":")[1]] = fn()
+        except Exception as exc:  # a failed method is reported, the others still run
+            result.setdefault(name.split(":")[0], {})[name.split(":")[1]] = {
+                "error": f"{type(exc).__name__}: {exc}"
+            }
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    from transformers import __version__ as tf_version
+
+    result["transformers"] = tf_version
+    _bench_hf(cases, args, result, attempt)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "megatron" not in skip:
+        _bench_megatron(cases, args, attempt)
+
+    summary = {}
+    for method in ("ours_hf", "ours_megatron", "hf_static", "hf_dynamic", "recompute"):
+        for case, rep in result.get(method, {}).items():
+            if isinstance(rep, dict) and "new_tokens_per_s" in rep:
+                summary[f"{method}:{case}"] = rep["new_tokens_per_s"]
+    result["summary_new_tokens_per_s"] = summary
+    static = result.get("hf_static", {}).get("b64", {}).get("new_tokens_per_s")
+    for method in ("ours_hf", "ours_megatron"):
+        ours = result.get(method, {}).get("b64", {}).get("new_tokens_per_s")
+        if ours and static:
+            result[f"{method}_over_hf_static_b64"] = round(ours / static, 2)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Where the time of a decode step goes (development aid for ``benchmarks/rollout.py``; CUDA only).
+
+Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for variants (eager, graphs, graphs
+over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
+time of each GEMM shape of a decode step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rollout import MODEL, _hf_model, _prompts
+
+
+def _ms_per_step(engine, ids, mask, cfg, gen) -> dict:
+    engine.generate(ids, mask, cfg, generator=gen)
+    runs = []
+    for _ in range(3):
+        engine.generate(ids, mask, cfg, generator=gen)
+        s = engine.stats
+        runs.append(1e3 * s.decode_s / max(s.decode_steps, 1))
+    return {"decode_ms_per_step": round(sorted(runs)[1], 3), "prefill_s": round(engine.stats.prefill_s, 4)}
+
+
+def _gemm_times(b: int) -> dict:
+    d, f, kv, v = MODEL["hidden_size"], MODEL["ffn_hidden_size"], 512, MODEL["vocab_size"]
+    shapes = {
+        "qkv": (d + 2 * kv, d),
+        "q": (d, d),
+        "kv": (kv, d),
+        "o": (d, d),
+        "gate_up": (2 * f, d),
+        "gate": (f, d),
+        "down": (d, f),
+        "lm_head": (v, d),
+    }
+    out = {}
+    x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        xin = x if k == d else torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(5):
+            torch.nn.functional.linear(xin, w)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                torch.nn.functional.linear(xin, w)
+        g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            g.replay()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t0) / 200 * 1e6
+        out[name] = {"us": round(us, 2), "tb_per_s": round(n * k * 2 / us / 1e6, 3)}
+    return out
+
+
+def _attn_times(b: int, kv_len: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+
+    q = torch.randn(b, 32, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, 8, kv_len + 128, 64, device="cuda", dtype=torch.bfloat16)[:, :, :kv_len]
+    v = torch.randn_like(k)
+    bias = torch.zeros(b, 1, 1, kv_len, device="cuda", dtype=torch.bfloat16)
+    bias[:, :, :, : kv_len // 4] = float("-inf")
+    ref = decode_attention_sdpa(q.float(), k.float(), v.float(), bias.float())
+    variants = {
+        "triton": lambda: decode_attention_triton(q, k, v, bias),
+        "triton_l128": lambda: decode_attention_triton(q, k, v, bias, block_l=128),
+        "triton_w2": lambda: decode_attention_triton(q, k, v, bias, num_warps=2),
+        "sdpa_default": lambda: decode_attention_sdpa(q, k, v, bias),
+    }
+    for name, backend in (
+        ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("sdpa_math", SDPBackend.MATH),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
+
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return decode_attention_sdpa(q, k, v, bias)
+
+        variants[name] = run
+    out = {"read_us_at_4tb": round(2 * k.numel() * 2 / 4.2e6, 2)}
+    for name, fn in variants.items():
+        try:
+            err = float((fn().float() - ref).abs().max())
+            for _ in range(3):
+                fn()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(20):
+                    fn()
+            g.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                g.replay()
+            torch.cuda.synchronize()
+            out[name] = {"us": round((time.perf_counter() - t0) / 200 * 1e6, 2), "max_err": round(err, 4)}
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--megatron", action="store_true")
+    args = ap.parse_args()
+    from ppo_core.rollout import SamplingConfig
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    result: dict = {}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    result["attention_b64_l384"] = _attn_times(64, 384)
+    result["attention_b256_l384"] = _attn_times(256, 384)
+    save()
+    model = _hf_model()
+    ids, mask = _prompts(64, 256, MODEL["vocab_size"])
+    cfg = SamplingConfig(max_new_tokens=128, temperature=1.0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    engine = HFRolloutEngine(model)
+    result["graphs"] = _ms_per_step(engine, ids, mask, cfg, gen)
+    save()
+    import os
+
+    os.environ["PPO_CORE_DECODE_ATTENTION"] = "sdpa"
+    result["graphs_sdpa_attention"] = _ms_per_step(HFRolloutEngine(model), ids, mask, cfg, gen)
+    del os.environ["PPO_CORE_DECODE_ATTENTION"]
+    ids256, mask256 = _prompts(256, 256, MODEL["vocab_size"])
+    result["graphs_b256"] = _ms_per_step(engine, ids256, mask256, cfg, gen)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, mask, cfg, generator=gen)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    result["profile_top"] = table.splitlines()
+    save()
+    if args.compile:
+        t0 = time.perf_counter()
+        compiled = HFRolloutEngine(model)
+        compiled.decoder.forward = torch.compile(compiled.decoder.forward, dynamic=False)
+        compiled.generate(ids, mask, cfg, generator=gen)
+        result["compile_s"] = round(time.perf_counter() - t0, 1)
+        result["graphs_compiled_forward"] = _ms_per_step(compiled, ids, mask, cfg, gen)
+    if args.megatron:
+        del model, engine
+        from benchmarks.rollout import _megatron_model
+        from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+        mmodel, mcfg = _megatron_model()
+        result["megatron_graphs"] = _ms_per_step(MegatronRolloutEngine(mmodel, mcfg), ids, mask, cfg, gen)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""KV-cached batched decoding with one CUDA graph per decode step: the engine behind the Hugging Face and
+megatron-core rollout engines.
+
+A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positions [B, S], cache) -> logits
+[B, V]`` (fp32, the full vocabulary, last position only) that routes its attention through
+:meth:`ppo_core.rollout.kv_cache.KVCache.attend`. :class:`StaticCacheDecoder` then
+
+1. allocates the cache for ``B`` rows of ``P + R`` slots,
+2. runs the prompts of all rows at once (prefill) and draws the first response token,
+3. runs ``R - 1`` decode steps of one token per row. On CUDA each step (model forward, sampling, bookkeeping:
+   every tensor it touches is a fixed buffer, every index a device tensor) is captured once as a CUDA graph and
+   replayed, so a step costs one launch and no host synchronisation. Attention reads only the filled part of
+   the cache: one graph per ``kv_bucket`` slots of cache length,
+4. stops early, checking every ``check_every`` steps, once every row has emitted EOS.
+
+Sampling uses :func:`ppo_core.rollout.sampling.sample_tokens` with noise drawn from the caller's generator before
+each step (outside the graph), so a seeded generator reproduces the tokens exactly, with or without graphs.
+
+Output (verl's layout): ``prompts [B, P]``, ``responses [B, R]`` (right-padded with ``pad_token_id``),
+``input_ids [B, P + R]``, ``attention_mask [B, P + R]``, ``response_mask [B, R]`` (1 up to and including the
+first EOS) and ``rollout_log_probs [B, R]`` (0 where ``response_mask`` is 0).
+
+Memory: the cache holds ``2 * layers * B * G * (P + R) * d`` elements of the model dtype. It and the graphs are
+freed at the end of :meth:`StaticCacheDecoder.generate` unless ``keep_cache=True``, in which case a following call
+with the same shapes and sampling settings reuses them (no allocation, no capture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from ppo_core._checks import check_mask, check_ndim, check_tensor
+from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
+from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.sampling import sample_tokens
+
+__all__ = ["CachedForward", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
+
+logger = logging.getLogger(__name__)
+
+
+class CachedForward(Protocol):
+    """A model's forward through a :class:`~ppo_core.rollout.kv_cache.KVCache`."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[B, S]`` -> fp32 logits ``[B, V]`` of the last position."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the cache needs to know about the model (per rank: ``kv_heads`` after tensor parallelism)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclasses.dataclass
+class DecodeStats:
+    """Measurements of the last :meth:`StaticCacheDecoder.generate` call (seconds, bytes)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    new_tokens: int = 0
+    cache_bytes: int = 0
+    peak_memory_bytes: int = 0
+    graphs_captured: int = 0
+    cuda_graphs: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _State:
+    """The fixed buffers of one generation (a graph replays over exactly these)."""
+
+    key: tuple
+    cache: KVCache
+    prompt_len: torch.Tensor  # [B] valid prompt tokens per row
+    t: torch.Tensor  # [] int64, index of the response token the next decode step draws
+    last_tok: torch.Tensor  # [B] the token fed to the next step
+    last_valid: torch.Tensor  # [B] bool, whether that token is part of its response
+    done: torch.Tensor  # [B] bool, row has emitted EOS
+    responses: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] bool
+    log_probs: torch.Tensor  # [B, R] fp32
+    noise: torch.Tensor | None  # [B, V] uniform noise (None when decoding greedily)
+    graphs: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+
+class StaticCacheDecoder:
+    """Batched generation through a static KV cache (see the module docstring).
+
+    Args:
+        forward: the model's :class:`CachedForward`.
+        spec: cache shape and placement.
+        vocab_size: ``V`` of the logits ``forward`` returns.
+        cuda_graphs: capture decode steps as CUDA graphs; None: when the model is on a CUDA device.
+        kv_bucket: granularity (slots) of the cache length a decode graph attends to.
+        check_every: decode steps between two checks for "every row has finished" (each a host sync).
+        keep_cache: keep the cache and graphs for the next call with the same shapes and settings.
+    """
+
+    def __init__(
+        self,
+        forward: CachedForward,
+        spec: ModelSpec,
+        vocab_size: int,
+        *,
+        cuda_graphs: bool | None = None,
+        kv_bucket: int = 128,
+        check_every: int = 8,
+        keep_cache: bool = False,
+    ) -> None:
+        if kv_bucket < 1 or check_every < 1:
+            raise ValueError(f"kv_bucket and check_every must be >= 1, got {kv_bucket}, {check_every}")
+        self.forward = forward
+        self.spec = spec
+        self.vocab_size = int(vocab_size)
+        self.cuda_graphs = spec.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.kv_bucket = int(kv_bucket)
+        self.check_every = int(check_every)
+        self.keep_cache = keep_cache
+        self.stats = DecodeStats()
+        self._state: _State | None = None
+        self._pool: Any = None
+        self._stream: Any = None
+
+    # ----- public --------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the cache and the captured graphs."""
+        self._state = None
+        self._pool = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | None = None,
+        pad_token_id: int = 0,
+        generator: torch.Generator | None = None,
+        step_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> TensorDict:
+        """Sample ``max_new_tokens`` tokens for each left-padded prompt (see the module docstring for the output).
+
+        Args:
+            prompts: ``[B, P]`` token ids, left-padded, on the model's device.
+            prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on padding.
+            max_new_tokens: ``R``.
+            temperature, top_k, top_p: sampling settings (:func:`~ppo_core.rollout.sampling.sample_tokens`).
+            eos_token_id: ends a response (kept, mask 1); None: every response has ``R`` tokens.
+            pad_token_id: written after EOS.
+            generator: RNG on the model's device; required unless ``temperature == 0``.
+            step_hook: testing/benchmark hook ``(t, logits [B, V]) -> logits`` applied before drawing token ``t``
+                (inside the graph: it must use device operations only).
+        """
+        check_ndim("prompts", check_tensor("prompts", prompts), 2)
+        mask = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts")
+        if temperature > 0 and generator is None:
+            raise ValueError(
+                "generator is required when temperature > 0 (ppo-core never uses the global RNG)"
+            )
+        b, p = prompts.shape
+        r = int(max_new_tokens)
+        if r < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        device = self.spec.device
+        if prompts.device != device:
+            raise ValueError(f"prompts are on {prompts.device}, the model on {device}")
+        settings = (float(temperature), int(top_k), float(top_p), eos_token_id, int(pad_token_id), step_hook)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.stats = DecodeStats(cuda_graphs=self.cuda_graphs)
+        state = self._prepare((b, p, r, *settings))
+        self.stats.cache_bytes = state.cache.nbytes
+        sample = _Sampler(*settings[:5], hook=step_hook)
+
+        start = time.perf_counter()
+        self._prefill(state, prompts, mask, sample, generator)
+        _sync(device)
+        self.stats.prefill_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        steps = 0
+        for t in range(1, r):
+            if eos_token_id is not None and t % self.check_every == 0 and bool(state.done.all()):
+                break
+            if sample.stochastic:
+                state.noise.uniform_(generator=generator)
+            kv_len = min(-(-(p + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
+            self._decode(state, kv_len, sample, eager=t == 1)
+            steps += 1
+        _sync(device)
+        self.stats.decode_s = time.perf_counter() - start
+        self.stats.decode_steps = steps
+
+        response_mask = state.response_mask.long()
+        out = rollout_batch(
+            prompts, mask.long(), state.responses.clone(), response_mask, state.log_probs.clone()
+        )
+        self.stats.new_tokens = int(response_mask.sum())
+        if device.type == "cuda":
+            self.stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+        if not self.keep_cache:
+            self.release()
+        return out
+
+    # ----- steps ---------------------------------------------------------------------------------------------
+    def _prepare(self, key: tuple) -> _State:
+        if self._state is not None and self._state.key == key:
+            return self._state
+        self.release()
+        b, p, r = key[:3]
+        spec, device = self.spec, self.spec.device
+        cache = KVCache.allocate(
+            layers=spec.layers,
+            batch=b,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            length=p + r,
+            dtype=spec.dtype,
+            device=device,
+        )
+        stochastic = key[3] > 0
+        self._state = _State(
+            key=key,
+            cache=cache,
+            prompt_len=torch.zeros(b, dtype=torch.long, device=device),
+            t=torch.zeros((), dtype=torch.long, device=device),
+            last_tok=torch.zeros(b, dtype=torch.long, device=device),
+            last_valid=torch.zeros(b, dtype=torch.bool, device=device),
+            done=torch.zeros(b, dtype=torch.bool, device=device),
+            responses=torch.zeros(b, r, dtype=torch.long, device=device),
+            response_mask=torch.zeros(b, r, dtype=torch.bool, device=device),
+            log_probs=torch.zeros(b, r, dtype=torch.float32, device=device),
+            noise=torch.empty(b, self.vocab_size, device=device) if stochastic else None,
+        )
+        return self._state
+
+    def _prefill(
+        self,
+        state: _State,
+        prompts: torch.Tensor,
+        mask: torch.Tensor,
+        sample: _Sampler,
+        generator: torch.Generator | None,
+    ) -> None:
+        cache = state.cache
+        p = prompts.shape[1]
+        cache.key_valid.zero_()
+        cache.key_valid[:, :p] = mask
+        state.prompt_len.copy_(mask.sum(-1))
+        state.done.zero_()
+        state.response_mask.zero_()
+        state.log_probs.zero_()
+        state.responses.fill_(sample.pad_token_id)
+        state.t.fill_(0)
+        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
+        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        logits = self.forward(prompts, cache.positions, cache)
+        cache.prefill_mask = None
+        if sample.stochastic:
+            state.noise.uniform_(generator=generator)
+        self._record(state, logits, sample)
+
+    def _decode(self, state: _State, kv_len: int, sample: _Sampler, eager: bool) -> None:
+        if not self.cuda_graphs:
+            self._step(state, kv_len, sample)
+            return
+        if eager:  # the first step warms up (library handles, compiled kernels) on the capture stream
+            stream = self._capture_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(state, kv_len, sample)
+            torch.cuda.current_stream().wait_stream(stream)
+            return
+        graph = state.graphs.get(kv_len)
+        if graph is None:
+            graph = self._capture(state, kv_len, sample)
+            if graph is None:  # capture failed: eager from now on
+                self._step(state, kv_len, sample)
+                return
+        graph.replay()
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.spec.device)
+        return self._stream
+
+    def _capture(self, state: _State, kv_len: int, sample: _Sampler) -> Any:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream()):
+                self._step(state, kv_len, sample)
+        except Exception:  # an operation that cannot be captured: stay correct, lose the speed
+            logger.warning(
+                "capturing the decode step as a CUDA graph failed; decoding eagerly", exc_info=True
+            )
+            self.cuda_graphs = False
+            return None
+        state.graphs[kv_len] = graph
+        self.stats.graphs_captured += 1
+        return graph
+
+    def _step(self, state: _State, kv_len: int, sample: _Sampler) -> None:
+        """One decode step over fixed buffers (what a graph captures)."""
+        cache, b = state.cache, state.last_tok.shape[0]
+        p = cache.length - state.responses.shape[1]
+        slot = state.t + (p - 1)
+        # the fed token occupies its slot for every later query if its row was still running when it was drawn
+        cache.key_valid.index_copy_(1, slot.view(1), state.last_valid.view(b, 1))
+        cache.begin_decode(slot, kv_len)
+        cache.positions = (state.prompt_len + state.t - 1).view(b, 1)
+        logits = self.forward(state.last_tok.view(b, 1), cache.positions, cache)
+        self._record(state, logits, sample)
+
+    def _record(self, state: _State, logits: torch.Tensor, sample: _Sampler) -> None:
+        """Draw token ``t`` from ``logits [B, V]``, write it and its log-prob, advance ``t``."""
+        b = logits.shape[0]
+        if sample.hook is not None:
+            logits = sample.hook(state.t, logits)
+        tok, logp = sample_tokens(
+            logits, state.noise, temperature=sample.temperature, top_k=sample.top_k, top_p=sample.top_p
+        )
+        running = ~state.done
+        index = state.t.view(1)
+        state.responses.index_copy_(1, index, torch.where(running, tok, sample.pad_token_id).view(b, 1))
+        state.response_mask.index_copy_(1, index, running.view(b, 1))
+        state.log_probs.index_copy_(1, index, torch.where(running, logp, 0.0).view(b, 1))
+        if sample.eos_token_id is not None:
+            state.done |= running & (tok == sample.eos_token_id)
+        state.last_tok.copy_(torch.where(running, tok, sample.pad_token_id))
+        state.last_valid.copy_(running)
+        state.t += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampler:
+    temperature: float
+    top_k: int
+    top_p: float
+    eos_token_id: int | None
+    pad_token_id: int
+    hook: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def stochastic(self) -> bool:
+        return self.temperature > 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,294 @@
+"""KV-cached, graph-captured decoding of Hugging Face causal LMs (the rollout engine of the torch workers).
+
+Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_cache.KVCache`:
+
+- **Llama-family fast path** (``llama``, ``mistral``, ``qwen2``, ``qwen3`` model types with SiLU MLPs and full
+  attention): the decoder layers are evaluated from the model's own modules and weights (no copy) with fused
+  kernels (:mod:`ppo_core.kernels.fused`: RMSNorm, rotary embedding, SwiGLU each one kernel on CUDA), so a decode
+  step is about 14 kernels per layer. The rotary tables come from the model's own ``rotary_emb`` (any
+  ``rope_scaling`` it supports). Same maths as the model's ``forward`` (fp32 on the CPU: the same tokens).
+- **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
+  ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
+  model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
+  kernels.
+
+Both return fp32 logits of the last position only (the prefill does not project every prompt position onto the
+vocabulary).
+
+Example:
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    >>> engine = HFRolloutEngine(lm)
+    >>> engine.fast_path
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from ppo_core.kernels.fused import add_rms_norm, apply_rotary, rms_norm, silu_mul
+from ppo_core.rollout.decoding import DecodeStats, ModelSpec, StaticCacheDecoder
+from ppo_core.rollout.generate import _hf_causal_lm
+from ppo_core.rollout.kv_cache import KVCache
+
+__all__ = ["HFRolloutEngine", "supports_fast_path"]
+
+logger = logging.getLogger(__name__)
+
+_FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_ATTENTION_NAME = "ppo_core_kv_cache"
+
+
+def supports_fast_path(model: nn.Module) -> bool:
+    """Whether ``model`` is a Llama-family ``*ForCausalLM`` the fused decode path evaluates exactly."""
+    cfg = getattr(model, "config", None)
+    body = getattr(model, "model", None)
+    if cfg is None or body is None or not hasattr(model, "lm_head"):
+        return False
+    if getattr(cfg, "model_type", None) not in _FAST_MODEL_TYPES or getattr(cfg, "hidden_act", "") != "silu":
+        return False
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(cfg, "use_sliding_window", False) or (
+        cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None) is not None
+    ):
+        return False
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    return all(hasattr(body, name) for name in needed)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class _LlamaFamilyForward:
+    """The fused cached forward of a Llama-family model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.body, self.lm_head, cfg = model.model, model.lm_head, model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        body = self.body
+        b, s = input_ids.shape
+        h = body.embed_tokens(input_ids)  # [B, S, D]
+        # fp32 tables from the model's own rotary module (it reads only the device and dtype of its first input)
+        cos, sin = body.rotary_emb(torch.empty(0, device=h.device), positions)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
+        mlp_out = None
+        for i, layer in enumerate(body.layers):
+            attn, norm1 = layer.self_attn, layer.input_layernorm
+            if mlp_out is None:
+                x = rms_norm(h, norm1.weight, norm1.variance_epsilon)
+            else:  # the previous layer's residual add fused with this layer's norm
+                h, x = add_rms_norm(h, mlp_out, norm1.weight, norm1.variance_epsilon)
+            q = _linear(x, attn.q_proj).view(b, s, self.heads, self.head_dim)
+            k = _linear(x, attn.k_proj).view(b, s, self.kv_heads, self.head_dim)
+            v = _linear(x, attn.v_proj).view(b, s, self.kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
+                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q, k = apply_rotary(q, k, cos, sin)
+            out = cache.attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.scaling)
+            norm2, mlp = layer.post_attention_layernorm, layer.mlp
+            attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
+            h, x = add_rms_norm(h, attn_out, norm2.weight, norm2.variance_epsilon)
+            mlp_out = _linear(silu_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)), mlp.down_proj)
+        h_last = h[:, -1] + mlp_out[:, -1]
+        last = rms_norm(h_last, body.norm.weight, body.norm.variance_epsilon)
+        return self.lm_head(last).float()
+
+
+class _GenericForward:
+    """The model's own ``forward``, its attention routed through the cache by a registered attention function."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.attention_modules = [
+            m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")
+        ]
+        if not self.attention_modules:
+            raise ValueError(
+                f"{type(model).__name__} has no attention modules with a layer_idx; it cannot be decoded with "
+                "ppo-core's KV cache (pass use_cache=False to recompute instead)"
+            )
+        _register_attention()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        for module in self.attention_modules:
+            module._ppo_core_kv_cache = cache
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def attention_implementation(self) -> _AttentionSwitch:
+        return _AttentionSwitch(self.model)
+
+
+class _AttentionSwitch:
+    """Within the block the model's attention implementation is the cached one; restored on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.previous: str | None = None
+
+    def __enter__(self) -> None:
+        self.previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(_ATTENTION_NAME)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_attn_implementation(self.previous)
+        for module in self.model.modules():
+            module.__dict__.pop("_ppo_core_kv_cache", None)
+
+
+def _cached_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention-interface function: ``query [B, H, S, d]``, ``key``/``value [B, G, S, d]`` ->
+    ``[B, S, H, d]`` through the module's current :class:`KVCache`."""
+    cache: KVCache = module._ppo_core_kv_cache
+    out = cache.attend(module.layer_idx, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_ATTENTION_NAME, _cached_attention)
+
+
+class HFRolloutEngine:
+    """Rollout engine for a Hugging Face causal LM (``*ForCausalLM``), colocated with its training: it decodes
+    with the very module the actor trains (no weight copy, nothing to synchronise).
+
+    Args:
+        model: the causal LM (its ``config`` tells the shapes), or a wrapper holding it as ``.model`` (such as
+            :class:`ppo_core.models.hf.HFCausalLM`).
+        fast_path: use the Llama-family fused path; None: when :func:`supports_fast_path`.
+        cuda_graphs, kv_bucket, check_every, keep_cache: see
+            :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        fast_path: bool | None = None,
+        cuda_graphs: bool | None = None,
+        kv_bucket: int = 128,
+        check_every: int = 8,
+        keep_cache: bool = False,
+    ) -> None:
+        hf_model = _hf_causal_lm(model)
+        if hf_model is None:
+            raise TypeError(
+                f"HFRolloutEngine needs a transformers causal LM (or a wrapper holding one as .model), got "
+                f"{type(model).__name__}"
+            )
+        model = hf_model
+        cfg = model.config
+        self.model = model
+        self.fast_path = supports_fast_path(model) if fast_path is None else bool(fast_path)
+        if self.fast_path and not supports_fast_path(model):
+            raise ValueError(
+                f"fast_path=True but {type(model).__name__} is not a supported Llama-family model"
+            )
+        self._forward = _LlamaFamilyForward(model) if self.fast_path else _GenericForward(model)
+        heads = cfg.num_attention_heads
+        param = next(model.parameters())
+        spec = ModelSpec(
+            layers=cfg.num_hidden_layers,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        self.decoder = StaticCacheDecoder(
+            self._forward,
+            spec,
+            cfg.vocab_size,
+            cuda_graphs=cuda_graphs,
+            kv_bucket=kv_bucket,
+            check_every=check_every,
+            keep_cache=keep_cache,
+        )
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Timings and memory of the last :meth:`generate`."""
+        return self.decoder.stats
+
+    def release(self) -> None:
+        """Free the KV cache and graphs kept by ``keep_cache=True``."""
+        self.decoder.release()
+
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: Any,
+        *,
+        generator: torch.Generator | None = None,
+        **decode_kwargs: Any,
+    ) -> TensorDict:
+        """Sample one response per left-padded prompt (the rollout-engine protocol).
+
+        Args:
+            prompts: ``[B, P]`` left-padded token ids. prompt_mask: ``[B, P]``.
+            config: a sampling config (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+                ``eos_token_id``, ``pad_token_id``).
+            generator: RNG on the model's device (required unless greedy).
+
+        Returns:
+            ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``,
+            ``rollout_log_probs`` (see :mod:`ppo_core.rollout.decoding`).
+        """
+        was_training = self.model.training
+        self.model.eval()
+        switch = (
+            self._forward.attention_implementation()
+            if isinstance(self._forward, _GenericForward)
+            else _NullContext()
+        )
+        try:
+            with switch:
+                return self.decoder.generate(
+                    prompts,
+                    prompt_mask,
+                    max_new_tokens=config.max_new_tokens,
+                    temperature=config.temperature,
+                    top_k=getattr(config, "top_k", 0),
+                    top_p=config.top_p,
+                    eos_token_id=config.eos_token_id,
+                    pad_token_id=config.pad_token_id,
+                    generator=generator,
+                    **decode_kwargs,
+                )
+        finally:
+            self.model.train(was_training)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,150 @@
+"""A static key/value cache for batched decoding of left-padded prompts, and the attention that reads it.
+
+Layout: one key and one value buffer per layer, ``[B, G, L, d]`` (batch, key/value heads on this rank, cache
+slots, head width), allocated once for a whole generation. Slot ``j`` holds the token at column ``j`` of
+``input_ids = [prompts | responses]``: the ``P`` prompt columns (left padding included) first, then the
+responses. Because every row has the same prompt width, the token written by decode step ``t`` goes to the same
+slot ``P + t - 1`` in every row, so writes are one ``index_copy_`` with a device-side slot index and the buffers
+never move: the decode step can be captured once in a CUDA graph and replayed.
+
+``key_valid [B, L]`` says which slots hold a real token (a prompt token, or a response token of a row that had not
+finished when it was sampled); attention never looks at the others (left padding, tokens after EOS, slots not
+written yet).
+
+Two modes, set by the caller before each forward:
+
+- ``"prefill"``: the ``P`` prompt tokens of every row at once; keys/values are written to slots ``[0, P)`` and
+  each query attends causally to the valid prompt tokens before it (a padding query attends to itself only, so
+  that it stays finite; its output is never used).
+- ``"decode"``: one new token per row; it is written to ``slot`` and the query attends to the valid slots among
+  the first ``kv_len`` (a Python int: the caller picks a length covering the filled part of the cache, so a graph
+  captured for ``kv_len`` reads only that part).
+
+Example:
+    >>> cache = KVCache.allocate(layers=1, batch=1, kv_heads=1, head_dim=2, length=4, dtype=torch.float32,
+    ...                          device="cpu")
+    >>> cache.nbytes
+    64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ppo_core.rollout.decode_attention import decode_attention
+
+__all__ = ["KVCache", "prefill_attention_mask"]
+
+
+def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, P, P]`` boolean mask, True where query ``i`` may attend to key ``j``: ``j <= i`` and ``j`` is a
+    prompt token, or ``i == j`` (a padding query sees itself, so that its softmax is finite).
+
+    Example:
+        >>> prefill_attention_mask(torch.tensor([[0, 1, 1]]))[0, 0].int()
+        tensor([[1, 0, 0],
+                [0, 1, 0],
+                [0, 1, 1]], dtype=torch.int32)
+    """
+    valid = prompt_mask.bool()
+    p = valid.shape[1]
+    causal = torch.ones(p, p, dtype=torch.bool, device=valid.device).tril()
+    allowed = causal & valid[:, None, None, :]
+    return allowed | torch.eye(p, dtype=torch.bool, device=valid.device)
+
+
+@dataclass(eq=False)
+class KVCache:
+    """Per-layer key/value buffers and what they hold (see the module docstring).
+
+    Attributes:
+        keys, values: one ``[B, G, L, d]`` buffer per layer.
+        key_valid: ``[B, L]`` bool, slots holding a real token.
+        positions: ``[B, S]`` rotary positions of the tokens of the current forward (set by the caller; models
+            that apply their own position embeddings ignore it).
+        slot: ``[]`` int64, the slot of the token of the current decode step.
+        mode: ``"prefill"`` or ``"decode"``.
+        kv_len: slots the current decode step attends to (a multiple of the caller's bucket, ``<= L``).
+        prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_valid: torch.Tensor
+    positions: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    mode: str = "prefill"
+    kv_len: int = 0
+    prefill_mask: torch.Tensor | None = None
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """Zeroed buffers for ``layers`` layers of ``[batch, kv_heads, length, head_dim]``."""
+        shape = (batch, kv_heads, length, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        key_valid = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        return cls(keys=keys, values=values, key_valid=key_valid)
+
+    @property
+    def length(self) -> int:
+        """Cache slots ``L``."""
+        return int(self.key_valid.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value buffers."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
+        """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots."""
+        self.mode, self.slot, self.kv_len = "decode", slot, kv_len
+        # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
+        valid = self.key_valid[:, None, None, :kv_len]
+        zero = torch.zeros((), dtype=self.keys[0].dtype, device=valid.device)
+        self._decode_mask = torch.where(valid, zero, float("-inf"))
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Write this forward's keys/values of ``layer`` and attend over the cache.
+
+        Args:
+            layer: index of the layer's buffers.
+            q: ``[B, H, S, d]`` queries (position embedding applied); ``S = P`` in prefill, 1 in decode.
+            k, v: ``[B, G, S, d]`` keys (position embedding applied) and values; ``H`` a multiple of ``G``.
+            scale: softmax scale (None: ``1 / sqrt(d)``).
+
+        Returns:
+            ``[B, H, S, d]`` attention outputs.
+        """
+        keys, values = self.keys[layer], self.values[layer]
+        h, s = q.shape[1], q.shape[2]
+        g = k.shape[1]
+        if self.mode == "prefill":
+            keys[:, :, :s] = k
+            values[:, :, :s] = v
+            if g != h:  # the padded-mask kernels take one key head per query head
+                k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.prefill_mask, scale=scale)
+        if s != 1:
+            raise ValueError(f"a decode step feeds one token per row, got {s}")
+        keys.index_copy_(2, self.slot.view(1), k)
+        values.index_copy_(2, self.slot.view(1), v)
+        return decode_attention(
+            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale
+        )

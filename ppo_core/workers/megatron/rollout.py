@@ -1,0 +1,148 @@
+"""KV-cached, graph-captured decoding of the actor's megatron-core ``GPTModel`` (the megatron rollout engine).
+
+The model decodes with its own modules and weights (the actor's, no copy: verl's "hybrid engine"): every
+:class:`~ppo_core.workers.megatron.model.SDPACoreAttention` is pointed at a
+:class:`~ppo_core.rollout.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
+per-row positions and attends through the cache; everything else (embedding, fused norms, projections and their
+tensor-parallel reductions, SwiGLU, residual adds, output layer) is megatron's forward. The output layer projects
+only the last position (``logits_window``), and with tensor parallelism the vocabulary shards ``[B, V/TP]`` are
+gathered so that every TP rank draws the same token from the same generator. Decode steps are captured as CUDA
+graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL collectives are captured with them).
+
+Limits: pipeline parallelism (a stage holds only some layers) and sequence parallelism (one token per row cannot be
+split over the TP ranks) are rejected with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+
+from ppo_core.rollout.decoding import DecodeStats, ModelSpec, StaticCacheDecoder
+from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
+
+__all__ = ["MegatronRolloutEngine"]
+
+
+class MegatronRolloutEngine:
+    """Rollout engine over this rank's megatron ``GPTModel`` (see the module docstring).
+
+    Args:
+        module: the ``GPTModel`` (without its DDP wrapper), built with ``attention="sdpa"``.
+        config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
+        tp_group: the tensor-parallel process group (None when TP = 1).
+        tp_size: tensor-parallel size.
+        cuda_graphs, kv_bucket, check_every, keep_cache: see
+            :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: MegatronModelConfig,
+        *,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        cuda_graphs: bool | None = None,
+        kv_bucket: int = 128,
+        check_every: int = 8,
+        keep_cache: bool = False,
+    ) -> None:
+        tc = module.config
+        if getattr(tc, "pipeline_model_parallel_size", 1) > 1:
+            raise ValueError("the megatron rollout engine needs pipeline_model_parallel_size=1")
+        if getattr(tc, "sequence_parallel", False):
+            raise ValueError("the megatron rollout engine does not support sequence_parallel=True")
+        self.attention = [m for m in module.modules() if isinstance(m, SDPACoreAttention)]
+        if len(self.attention) != config.num_layers:
+            raise ValueError(
+                f"expected {config.num_layers} SDPACoreAttention layers (model.attention='sdpa'), found "
+                f"{len(self.attention)}"
+            )
+        for index, layer in enumerate(self.attention):
+            layer.kv_cache_layer = index
+        if config.kv_heads % tp_size:
+            raise ValueError(f"num_query_groups ({config.kv_heads}) must be divisible by tp_size ({tp_size})")
+        self.module, self.config = module, config
+        self.tp_group, self.tp_size = tp_group, tp_size
+        device = next(module.parameters()).device
+        spec = ModelSpec(
+            layers=config.num_layers,
+            kv_heads=config.kv_heads // tp_size,
+            head_dim=config.head_dim,
+            dtype=config.torch_dtype,
+            device=device,
+        )
+        self.decoder = StaticCacheDecoder(
+            self._forward,
+            spec,
+            config.vocab_size,
+            cuda_graphs=cuda_graphs,
+            kv_bucket=kv_bucket,
+            check_every=check_every,
+            keep_cache=keep_cache,
+        )
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Timings and memory of the last :meth:`generate`."""
+        return self.decoder.stats
+
+    def release(self) -> None:
+        """Free the KV cache and graphs kept by ``keep_cache=True``."""
+        self.decoder.release()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        for layer in self.attention:
+            layer.kv_cache = cache
+        s = input_ids.shape[1]
+        with logits_window(self.module, s - 1, s):
+            out = self.module(input_ids, positions, None)
+        last = out[:, -1].float()  # [B, V_padded / TP]
+        if self.tp_size > 1:
+            parts = [torch.empty_like(last) for _ in range(self.tp_size)]
+            dist.all_gather(parts, last.contiguous(), group=self.tp_group)
+            last = torch.cat(parts, dim=-1)
+        return last[:, : self.config.vocab_size]
+
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: Any,
+        *,
+        generator: torch.Generator | None = None,
+        **decode_kwargs: Any,
+    ) -> TensorDict:
+        """Sample one response per left-padded prompt (the rollout-engine protocol; see
+        :class:`~ppo_core.rollout.hf.HFRolloutEngine.generate`)."""
+        was_training = self.module.training
+        self.module.eval()
+        device = self.decoder.spec.device
+        # tables long enough for training batches too, so a later forward never swaps them under a kept graph
+        longest = max(prompts.shape[1] + config.max_new_tokens, self.config.max_position_embeddings)
+        for layer in self.attention:
+            layer.prepare_rotary(longest, self.config.head_dim, device)
+        try:
+            return self.decoder.generate(
+                prompts,
+                prompt_mask,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_k=getattr(config, "top_k", 0),
+                top_p=config.top_p,
+                eos_token_id=config.eos_token_id,
+                pad_token_id=config.pad_token_id,
+                generator=generator,
+                **decode_kwargs,
+            )
+        finally:
+            for layer in self.attention:
+                layer.kv_cache = None
+            self.module.train(was_training)

@@ -1,0 +1,328 @@
+"""KV-cached decoding (``ppo_core.rollout``) against full recomputation: tiny Hugging Face Llama / Qwen2 / Mistral
+models built from configs and a tiny megatron GPT, fp32 on the CPU, where cached and recomputed greedy decoding
+must give the same tokens and the rollout log-probs must equal one forward over the finished sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_core.rollout import SamplingConfig
+from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder
+from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
+from ppo_core.rollout.sampling import sample_tokens, top_k_filter, top_p_filter
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+
+
+def _hf(kind: str, seed: int = 0) -> torch.nn.Module:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    if kind == "llama3_rope":
+        cfg = transformers.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=None)
+        ).eval()
+    raise ValueError(kind)
+
+
+def _left_padded(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (batch,), generator=g)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    ids = torch.randint(1, VOCAB, (batch, width), generator=g) * mask
+    return ids, mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def _hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits.float()
+
+
+@torch.no_grad()
+def _recompute_greedy(
+    logits_fn, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: int | None
+) -> torch.Tensor:
+    """Greedy decoding by recomputing the whole sequence for every token (the oracle)."""
+    tokens, done = [], torch.zeros(ids.shape[0], dtype=torch.bool)
+    for _ in range(new):
+        tok = logits_fn(ids, mask)[:, -1].argmax(-1)
+        tok = torch.where(done, 0, tok)
+        tokens.append(tok)
+        ids = torch.cat([ids, tok[:, None]], 1)
+        mask = torch.cat([mask, (~done).long()[:, None]], 1)
+        if eos is not None:
+            done = done | (tok == eos)
+    return torch.stack(tokens, 1)
+
+
+# ----- sampling ------------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(2, 40))
+def test_gumbel_draw_matches_the_softmax_distribution_in_expectation(seed, rows, vocab):
+    """The empirical frequency of each token over many noise draws approaches softmax(logits / T)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2
+    draws = 3000
+    counts = torch.zeros(rows, vocab, dtype=torch.float64)
+    for _ in range(draws // 100):
+        noise = torch.rand(100, rows, vocab, generator=g, dtype=torch.float64)
+        tok, _ = sample_tokens(
+            logits.expand(100, rows, vocab).reshape(-1, vocab), noise.reshape(-1, vocab), temperature=0.7
+        )
+        counts += torch.nn.functional.one_hot(tok.view(100, rows), vocab).sum(0)
+    expected = (logits / 0.7).softmax(-1)
+    assert (counts / draws - expected).abs().max() < 0.05
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 10), st.floats(0.05, 1.0))
+def test_truncated_draws_stay_in_the_nucleus_and_top_k(seed, top_k, top_p):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(8, 12, generator=g)
+    keep = top_p_filter(top_k_filter(logits, top_k), top_p) > float("-inf")
+    for _ in range(5):
+        tok, logp = sample_tokens(
+            logits, torch.rand(8, 12, generator=g), temperature=1.0, top_k=top_k, top_p=top_p
+        )
+        assert keep.gather(1, tok[:, None]).all()
+        # the log-prob is the untruncated one at the sampling temperature
+        torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1))
+
+
+def test_greedy_scores_at_temperature_one_and_needs_no_noise():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    tok, logp = sample_tokens(logits, None, temperature=0.0)
+    assert tok.tolist() == [1, 2]
+    torch.testing.assert_close(logp, logits.log_softmax(-1)[[0, 1], [1, 2]])
+
+
+def test_sampling_without_noise_names_the_argument():
+    with pytest.raises(ValueError, match="noise"):
+        sample_tokens(torch.zeros(2, 3), None, temperature=1.0)
+    with pytest.raises(ValueError, match="noise"):
+        sample_tokens(torch.zeros(2, 3), torch.zeros(2, 4), temperature=1.0)
+
+
+# ----- the cache ------------------------------------------------------------------------------------------------
+def test_prefill_mask_is_causal_over_prompt_tokens_and_keeps_padding_finite():
+    mask = prefill_attention_mask(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))[:, 0]
+    expected_full = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(mask[1], expected_full)
+    assert mask[0].diagonal().all()  # every query sees itself
+    assert not mask[0][:, :2].tril(-1).any()  # nobody sees a padding key except itself
+    assert mask[0][3].tolist() == [False, False, True, True]
+
+
+def test_decode_attention_equals_attention_over_the_valid_prefix():
+    """One decode step through the cache == plain softmax attention over the valid slots (grouped heads)."""
+    g = torch.Generator().manual_seed(0)
+    b, h, gq, d, length = 3, 4, 2, 8, 10
+    cache = KVCache.allocate(
+        layers=1, batch=b, kv_heads=gq, head_dim=d, length=length, dtype=torch.float64, device="cpu"
+    )
+    cache.keys[0].copy_(torch.randn(b, gq, length, d, generator=g, dtype=torch.float64))
+    cache.values[0].copy_(torch.randn(b, gq, length, d, generator=g, dtype=torch.float64))
+    cache.key_valid[:] = torch.rand(b, length, generator=g) > 0.3
+    slot = 6
+    cache.key_valid[:, slot] = True
+    cache.key_valid[:, slot + 1 :] = False
+    q = torch.randn(b, h, 1, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, gq, 1, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, gq, 1, d, generator=g, dtype=torch.float64)
+    cache.begin_decode(torch.tensor(slot), kv_len=8)
+    out = cache.attend(0, q, k, v)
+    for row in range(b):
+        valid = cache.key_valid[row, :8]
+        for head in range(h):
+            keys = cache.keys[0][row, head // 2, :8][valid]
+            values = cache.values[0][row, head // 2, :8][valid]
+            weights = (keys @ q[row, head, 0] / d**0.5).softmax(0)
+            torch.testing.assert_close(out[row, head, 0], weights @ values)
+    assert torch.equal(cache.keys[0][:, :, slot], k[:, :, 0])
+
+
+# ----- engines == recomputation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_hf_cached_greedy_equals_recomputation_with_left_padding(kind, fast_path):
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf(kind)
+    ids, mask = _left_padded(4, 6, seed=1)
+    engine = HFRolloutEngine(model, fast_path=fast_path)
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=7, temperature=0.0))
+    ref = _recompute_greedy(lambda i, m: _hf_logits(model, i, m), ids, mask, 7, None)
+    assert torch.equal(out["responses"], ref)
+    # rollout log-probs are what one forward over the finished sequences gives (temperature 1 when greedy)
+    full = _hf_logits(model, out["input_ids"], out["attention_mask"])[:, ids.shape[1] - 1 : -1]
+    expected = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=1e-5)
+    assert engine.stats.decode_steps == 6 and not engine.stats.cuda_graphs
+
+
+def test_hf_cached_eos_masks_and_pads_and_stops_when_every_row_is_done():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf("llama")
+    ids, mask = _left_padded(5, 4, seed=2)
+    ref = _recompute_greedy(lambda i, m: _hf_logits(model, i, m), ids, mask, 12, None)
+    eos = int(ref[0, 1])  # a token row 0 emits second: at least one row finishes early
+    engine = HFRolloutEngine(model, check_every=1)
+    out = engine.generate(
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=12, temperature=0.0, eos_token_id=eos, pad_token_id=VOCAB - 1),
+    )
+    expected = _recompute_greedy(lambda i, m: _hf_logits(model, i, m), ids, mask, 12, eos)
+    resp, rmask = out["responses"], out["response_mask"].bool()
+    for row in range(5):
+        hits = (expected[row] == eos).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else 12
+        assert torch.equal(resp[row, :end], expected[row, :end])
+        assert rmask[row, :end].all() and not rmask[row, end:].any()
+        assert (resp[row, end:] == VOCAB - 1).all()
+        assert (out["rollout_log_probs"][row, end:] == 0).all()
+    assert torch.equal(out["attention_mask"][:, ids.shape[1] :], out["response_mask"])
+    if bool((expected == eos).any(1).all()):
+        assert engine.stats.decode_steps < 11
+
+
+def test_hf_sampling_is_reproducible_from_the_generator_and_matches_the_recompute_path():
+    from ppo_core.rollout import generate
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf("qwen2")
+    ids, mask = _left_padded(4, 5, seed=3)
+    cfg = SamplingConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=20)
+    engine = HFRolloutEngine(model)
+    a = engine.generate(ids, mask, cfg, generator=torch.Generator().manual_seed(5))
+    b = engine.generate(ids, mask, cfg, generator=torch.Generator().manual_seed(5))
+    c = engine.generate(ids, mask, cfg, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+    slow = generate(
+        model,
+        ids,
+        mask,
+        SamplingConfig(**{**cfg.to_dict(), "use_cache": False}),
+        generator=torch.Generator().manual_seed(5),
+    )
+    assert torch.equal(slow["responses"], a["responses"])
+
+
+def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf("llama")
+    ids, mask = _left_padded(2, 3, seed=4)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0)
+    engine = HFRolloutEngine(model)
+    engine.generate(ids, mask, cfg)
+    assert engine.decoder._state is None
+    kept = HFRolloutEngine(model, keep_cache=True)
+    first = kept.generate(ids, mask, cfg)
+    state = kept.decoder._state
+    second = kept.generate(ids, mask, cfg)
+    assert kept.decoder._state is state and torch.equal(first["responses"], second["responses"])
+    kept.release()
+    assert kept.decoder._state is None
+
+
+def test_decoder_rejects_bad_inputs_by_name():
+    spec = ModelSpec(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+    decoder = StaticCacheDecoder(lambda i, p, c: torch.zeros(i.shape[0], 3), spec, 3)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="generator"):
+        decoder.generate(ids, torch.ones(2, 3), max_new_tokens=2, temperature=1.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(ids, torch.ones(2, 3), max_new_tokens=0, temperature=0.0)
+    with pytest.raises(ValueError, match="prompt_mask"):
+        decoder.generate(ids, torch.ones(2, 4), max_new_tokens=1, temperature=0.0)
+    with pytest.raises(ValueError, match="kv_bucket"):
+        StaticCacheDecoder(lambda i, p, c: i, spec, 3, kv_bucket=0)
+
+
+def test_unsupported_architectures_take_the_generic_path():
+    from ppo_core.rollout.hf import HFRolloutEngine, supports_fast_path
+
+    model = _hf("llama")
+    model.config.hidden_act = "gelu"  # not the SwiGLU the fused path computes
+    assert not supports_fast_path(model)
+    assert not HFRolloutEngine(model).fast_path
+    with pytest.raises(ValueError, match="fast_path"):
+        HFRolloutEngine(model, fast_path=True)
+
+
+def test_generic_path_restores_the_attention_implementation():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf("llama")
+    before = model.config._attn_implementation
+    ids, mask = _left_padded(2, 3, seed=5)
+    HFRolloutEngine(model, fast_path=False).generate(
+        ids, mask, SamplingConfig(max_new_tokens=2, temperature=0.0)
+    )
+    assert model.config._attn_implementation == before
+    assert not any(hasattr(m, "_ppo_core_kv_cache") for m in model.modules())
+
+
+def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _megatron import tiny_config
+
+    from ppo_core.workers.megatron import ParallelConfig
+    from ppo_core.workers.megatron.engine import megatron_attention_mask, position_ids
+    from ppo_core.workers.megatron.model import build_gpt_model
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    cfg = tiny_config()
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+
+    @torch.no_grad()
+    def logits(ids, mask):
+        return model(ids, position_ids(mask), megatron_attention_mask(mask))[..., : cfg.vocab_size].float()
+
+    ids, mask = _left_padded(4, 5, seed=6)
+    ids = ids % cfg.vocab_size
+    engine = MegatronRolloutEngine(model, cfg)
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    assert torch.equal(out["responses"], _recompute_greedy(logits, ids, mask, 6, None))
+    full = logits(out["input_ids"], out["attention_mask"])[:, ids.shape[1] - 1 : -1]
+    expected = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=1e-5)
+    assert all(layer.kv_cache is None for layer in engine.attention)
