@@ -433,19 +433,35 @@ def test_critic_checkpoint_resumes_bit_identically(tmp_path: Any) -> None:
 
 
 # -------------------------------------------------------------------------------- skipped steps
+def _infinite_gradient_on_calls(module: nn.Module, calls: set[int]) -> None:
+    """Make the gradient of the module's output infinite on the given forward calls (1-based), while every loss
+    stays finite: an overflow in the backward pass, the case the optimizer step must survive (a non-finite
+    *input* of a loss raises instead: see ``tests/ppo_core/test_losses_finiteness.py``)."""
+    forward, count = module.forward, [0]
+
+    def poisoned(input_ids: torch.Tensor) -> torch.Tensor:
+        count[0] += 1
+        out = forward(input_ids)
+        if count[0] in calls and out.requires_grad:
+            out.register_hook(lambda g: g * float("inf"))
+        return out
+
+    module.forward = poisoned
+
+
 def test_non_finite_gradient_skips_the_step_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     actor = _actor({"ppo_mini_batch_size": 4, "micro_batch_size": 2})
     batch = _batch(8)
-    batch[KEYS.response_mask][5, 0] = 1
-    batch[KEYS.advantages][5, 0] = float("nan")  # row 5: mini-batch 1, its micro-batch 0
+    _infinite_gradient_on_calls(actor.engine.module, {3})  # mini-batch 1, its micro-batch 0
     before = actor.engine.module.table.detach().clone()
     with caplog.at_level(logging.WARNING, logger="ppo_core.workers.ppo"):
         metrics = actor.update_actor(batch)
     assert metrics["actor/skipped_steps"] == 1.0
-    assert math.isnan(metrics["actor/grad_norm"])  # the mean over steps reports the NaN norm
+    assert not math.isfinite(metrics["actor/grad_norm"])  # the mean over steps reports the non-finite norm
     (record,) = caplog.records
     message = record.getMessage()
-    for part in ("update_actor", "epoch 0, mini-batch 1", "micro-batch(es) [0] of 2", "gradient: table"):
+    for part in ("update_actor", "epoch 0, mini-batch 1", "every loss of the 2 micro-batch(es) is finite",
+                 "gradient: table"):  # fmt: skip
         assert part in message, message
     # the first step was taken, the second skipped: the parameters moved once, and stay finite
     first_step = actor.engine.applied[0][0]
@@ -456,9 +472,8 @@ def test_non_finite_gradient_skips_the_step_with_a_warning(caplog: pytest.LogCap
 
 def test_skipped_steps_count_every_skipped_step() -> None:
     critic = _critic({"ppo_epochs": 3})
-    batch = _batch(4)
-    batch[KEYS.returns][0, 0] = float("inf")
-    metrics = critic.update_critic(batch)
+    _infinite_gradient_on_calls(critic.engine.module, {1, 2, 3})
+    metrics = critic.update_critic(_batch(4))
     assert metrics["critic/skipped_steps"] == 3.0
     assert torch.equal(critic.engine.module.table, Bigram(1, 0).table)  # never stepped
 
