@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ppo_core.metrics.data import VF_EXPLAINED_VAR_EPS, compute_data_metrics
 from ppo_core.metrics.reduce import reduce_metrics
+from ppo_core.metrics.rollout import rollout_probs_diff_metrics
 from ppo_core.metrics.timing import (
     ALL_TOKEN_TIMERS,
     RESPONSE_TOKEN_TIMERS,
@@ -44,4 +45,5 @@ __all__ = [
     "majority_vote",
     "process_validation_metrics",
     "reduce_metrics",
+    "rollout_probs_diff_metrics",
 ]

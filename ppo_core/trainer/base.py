@@ -37,6 +37,7 @@ from ppo_core.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    rollout_probs_diff_metrics,
 )
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.config import PPOConfig
@@ -248,14 +249,30 @@ class BasePPOTrainer(abc.ABC):
             batch = merge_generation(prompts, generated)
             with timer("reward"):
                 reward = call_reward_fn(self.reward_fn, batch, step, self._executor)
-            with timer("old_log_prob"):
-                out = self.actor_wg.compute_log_prob(batch)
-                batch = take_outputs(batch, out, [KEYS.old_log_probs], "compute_log_prob")
-                if KEYS.entropies in out:
-                    # the pre-update policy on the rollout batch; the update's own entropy term is
-                    # actor/update_entropy, logged by the worker
-                    entropy = agg_loss(out[KEYS.entropies], batch[KEYS.response_mask], "token-mean")
-                    metrics["actor/entropy"] = float(entropy)
+            if cfg.rollout.old_log_probs_from_rollout:
+                if KEYS.rollout_log_probs not in batch:
+                    raise ValueError(
+                        "rollout.old_log_probs_from_rollout=True, but generate_sequences returned no "
+                        f"{KEYS.rollout_log_probs!r}; it returned {sorted(generated.keys())}"
+                    )
+                batch.set(KEYS.old_log_probs, batch[KEYS.rollout_log_probs])
+            else:
+                with timer("old_log_prob"):
+                    out = self.actor_wg.compute_log_prob(batch)
+                    batch = take_outputs(batch, out, [KEYS.old_log_probs], "compute_log_prob")
+                    if KEYS.entropies in out:
+                        # the pre-update policy on the rollout batch; the update's own entropy term is
+                        # actor/update_entropy, logged by the worker
+                        entropy = agg_loss(out[KEYS.entropies], batch[KEYS.response_mask], "token-mean")
+                        metrics["actor/entropy"] = float(entropy)
+                if KEYS.rollout_log_probs in batch:
+                    metrics.update(
+                        rollout_probs_diff_metrics(
+                            batch[KEYS.rollout_log_probs],
+                            batch[KEYS.old_log_probs],
+                            batch[KEYS.response_mask],
+                        )
+                    )
             if cfg.use_reference:
                 with timer("ref"):
                     out = self._reference_group().compute_ref_log_prob(batch)

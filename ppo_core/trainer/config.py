@@ -100,6 +100,10 @@ class RolloutConfig(ConfigBase):
     """Responses per validation prompt."""
     val_do_sample: bool = False
     """Sample during validation; False decodes greedily (verl's default)."""
+    old_log_probs_from_rollout: bool = False
+    """Use the rollout engine's ``rollout_log_probs`` as ``old_log_probs`` and skip the actor's log-prob pass (one
+    forward pass fewer per step; the PPO ratio then also absorbs the numerical gap between the two engines, which
+    ``training/rollout_probs_diff_*`` measures while the pass runs). No ``actor/entropy`` metric then."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1)
