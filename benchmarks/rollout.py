@@ -280,6 +280,12 @@ def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> N
         return model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits
 
     attempt("exactness:hf", lambda: _exactness(model, engine, hf_logits, args.exact_new))
+    if args.exact_fp32:
+        # the same model in fp32: differences left by the engines' numerics alone are much smaller than in bf16
+        model32 = model.float()
+        engine32 = HFRolloutEngine(model32)
+        attempt("exactness:hf_fp32", lambda: _exactness(model32, engine32, hf_logits, args.exact_new))
+        model.to(torch.bfloat16)
     attempt("hf_static:b64", lambda: _hf_generate_case(model, CASES["b64"], 2, static=True))
     attempt("hf_dynamic:b64", lambda: _hf_generate_case(model, CASES["b64"], 1, static=False))
     attempt("recompute:b64", lambda: _recompute_case(model, CASES["b64"], args.recompute_new))
@@ -306,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cases", default="b64,b256,mixed")
     ap.add_argument("--recompute-new", type=int, default=8)
     ap.add_argument("--exact-new", type=int, default=32)
+    ap.add_argument("--exact-fp32", action="store_true", help="also check exactness with the model in fp32")
     ap.add_argument(
         "--skip", default="", help="comma-separated methods to skip (hf_static,hf_dynamic,megatron,...)"
     )
