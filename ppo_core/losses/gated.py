@@ -28,7 +28,8 @@ def sapo_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.Te
     """
     cfg, adv = inp.config, inp.adv
     ratio = torch.exp(inp.log_ratio())
-    tau = torch.where(adv > 0, ratio.new_tensor(cfg.tau_pos), ratio.new_tensor(cfg.tau_neg))
+    # scalars as kernel arguments: ``new_tensor`` would copy each from the host (a synchronisation on CUDA)
+    tau = torch.full_like(ratio, cfg.tau_pos).where(adv > 0, cfg.tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return inp.aggregate(-adv * gate), {"ppo_kl": inp.ppo_kl()}
 
