@@ -2,7 +2,8 @@
 the PPO workers, written once over pluggable engines.
 
 Layout: :mod:`~ppo_core.workers.base`, :mod:`~ppo_core.workers.dispatch`, :mod:`~ppo_core.workers.group` (the
-protocol); :mod:`~ppo_core.workers.ppo` (the PPO algorithm: ``PPOActorWorker``, ``PPOCriticWorker``),
+protocol); :mod:`~ppo_core.workers.ppo` (the PPO algorithm: ``PPOActorWorker``, ``PPOCriticWorker``) and
+:mod:`~ppo_core.workers.objectives` (``actor_loss``, ``critic_loss``),
 :mod:`~ppo_core.workers.engine` (the training-engine protocol it calls), :mod:`~ppo_core.workers.config` (their
 configs); engines in :mod:`ppo_core.workers.torch` and :mod:`ppo_core.workers.megatron`; sampling behind the
 rollout-engine protocol of :mod:`ppo_core.rollout`.

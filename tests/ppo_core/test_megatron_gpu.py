@@ -334,7 +334,7 @@ def test_fused_and_unfused_models_agree_on_log_probs_main_grads_and_norm(single_
     from ppo_core.workers.engine import OutputSpec
     from ppo_core.workers.megatron import MegatronActorWorker
     from ppo_core.workers.megatron.optim import grad_norm
-    from ppo_core.workers.ppo import actor_loss
+    from ppo_core.workers.objectives import actor_loss
 
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 50, (4, 12), generator=g)
