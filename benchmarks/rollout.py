@@ -42,18 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODEL = {
-    "num_layers": 16,
-    "hidden_size": 2048,
-    "num_attention_heads": 32,
-    "num_query_groups": 8,
-    "ffn_hidden_size": 8192,
-    "vocab_size": 128256,
-    "rotary_base": 500000.0,
-    "norm_epsilon": 1e-5,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 4096,
-}
+# the Llama-3.2-1B shape of the actor-update benchmark
+from benchmarks.actor_update import MODEL
+
 CASES = {
     "b64": {"batch": 64, "prompt": 256, "new": 128},
     "b256": {"batch": 256, "prompt": 256, "new": 128},

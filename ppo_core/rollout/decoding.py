@@ -27,21 +27,23 @@ with the same shapes and sampling settings reuses them (no allocation, no captur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
 from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.sampling import sample_tokens
 
-__all__ = ["CachedForward", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
+__all__ = ["CachedForward", "CachedRolloutEngine", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,3 +370,81 @@ class _Sampler:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class CachedRolloutEngine:
+    """The rollout-engine protocol over a :class:`StaticCacheDecoder` on a module that trains in place.
+
+    Subclasses build ``self.decoder`` (through :meth:`_init_decoder`) and may override :meth:`_decoding` to point
+    the module's attention at the cache; :meth:`generate` puts the module in eval mode for the generation and
+    back afterwards.
+    """
+
+    module: nn.Module
+    decoder: StaticCacheDecoder
+
+    def _init_decoder(
+        self,
+        module: nn.Module,
+        forward: CachedForward,
+        spec: ModelSpec,
+        vocab_size: int,
+        **options: Any,
+    ) -> None:
+        self.module = module
+        self.decoder = StaticCacheDecoder(forward, spec, vocab_size, **options)
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Timings and memory of the last :meth:`generate`."""
+        return self.decoder.stats
+
+    def release(self) -> None:
+        """Free the KV cache and graphs kept by ``keep_cache=True``."""
+        self.decoder.release()
+
+    @contextlib.contextmanager
+    def _decoding(self, prompts: torch.Tensor, config: Any) -> Iterator[None]:
+        """What the module needs around one generation (nothing by default)."""
+        yield
+
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: Any,
+        *,
+        generator: torch.Generator | None = None,
+        **decode_kwargs: Any,
+    ) -> TensorDict:
+        """Sample one response per left-padded prompt (the rollout-engine protocol).
+
+        Args:
+            prompts: ``[B, P]`` left-padded token ids. prompt_mask: ``[B, P]``.
+            config: a sampling config (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+                ``eos_token_id``, ``pad_token_id``).
+            generator: RNG on the model's device (required unless greedy).
+            decode_kwargs: passed to :meth:`StaticCacheDecoder.generate` (``step_hook``).
+
+        Returns:
+            ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``,
+            ``rollout_log_probs`` (see the module docstring).
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self._decoding(prompts, config):
+                return self.decoder.generate(
+                    prompts,
+                    prompt_mask,
+                    max_new_tokens=config.max_new_tokens,
+                    temperature=config.temperature,
+                    top_k=getattr(config, "top_k", 0),
+                    top_p=config.top_p,
+                    eos_token_id=config.eos_token_id,
+                    pad_token_id=config.pad_token_id,
+                    generator=generator,
+                    **decode_kwargs,
+                )
+        finally:
+            self.module.train(was_training)

@@ -26,16 +26,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, apply_rotary, rms_norm, silu_mul
-from ppo_core.rollout.decoding import DecodeStats, ModelSpec, StaticCacheDecoder
+from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.generate import _hf_causal_lm
 from ppo_core.rollout.kv_cache import KVCache
 
@@ -175,7 +175,7 @@ def _register_attention() -> None:
     AttentionInterface.register(_ATTENTION_NAME, _cached_attention)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(CachedRolloutEngine):
     """Rollout engine for a Hugging Face causal LM (``*ForCausalLM``), colocated with its training: it decodes
     with the very module the actor trains (no weight copy, nothing to synchronise).
 
@@ -221,74 +221,10 @@ class HFRolloutEngine:
             dtype=param.dtype,
             device=param.device,
         )
-        self.decoder = StaticCacheDecoder(
-            self._forward,
-            spec,
-            cfg.vocab_size,
-            cuda_graphs=cuda_graphs,
-            kv_bucket=kv_bucket,
-            check_every=check_every,
-            keep_cache=keep_cache,
-        )
+        options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
+        self._init_decoder(model, self._forward, spec, cfg.vocab_size, keep_cache=keep_cache, **options)
 
-    @property
-    def stats(self) -> DecodeStats:
-        """Timings and memory of the last :meth:`generate`."""
-        return self.decoder.stats
-
-    def release(self) -> None:
-        """Free the KV cache and graphs kept by ``keep_cache=True``."""
-        self.decoder.release()
-
-    def generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        config: Any,
-        *,
-        generator: torch.Generator | None = None,
-        **decode_kwargs: Any,
-    ) -> TensorDict:
-        """Sample one response per left-padded prompt (the rollout-engine protocol).
-
-        Args:
-            prompts: ``[B, P]`` left-padded token ids. prompt_mask: ``[B, P]``.
-            config: a sampling config (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-                ``eos_token_id``, ``pad_token_id``).
-            generator: RNG on the model's device (required unless greedy).
-
-        Returns:
-            ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``,
-            ``rollout_log_probs`` (see :mod:`ppo_core.rollout.decoding`).
-        """
-        was_training = self.model.training
-        self.model.eval()
-        switch = (
-            self._forward.attention_implementation()
-            if isinstance(self._forward, _GenericForward)
-            else _NullContext()
-        )
-        try:
-            with switch:
-                return self.decoder.generate(
-                    prompts,
-                    prompt_mask,
-                    max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature,
-                    top_k=getattr(config, "top_k", 0),
-                    top_p=config.top_p,
-                    eos_token_id=config.eos_token_id,
-                    pad_token_id=config.pad_token_id,
-                    generator=generator,
-                    **decode_kwargs,
-                )
-        finally:
-            self.model.train(was_training)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
+        if isinstance(self._forward, _GenericForward):
+            return self._forward.attention_implementation()
+        return contextlib.nullcontext()

@@ -15,14 +15,15 @@ split over the TP ranks) are rejected with a ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 from torch import nn
 
-from ppo_core.rollout.decoding import DecodeStats, ModelSpec, StaticCacheDecoder
+from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
@@ -30,7 +31,7 @@ from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 __all__ = ["MegatronRolloutEngine"]
 
 
-class MegatronRolloutEngine:
+class MegatronRolloutEngine(CachedRolloutEngine):
     """Rollout engine over this rank's megatron ``GPTModel`` (see the module docstring).
 
     Args:
@@ -69,7 +70,7 @@ class MegatronRolloutEngine:
             layer.kv_cache_layer = index
         if config.kv_heads % tp_size:
             raise ValueError(f"num_query_groups ({config.kv_heads}) must be divisible by tp_size ({tp_size})")
-        self.module, self.config = module, config
+        self.config = config
         self.tp_group, self.tp_size = tp_group, tp_size
         device = next(module.parameters()).device
         spec = ModelSpec(
@@ -79,24 +80,8 @@ class MegatronRolloutEngine:
             dtype=config.torch_dtype,
             device=device,
         )
-        self.decoder = StaticCacheDecoder(
-            self._forward,
-            spec,
-            config.vocab_size,
-            cuda_graphs=cuda_graphs,
-            kv_bucket=kv_bucket,
-            check_every=check_every,
-            keep_cache=keep_cache,
-        )
-
-    @property
-    def stats(self) -> DecodeStats:
-        """Timings and memory of the last :meth:`generate`."""
-        return self.decoder.stats
-
-    def release(self) -> None:
-        """Free the KV cache and graphs kept by ``keep_cache=True``."""
-        self.decoder.release()
+        options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
+        self._init_decoder(module, self._forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         for layer in self.attention:
@@ -111,38 +96,14 @@ class MegatronRolloutEngine:
             last = torch.cat(parts, dim=-1)
         return last[:, : self.config.vocab_size]
 
-    def generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        config: Any,
-        *,
-        generator: torch.Generator | None = None,
-        **decode_kwargs: Any,
-    ) -> TensorDict:
-        """Sample one response per left-padded prompt (the rollout-engine protocol; see
-        :class:`~ppo_core.rollout.hf.HFRolloutEngine.generate`)."""
-        was_training = self.module.training
-        self.module.eval()
-        device = self.decoder.spec.device
+    @contextlib.contextmanager
+    def _decoding(self, prompts: torch.Tensor, config: Any) -> Iterator[None]:
         # tables long enough for training batches too, so a later forward never swaps them under a kept graph
         longest = max(prompts.shape[1] + config.max_new_tokens, self.config.max_position_embeddings)
         for layer in self.attention:
-            layer.prepare_rotary(longest, self.config.head_dim, device)
+            layer.prepare_rotary(longest, self.config.head_dim, self.decoder.spec.device)
         try:
-            return self.decoder.generate(
-                prompts,
-                prompt_mask,
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-                top_k=getattr(config, "top_k", 0),
-                top_p=config.top_p,
-                eos_token_id=config.eos_token_id,
-                pad_token_id=config.pad_token_id,
-                generator=generator,
-                **decode_kwargs,
-            )
+            yield
         finally:
             for layer in self.attention:
                 layer.kv_cache = None
-            self.module.train(was_training)
