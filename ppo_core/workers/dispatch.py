@@ -16,7 +16,7 @@ Modes (``Dispatch.<NAME>``):
   :func:`ppo_core.batch.merge_from_dp`, which removes the padding.
 - ``DP_COMPUTE_METRIC``: same split (but a non-divisible batch is an error: padding would duplicate training
   samples); the result is one metric dict per dp rank, all of them, reduced with
-  :func:`ppo_core.metrics.reduce_metrics`. Padding never drops a rank's entry (verl pitfall 27).
+  :func:`ppo_core.metrics.reduce_metrics`. Padding never drops a rank's entry (verl drops whole ranks' entries).
 - ``RANK_ZERO``: only rank 0 runs; the result is its output.
 - ``Dispatch.custom(dispatch_fn, collect_fn)``: your own pair with the signatures above.
 """
