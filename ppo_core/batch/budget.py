@@ -37,8 +37,8 @@ def partition_by_token_budget(seqlens: Sequence[float] | torch.Tensor, max_token
         ``[]`` for no rows. Every list's total is ``<= max_tokens`` unless it is a single row.
 
     Raises:
-        ValueError: ``max_tokens < 1``; negative or non-finite seqlens.
-        TypeError: ``seqlens`` is not 1-D numbers.
+        ValueError: ``max_tokens < 1``; negative or non-finite seqlens; a tensor that is not 1-D.
+        TypeError: ``seqlens`` is not a tensor or a sequence of numbers.
 
     Example:
         >>> partition_by_token_budget([5, 1, 4, 2, 9], max_tokens=6)
