@@ -109,6 +109,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.model = model
         self._cache_kw = _cache_keyword(model)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
     def config(self) -> Any:
@@ -162,12 +163,18 @@ class HFCausalLM(nn.Module):
         kwargs: dict[str, Any] = {"use_cache": cache is not None}
         if cache is not None:
             kwargs[self._cache_kw] = cache
-        if logits_to_keep is not None:
+        keep_here = logits_to_keep is not None and not self._takes_logits_to_keep
+        if logits_to_keep is not None and not keep_here:
             kwargs["logits_to_keep"] = logits_to_keep
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )
-        return out.logits
+        logits = out.logits
+        if keep_here:  # a model without the argument computed every position
+            logits = (
+                logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
+            )
+        return logits
 
 
 class CausalLMWithValueHead(nn.Module):

@@ -59,7 +59,7 @@ def test_packed_attention_kernels_match_the_reference_in_bf16(backend: str) -> N
     ref_grads = torch.autograd.grad((ref * weight).sum(), ref_inputs)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert _rel(got, want) < 2e-2, name
+        assert _rel(got, want) < 3e-2, name
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flex"])

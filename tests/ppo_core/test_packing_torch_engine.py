@@ -212,3 +212,23 @@ def test_forward_token_budget_returns_rows_in_their_order(ckpts: dict) -> None:
     where = predicted(batch)
     for key in (KEYS.old_log_probs, KEYS.entropies):
         torch.testing.assert_close(b[key][where], a[key][where], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_hf_wrapper_keeps_the_logits_asked_for(ckpts: dict, native: bool) -> None:
+    lm = load_causal_lm(ckpts["llama"]).eval()
+    lm._takes_logits_to_keep = native  # False: a model without the argument, sliced by the wrapper
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = lm(ids)
+        index = torch.tensor([7, 0, 3])
+        torch.testing.assert_close(lm(ids, logits_to_keep=index), full[:, index])
+        torch.testing.assert_close(lm(ids, logits_to_keep=4), full[:, -4:])
+
+
+def test_hf_attention_without_document_masks_is_not_packed(ckpts: dict) -> None:
+    lm = load_causal_lm(ckpts["qwen2"])
+    assert lm.supports_packed_sequences
+    lm.model.config._attn_implementation = "paged_attention"  # builds no mask from position_ids
+    assert not lm.supports_packed_sequences
+    assert not TorchEngine(lm, device=CPU).packed
