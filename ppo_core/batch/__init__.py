@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 from ppo_core.batch.balance import balance_by_seqlen, seqlen_balance_metrics
+from ppo_core.batch.budget import partition_by_token_budget
 from ppo_core.batch.dp import PAD_MODES, PadInfo, merge_from_dp, split_for_dp
 from ppo_core.batch.group_balance import balance_groups_by_seqlen
 from ppo_core.batch.minibatch import iter_minibatches
@@ -40,6 +41,7 @@ __all__ = [
     "iter_minibatches",
     "merge_from_dp",
     "pad_to_multiple",
+    "partition_by_token_budget",
     "repeat",
     "repeat_interleave",
     "select",

@@ -258,7 +258,10 @@ def _val_sampling(train_key: str) -> Callable[[Any, Reader], Any]:
     return convert
 
 
-_NO_DYNAMIC_BSZ = "token-budget micro-batches are not implemented; set the *_micro_batch_size_per_gpu sizes"
+_NO_DYNAMIC_BSZ = (
+    "the token-budget keys are not translated yet; set ppo-core's ppo_max_token_len_per_gpu / "
+    "forward_max_token_len_per_gpu, or the *_micro_batch_size_per_gpu sizes"
+)
 _NO_SP = "Ulysses sequence parallelism is not implemented"
 _CONSTANT_LR = "learning-rate schedules are not implemented (ppo-core's optimiser keeps lr constant)"
 _NO_LORA = "LoRA is not implemented"

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 __all__ = [
+    "PACKED_ATTENTION_IMPLEMENTATIONS",
     "TOKENIZER_FILES",
     "CausalLMWithValueHead",
     "HFCausalLM",
@@ -74,6 +75,23 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+PACKED_ATTENTION_IMPLEMENTATIONS = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
+"""Hugging Face attention implementations that separate packed documents: given ``position_ids`` restarting at 0
+for each document and no attention mask, they attend within each document only (a block-causal mask, or the
+FlashAttention kernels' variable-length form)."""
+
+
+def _packs(config: Any) -> bool:
+    return getattr(config, "_attn_implementation", None) in PACKED_ATTENTION_IMPLEMENTATIONS
+
+
 def _cache_keyword(model: nn.Module) -> str:
     # newer transformers name the KV-cache argument ``cache`` (``past_key_values`` is deprecated there)
     params = inspect.signature(model.forward).parameters
@@ -91,11 +109,18 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.model = model
         self._cache_kw = _cache_keyword(model)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
     def config(self) -> Any:
         """The Hugging Face config of the wrapped model."""
         return self.model.config
+
+    @property
+    def supports_packed_sequences(self) -> bool:
+        """Whether ``forward(input_ids [1, T], position_ids=[1, T])`` treats each run of positions from 0 as a
+        separate document (padding-free batches): true for :data:`PACKED_ATTENTION_IMPLEMENTATIONS`."""
+        return _packs(self.model.config)
 
     def new_cache(self) -> Any:
         """An empty KV cache for incremental decoding (``transformers.DynamicCache``)."""
@@ -113,16 +138,22 @@ class HFCausalLM(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         cache: Any = None,
+        logits_to_keep: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, S, V]`` of ``input_ids`` ``[B, S]``.
 
         Args:
             input_ids: ``[B, S]`` token ids (left-padded rows allowed).
-            attention_mask: ``[B, S_past + S]`` 1 on real tokens (covers the cached tokens too); None: all ones.
+            attention_mask: ``[B, S_past + S]`` 1 on real tokens (covers the cached tokens too); None: all ones, or,
+                with ``position_ids`` and no cache, packed documents (each run of positions from 0 is one causal
+                document, see :attr:`supports_packed_sequences`).
             position_ids: ``[B, S]``; default: from ``attention_mask`` (:func:`positions_from_mask`).
             cache: a :meth:`new_cache` to read and extend (incremental decoding), or None.
+            logits_to_keep: compute the logits of these positions only (a ``[K]`` index tensor) or of the last
+                ``K`` positions (an int); the result is then ``[B, K, V]``. None: every position.
         """
-        if attention_mask is None:
+        packed = attention_mask is None and position_ids is not None and cache is None
+        if attention_mask is None and not packed:
             past = 0 if cache is None else int(cache.get_seq_length())
             attention_mask = torch.ones(
                 input_ids.shape[0], past + input_ids.shape[1], dtype=torch.long, device=input_ids.device
@@ -132,10 +163,18 @@ class HFCausalLM(nn.Module):
         kwargs: dict[str, Any] = {"use_cache": cache is not None}
         if cache is not None:
             kwargs[self._cache_kw] = cache
+        keep_here = logits_to_keep is not None and not self._takes_logits_to_keep
+        if logits_to_keep is not None and not keep_here:
+            kwargs["logits_to_keep"] = logits_to_keep
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )
-        return out.logits
+        logits = out.logits
+        if keep_here:  # a model without the argument computed every position
+            logits = (
+                logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
+            )
+        return logits
 
 
 class CausalLMWithValueHead(nn.Module):
@@ -170,6 +209,12 @@ class CausalLMWithValueHead(nn.Module):
             else:
                 self.value_head.weight.zero_()
 
+    @property
+    def supports_packed_sequences(self) -> bool:
+        """Whether ``forward(input_ids [1, T], position_ids=[1, T])`` treats each run of positions from 0 as a
+        separate document (see :attr:`HFCausalLM.supports_packed_sequences`)."""
+        return _packs(getattr(self.body, "config", None))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -177,8 +222,9 @@ class CausalLMWithValueHead(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Values ``[B, S, 1]`` (fp32) of every position of ``input_ids`` ``[B, S]``."""
-        if attention_mask is None:
+        """Values ``[B, S, 1]`` (fp32) of every position of ``input_ids`` ``[B, S]``; with ``position_ids`` and no
+        ``attention_mask``, of packed documents (as :meth:`HFCausalLM.forward`)."""
+        if attention_mask is None and position_ids is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.long)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)

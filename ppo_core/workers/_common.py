@@ -11,7 +11,8 @@ import torch
 from tensordict import TensorDictBase
 
 from ppo_core._config_base import ConfigBase
-from ppo_core.batch import iter_minibatches
+from ppo_core.batch import iter_minibatches, partition_by_token_budget
+from ppo_core.keys import KEYS
 
 __all__: list[str] = []
 
@@ -55,6 +56,28 @@ def split_rows(batch: TensorDictBase, size: int | None) -> list[TensorDictBase]:
     if size is None or size >= n:
         return [batch]
     return [batch[i : i + size] for i in range(0, n, size)]
+
+
+def split_micro_batches(
+    batch: TensorDictBase, *, rows: int | None, max_tokens: int | None
+) -> tuple[list[TensorDictBase], torch.Tensor | None]:
+    """``batch`` cut into micro-batches: by token budget when ``max_tokens`` is set, else by ``rows`` (:func:`split_rows`).
+
+    With a budget, the micro-batches are :func:`~ppo_core.batch.partition_by_token_budget` of the rows' valid token
+    counts (``attention_mask`` sums): at most ``max_tokens`` each, balanced, a longer row alone.
+
+    Returns:
+        ``(micros, order)``: ``order`` is the ``[B]`` int64 row order the micro-batches hold when concatenated
+        (on the batch's device), None when they hold the rows in order.
+    """
+    if max_tokens is None or int(batch.batch_size[0]) == 0:
+        return split_rows(batch, rows), None
+    lengths = batch[KEYS.attention_mask].sum(-1)
+    indices = [
+        torch.tensor(p, dtype=torch.int64, device=lengths.device)
+        for p in partition_by_token_budget(lengths, max_tokens)
+    ]
+    return [batch[i] for i in indices], torch.cat(indices)
 
 
 def local_minibatches(

@@ -60,6 +60,17 @@ class PPOWorkerConfig(ConfigBase):
     """Rows per forward/backward on one rank (gradient accumulation); None: the whole local mini-batch."""
     forward_micro_batch_size: int | None = None
     """Rows per forward pass when only computing log-probs/values; None: the whole batch."""
+    ppo_max_token_len_per_gpu: int | None = None
+    """Token budget of one forward/backward on one rank: each local mini-batch is cut into the fewest micro-batches
+    of at most this many valid tokens (``attention_mask`` sums), balanced by Karmarkar-Karp; a longer row gets a
+    micro-batch of its own. Replaces ``micro_batch_size`` (set one of the two); None: row counts."""
+    forward_max_token_len_per_gpu: int | None = None
+    """Token budget of one forward pass when only computing log-probs/values (replaces
+    ``forward_micro_batch_size``; set one of the two); None: row counts."""
+    use_remove_padding: bool = True
+    """Run the model on the valid tokens only, packed into one sequence per micro-batch (per-row causal attention
+    and positions), where the engine supports it (megatron with ``attention="sdpa"``; a torch model declaring
+    ``supports_packed_sequences``, e.g. the Hugging Face wrappers); False (or an unsupported model): padded rows."""
     shuffle: bool = False
     """Shuffle the rows before cutting mini-batches (verl's default is False)."""
     loss_scale_factor: float | None = None
@@ -68,9 +79,23 @@ class PPOWorkerConfig(ConfigBase):
     def __post_init__(self) -> None:
         check_int("ppo_epochs", self.ppo_epochs, 1)
         check_int("ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
-        for name in ("micro_batch_size", "forward_micro_batch_size"):
+        for name in (
+            "micro_batch_size",
+            "forward_micro_batch_size",
+            "ppo_max_token_len_per_gpu",
+            "forward_max_token_len_per_gpu",
+        ):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
+        for rows, tokens in (
+            ("micro_batch_size", "ppo_max_token_len_per_gpu"),
+            ("forward_micro_batch_size", "forward_max_token_len_per_gpu"),
+        ):
+            if getattr(self, rows) is not None and getattr(self, tokens) is not None:
+                raise ValueError(
+                    f"set either {rows} (rows per micro-batch) or {tokens} (tokens per micro-batch), not both; "
+                    f"got {rows}={getattr(self, rows)} and {tokens}={getattr(self, tokens)}"
+                )
 
 
 @dataclass(kw_only=True)

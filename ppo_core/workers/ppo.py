@@ -10,7 +10,8 @@ of :mod:`~ppo_core.workers.objectives`:
 
 An update (``update_actor`` / ``update_critic``) is ``ppo_epochs`` passes over the batch; each pass cuts this
 rank's rows into mini-batches of ``ppo_mini_batch_size / dp_size`` rows (one optimiser step each), each
-mini-batch into micro-batches of ``micro_batch_size`` rows (one forward/backward each). Losses are aggregated
+mini-batch into micro-batches of ``micro_batch_size`` rows or, with ``ppo_max_token_len_per_gpu``, into the fewest
+balanced micro-batches of at most that many valid tokens (one forward/backward each). Losses are aggregated
 with the mini-batch's token and row counts summed over all data-parallel ranks (``agg_loss``'s global
 denominators), so the micro-batch gradients add up, over micro-batches and ranks, to the gradient of the
 mini-batch loss. Metrics are means over optimiser steps of each step's value (losses summed over its
@@ -35,7 +36,12 @@ from ppo_core.keys import KEYS
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
 from ppo_core.rollout.engine import RolloutEngine, WeightReceiver
-from ppo_core.workers._common import check_keys, global_loss_denominators, local_minibatches, split_rows
+from ppo_core.workers._common import (
+    check_keys,
+    global_loss_denominators,
+    local_minibatches,
+    split_micro_batches,
+)
 from ppo_core.workers.base import Worker, register
 from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig, PPOWorkerConfig
 from ppo_core.workers.dispatch import Dispatch
@@ -104,10 +110,19 @@ class PPOWorkerBase(Worker):
     ) -> dict[str, torch.Tensor] | None:
         """Outputs of ``engine`` for the whole batch, concatenated on the device (None off the collect rank)."""
         engine.eval()
-        outs = engine.forward(split_rows(batch, self.config.forward_micro_batch_size), spec)
+        cfg = self.config
+        micros, order = split_micro_batches(
+            batch, rows=cfg.forward_micro_batch_size, max_tokens=cfg.forward_max_token_len_per_gpu
+        )
+        outs = engine.forward(micros, spec)
         if not self.is_collect_rank:
             return None
-        return {key: torch.cat([out[key] for out in outs]) for key in outs[0]}
+        out = {key: torch.cat([o[key] for o in outs]) for key in outs[0]}
+        if order is not None:  # token-budget micro-batches hold the rows out of order: put them back
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            out = {key: value[inverse.to(value.device)] for key, value in out.items()}
+        return out
 
     # ----- updates ------------------------------------------------------------------------------------------
     def _minibatches(self, batch: TensorDictBase) -> Iterator[TensorDictBase]:
@@ -152,7 +167,9 @@ class PPOWorkerBase(Worker):
                 loss_scale_factor=self.config.loss_scale_factor,
                 all_reduce_sum=engine.all_reduce_sum,
             )
-            micros = split_rows(mini, self.config.micro_batch_size)
+            micros, _ = split_micro_batches(
+                mini, rows=self.config.micro_batch_size, max_tokens=self.config.ppo_max_token_len_per_gpu
+            )
             finite: list[torch.Tensor] = []
             loss_fn = functools.partial(self._micro_loss, objective, agg, len(micros), finite)
             outs = engine.forward_backward(micros, loss_fn, spec)

@@ -68,6 +68,11 @@ class MegatronModelConfig(ConfigBase):
     attention: Literal["sdpa", "local"] = "sdpa"
     """``"sdpa"``: fused ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient);
     ``"local"``: megatron-core's unfused attention (materialises ``S x S`` scores; CUDA only)."""
+    packed_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
+    """Attention kernel of padding-free (packed) micro-batches with ``attention="sdpa"``
+    (:mod:`ppo_core.kernels.packed_attention`): ``"varlen"`` PyTorch's variable-length FlashAttention (CUDA,
+    bf16/fp16), ``"flex"`` FlexAttention with a document mask, ``"sdpa"`` one SDPA call per row; ``"auto"``:
+    ``"varlen"`` where it runs, else ``"sdpa"``."""
     fused_kernels: bool = True
     """On CUDA, megatron's ``torch.compile`` fusions of SwiGLU and the residual adds, and linear layers that
     accumulate weight gradients inside their matrix products into the fp32 gradient buffers; False: megatron's

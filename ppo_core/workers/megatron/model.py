@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppo_core.kernels.packed_attention import PackedDocuments, packed_causal_attention
 from ppo_core.workers.megatron.config import MegatronModelConfig, ParallelConfig
 from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rotary_tables
 
@@ -38,6 +39,8 @@ __all__ = [
     "gpt_block_spec",
     "gpt_layer_spec",
     "logits_window",
+    "packed_documents",
+    "packed_seq_params",
     "padded_vocab_size",
 ]
 
@@ -52,6 +55,11 @@ class SDPACoreAttention(nn.Module):
     With ``rotary_base`` set, ``query`` and ``key`` are first rotated by their positions ``0 .. s - 1`` (what
     megatron's rotary embedding does; with left padding only relative positions matter, and those are the
     same), so the model must be built with ``position_embedding_type="none"``.
+
+    Packed sequences (``packed_seq_params`` with ``qkv_format="thd"``, see :func:`packed_seq_params`): ``query
+    [t, h/TP, d]``, ``key``/``value [t, g/TP, d]`` hold documents laid end to end; each document attends causally
+    to itself (:func:`~ppo_core.kernels.packed_attention.packed_causal_attention` with ``packed_attention``) and
+    is rotated by its own positions from 0; returns ``[t, 1, h/TP * d]``.
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class SDPACoreAttention(nn.Module):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         rotary_base: float | None = None,
+        packed_attention: str = "auto",
     ) -> None:
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
@@ -75,6 +84,7 @@ class SDPACoreAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rotary_base = rotary_base
+        self.packed_attention = packed_attention
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [s_max, 1, 1, d] (fp32)
         # decoding: the KVCache this layer reads and writes, and its index there (set by the rollout engine)
         self.kv_cache: Any = None
@@ -96,8 +106,10 @@ class SDPACoreAttention(nn.Module):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not support an attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         s, b, h, d = query.shape
         if self.kv_cache is not None:
             return self._cached(query, key, value)
@@ -116,6 +128,36 @@ class SDPACoreAttention(nn.Module):
             enable_gqa=key.shape[2] != h,
         )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        """Attention of packed documents: ``query [t, h, d]``, ``key``/``value [t, g, d]`` (a ``[t, 1, ...]`` batch
+        dimension is dropped) -> ``[t, 1, h * d]``."""
+        if self.dropout and self.training:
+            raise ValueError("packed sequences do not support attention dropout; set attention_dropout=0")
+        if query.dim() == 4:
+            query, key, value = (x.squeeze(1) for x in (query, key, value))
+        docs = packed_documents(params)
+        t, h, d = query.shape
+        if self.rotary_base is not None:
+            cos, sin = docs.cached(
+                ("rotary", self.rotary_base, d, str(query.device)),
+                lambda: self._rotary_at(docs.position_ids, docs.max_seqlen, d, query.device),
+            )
+            query, key = apply_rotary(query, key, cos, sin)
+        out = packed_causal_attention(
+            query, key, value, docs, scale=self.softmax_scale, backend=self.packed_attention
+        )
+        return out.reshape(t, 1, h * d)
+
+    def _rotary_at(
+        self, positions: torch.Tensor, max_seqlen: int, d: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[t, 1, d]`` (fp32) at ``positions [t]``."""
+        cos, sin = self._rotary_tables(max_seqlen, d, device)
+        index = positions.to(device)
+        return cos[:, 0][index], sin[:, 0][index]
 
     def prepare_rotary(self, max_position: int, head_dim: int, device: torch.device) -> None:
         """Build the rotary tables for positions ``0 .. max_position - 1`` (before a graph is captured)."""
@@ -138,6 +180,45 @@ class SDPACoreAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
+def packed_seq_params(docs: PackedDocuments) -> Any:
+    """megatron's ``PackedSeqParams`` (``qkv_format="thd"``) of packed documents, carrying ``docs`` itself so that
+    :class:`SDPACoreAttention` reads positions and lengths without a host synchronisation."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=docs.cu_seqlens,
+        cu_seqlens_kv=docs.cu_seqlens,
+        max_seqlen_q=docs.max_seqlen,
+        max_seqlen_kv=docs.max_seqlen,
+    )
+    params.documents = docs
+    return params
+
+
+def packed_documents(params: Any) -> PackedDocuments:
+    """The documents of megatron ``PackedSeqParams``: those :func:`packed_seq_params` attached, or rebuilt from
+    ``cu_seqlens_q`` (one host synchronisation) for parameters made elsewhere."""
+    docs = getattr(params, "documents", None)
+    if docs is not None:
+        return docs
+    if (
+        getattr(params, "qkv_format", "thd") != "thd"
+        or getattr(params, "cu_seqlens_q_padded", None) is not None
+    ):
+        raise ValueError(
+            "SDPACoreAttention supports packed sequences in the 'thd' format without padded offsets"
+        )
+    if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+        raise ValueError(
+            "SDPACoreAttention supports packed self-attention only (cu_seqlens_q == cu_seqlens_kv)"
+        )
+    lengths = torch.diff(params.cu_seqlens_q).tolist()
+    docs = PackedDocuments.from_seqlens(lengths, params.cu_seqlens_q.device)
+    params.documents = docs
+    return docs
+
+
 def gpt_layer_spec(config: MegatronModelConfig) -> Any:
     """megatron-core's local GPT layer spec with :class:`SDPACoreAttention` (which applies the rotary embedding;
     ``attention="local"`` keeps megatron's attention), :class:`~ppo_core.workers.megatron.fused.FusedNorm`
@@ -150,7 +231,8 @@ def gpt_layer_spec(config: MegatronModelConfig) -> Any:
     attention, mlp = layer.self_attention.submodules, layer.mlp.submodules
     if config.attention == "sdpa":
         attention.core_attention = ModuleSpec(
-            module=SDPACoreAttention, params={"rotary_base": config.rotary_base}
+            module=SDPACoreAttention,
+            params={"rotary_base": config.rotary_base, "packed_attention": config.packed_attention},
         )
     layer.input_layernorm = layer.pre_mlp_layernorm = FusedNorm
     if config.fused_kernels:
@@ -281,19 +363,28 @@ def _add_logits_window(layer: nn.Module) -> None:
 
 
 class logits_window:
-    """Within the ``with`` block, ``model`` computes logits only at sequence positions ``[start, stop)``.
+    """Within the ``with`` block, ``model`` computes logits only at sequence positions ``[start, stop)``, or at the
+    positions of an index tensor ``start`` (``stop`` None; a packed sequence's output positions).
 
     A no-op on stages without an output layer, for critics, and with sequence parallelism (the output layer
     then receives sequence shards).
 
     Example:
         >>> # with logits_window(model, s - r - 1, s - 1): logits = model(ids, pos, mask)  # [B, r, V/TP]
+        >>> # with logits_window(model, index):  logits = model(ids, pos, None, packed_seq_params=p)  # [1, n, V/TP]
     """
 
-    def __init__(self, model: nn.Module, start: int, stop: int) -> None:
+    def __init__(self, model: nn.Module, start: int | torch.Tensor, stop: int | None = None) -> None:
         layer = getattr(model, "output_layer", None)
         self.layer = layer if layer is not None and hasattr(layer, "logits_window") else None
-        self.window = slice(start, stop)
+        if isinstance(start, torch.Tensor):
+            if stop is not None:
+                raise ValueError("logits_window takes an index tensor alone, or start and stop")
+            self.window: slice | torch.Tensor = start
+        else:
+            if stop is None:
+                raise ValueError("logits_window needs stop with an int start")
+            self.window = slice(start, stop)
 
     @property
     def active(self) -> bool:

@@ -61,6 +61,7 @@ def _build_engine(config: MegatronActorConfig | MegatronCriticConfig, head: str)
         vocab_size=config.model.vocab_size,
         optim=config.optim,
         use_distributed_optimizer=config.use_distributed_optimizer,
+        remove_padding=config.use_remove_padding,
     )
 
 
@@ -138,7 +139,11 @@ class MegatronActorWorker(PPOActorWorker):
             frozen = build_gpt_model(config.model, config.parallel).requires_grad_(False)
             frozen.load_state_dict(engine.module.state_dict())
             reference = MegatronEngine(
-                frozen, layout=engine.layout, device=engine.device, vocab_size=config.model.vocab_size
+                frozen,
+                layout=engine.layout,
+                device=engine.device,
+                vocab_size=config.model.vocab_size,
+                remove_padding=config.use_remove_padding,
             )
         view = _LastLogitsView(engine.module, engine.layout, config.model.vocab_size)
         rollout = (

@@ -4,10 +4,18 @@ A policy is called as ``model(input_ids, attention_mask=mask)`` and returns logi
 whose ``.logits`` they are); a value model returns values ``[B, S]`` or ``[B, S, 1]`` the same way (a Hugging
 Face token-classification head works). Training wraps the model in ``DistributedDataParallel`` when data
 parallelism is on (see :mod:`ppo_core.workers.torch.distributed`) and steps it with AdamW.
+
+Padding-free micro-batches (``remove_padding``): a model whose ``supports_packed_sequences`` attribute is true
+(the Hugging Face wrappers of :mod:`ppo_core.models.hf`) is called once per micro-batch as
+``model(input_ids [1, T], position_ids=[1, T])`` on the valid tokens of its rows laid end to end
+(:mod:`ppo_core.workers.packing`), positions restarting at 0 for each row, which the model must read as separate
+causal documents; other models (``TinyGPT``, any plain module) get the padded rows. A model whose ``forward`` takes
+``logits_to_keep`` (Hugging Face causal LMs) computes logits only at the positions that predict responses.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,9 +30,28 @@ from ppo_core.rollout.sampling import logits_of
 from ppo_core.workers._common import first_nonfinite_grad
 from ppo_core.workers.config import OptimConfig
 from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, LossFn, OutputSpec, StepResult
+from ppo_core.workers.packing import pack_micro_batch
 from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, wrap_ddp
 
-__all__ = ["TorchEngine", "response_outputs"]
+__all__ = ["TorchEngine", "response_outputs", "supports_packed_sequences"]
+
+
+def supports_packed_sequences(module: nn.Module) -> bool:
+    """Whether ``module`` declares (attribute ``supports_packed_sequences``) that it takes packed documents:
+    ``module(input_ids [1, T], position_ids=[1, T])``, each run of positions from 0 a separate causal document.
+
+    Example:
+        >>> supports_packed_sequences(nn.Linear(2, 2))
+        False
+    """
+    return bool(getattr(module, "supports_packed_sequences", False))
+
+
+def _takes_logits_to_keep(module: nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return False
 
 
 def response_outputs(model: nn.Module, batch: TensorDictBase) -> torch.Tensor:
@@ -47,6 +74,15 @@ def _as_values(out: torch.Tensor) -> torch.Tensor:
     return out.float()
 
 
+def _policy_outputs(logits: torch.Tensor, labels: torch.Tensor, spec: OutputSpec) -> dict[str, torch.Tensor]:
+    """Log-probs (and entropies) ``[...]`` of ``labels [...]`` under ``softmax(logits [..., V] / temperature)``."""
+    logits = logits / spec.temperature
+    outputs = {LOG_PROBS: logprobs_from_logits(logits, labels)}
+    if spec.entropy:
+        outputs[ENTROPY] = entropy_from_logits(logits)
+    return outputs
+
+
 class TorchEngine(EngineBase):
     """One ``nn.Module`` on one device, with AdamW when ``optim`` is given (a forward-only engine otherwise).
 
@@ -58,6 +94,8 @@ class TorchEngine(EngineBase):
         dp_rank / dp_size: this rank's data-parallel position (every rank is a replica).
         data_parallel: wrap the trained model in DDP and sum over the default process group (the caller has
             joined it, :func:`~ppo_core.workers.torch.distributed.init_data_parallel`).
+        remove_padding: pack each micro-batch's valid tokens into one sequence when the model supports it
+            (:func:`supports_packed_sequences`); the outputs are the same ``[b, R]`` either way.
 
     Example:
         >>> from ppo_core.models import TinyGPT, TinyGPTConfig
@@ -77,6 +115,7 @@ class TorchEngine(EngineBase):
         dp_rank: int = 0,
         dp_size: int = 1,
         data_parallel: bool = False,
+        remove_padding: bool = True,
     ) -> None:
         model, optimizer = module, None
         if optim is not None:
@@ -91,20 +130,44 @@ class TorchEngine(EngineBase):
         super().__init__(module, model, head=head, device=device, optim=optim, optimizer=optimizer)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.data_parallel = data_parallel
+        # padding-free micro-batches: asked for, and the model supports them
+        self.packed = bool(remove_padding) and supports_packed_sequences(module)
+        self._logits_to_keep = head == "policy" and _takes_logits_to_keep(module)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(value, self.data_parallel)
 
     # ----- forward / backward -------------------------------------------------------------------------------
     def _outputs(self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec) -> dict[str, torch.Tensor]:
-        out = response_outputs(model, micro)
+        if self.packed:
+            return self._packed_outputs(model, micro, spec)
+        responses = micro[KEYS.responses]
+        if self._logits_to_keep:  # the last R + 1 positions, of which the first R predict the response
+            r = responses.shape[1]
+            ids, mask = micro[KEYS.input_ids], micro[KEYS.attention_mask]
+            out = logits_of(model(ids, attention_mask=mask, logits_to_keep=r + 1))[:, :r]
+        else:
+            out = response_outputs(model, micro)
         if self.head == "value":
             return {VALUES: _as_values(out)}
-        logits = out / spec.temperature
-        outputs = {LOG_PROBS: logprobs_from_logits(logits, micro[KEYS.responses])}
-        if spec.entropy:
-            outputs[ENTROPY] = entropy_from_logits(logits)
-        return outputs
+        return _policy_outputs(out, responses, spec)
+
+    def _packed_outputs(
+        self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec
+    ) -> dict[str, torch.Tensor]:
+        responses = micro[KEYS.responses]
+        packed = pack_micro_batch(micro[KEYS.input_ids], micro[KEYS.attention_mask], responses.shape[1])
+        kwargs: dict[str, Any] = {"position_ids": packed.documents.position_ids[None]}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = packed.output_index
+        out = logits_of(model(packed.input_ids[None], **kwargs))[0]
+        if not self._logits_to_keep:
+            out = out[packed.output_index]
+        if self.head == "value":
+            values = _as_values(out[None])[0]  # [n]
+            return {VALUES: packed.unpack(values)}
+        outputs = _policy_outputs(out, packed.labels(responses), spec)
+        return {name: packed.unpack(value) for name, value in outputs.items()}
 
     @torch.no_grad()
     def forward(self, micros: Sequence[TensorDictBase], spec: OutputSpec) -> list[dict[str, torch.Tensor]]:

@@ -32,7 +32,7 @@ RolloutFactory = Callable[[nn.Module], RolloutEngine]
 
 
 def _build_engine(
-    model_factory: ModelFactory, device: str | None, optim: OptimConfig, head: str
+    model_factory: ModelFactory, device: str | None, optim: OptimConfig, head: str, remove_padding: bool
 ) -> TorchEngine:
     """This rank's model from ``model_factory`` on its device, joined to the data-parallel group."""
     if not callable(model_factory):
@@ -51,6 +51,7 @@ def _build_engine(
         dp_rank=ctx.rank,
         dp_size=ctx.world_size,
         data_parallel=data_parallel,
+        remove_padding=remove_padding,
     )
 
 
@@ -99,12 +100,18 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
         rollout_engine: RolloutFactory | None = None,
     ) -> None:
         config = as_config(config, TorchActorConfig)
-        engine = _build_engine(model_factory, config.device, config.optim, "policy")
+        engine = _build_engine(
+            model_factory, config.device, config.optim, "policy", config.use_remove_padding
+        )
         reference = None
         if config.use_reference:
             frozen = copy.deepcopy(engine.module).requires_grad_(False)
             reference = TorchEngine(
-                frozen, device=engine.device, dp_rank=engine.dp_rank, dp_size=engine.dp_size
+                frozen,
+                device=engine.device,
+                dp_rank=engine.dp_rank,
+                dp_size=engine.dp_size,
+                remove_padding=config.use_remove_padding,
             )
         rollout = (rollout_engine or ModelRolloutEngine)(engine.module)
         super().__init__(config, engine, rollout=rollout, reference=reference)
@@ -143,5 +150,6 @@ class TorchCriticWorker(_ModelAccess, PPOCriticWorker):
         self, model_factory: ModelFactory, config: TorchCriticConfig | Mapping[str, Any] | None = None
     ) -> None:
         config = as_config(config, TorchCriticConfig)
-        super().__init__(config, _build_engine(model_factory, config.device, config.optim, "value"))
+        engine = _build_engine(model_factory, config.device, config.optim, "value", config.use_remove_padding)
+        super().__init__(config, engine)
         self.config: TorchCriticConfig = config
