@@ -189,12 +189,23 @@ class LocalTrainer(BasePPOTrainer):
             self.critic_wg = LocalWorkerGroup(self._roles["critic"])
 
 
+def _share_import_path() -> None:
+    """Put the directory this package is imported from on ``PYTHONPATH``: Monarch's processes unpickle the worker
+    classes by module name, and a source checkout run from its root is importable here only through the working
+    directory, which they do not put on their path."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+
+
 def build_trainer(
     job: JobConfig, ppo: PPOConfig, roles: Mapping[str, WorkerSpec], **kwargs: Any
 ) -> BasePPOTrainer:
     """The trainer of ``job.backend`` over ``roles`` (``kwargs``: datasets, reward, padding id)."""
     if job.backend == "local":
         return LocalTrainer(ppo, roles=roles, **kwargs)
+    _share_import_path()
     import ppo_core_monarch  # noqa: F401  (before monarch: it sets the supervision poll)
     from ppo_core._config_base import _nested
     from ppo_core_monarch import MonarchConfig

@@ -80,7 +80,7 @@ def step_time_breakdown(
     Returns:
         ``{"steps", "warmup_steps", "mean_s" (stage -> seconds, plus "step"), "share" (stage -> fraction of the
         step), "tokens_per_s" ({"step": prompt + response tokens / step time, "generation": response tokens /
-        generation time}), "per_step" ([{step, stage -> seconds}])}``.
+        generation time}), "per_step" ([{"global_step", stage -> seconds, "step"}])}``.
 
     Raises:
         ValueError: no training step among ``records``.
@@ -89,7 +89,7 @@ def step_time_breakdown(
     if not steps:
         raise ValueError("records hold no training step (no timing_s/step): nothing to break down")
     skip = min(max(0, int(warmup_steps)), len(steps) - 1)
-    per_step = [{"step": int(r["step"]), **_stages_of(r)} for r in steps]
+    per_step = [{"global_step": int(r["step"]), **_stages_of(r)} for r in steps]
     kept = per_step[skip:]
     names = [*STAGES, "everything_else", "step"]
     mean = {name: _mean([s[name] for s in kept]) for name in names}

@@ -167,3 +167,19 @@ def test_monarch_backend(example, capsys):
     assert (
         memory["actor"][0]["host_rss"] > 0 and memory["critic"][0]["host_rss"] > 0
     )  # through the role views
+
+
+def test_readme_commands_are_the_tested_path():
+    """The README's commands are the ones above: make-data into the tiny config's root, sft, then train."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Post-train a Hugging Face model")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].split("&&")[-1].strip() for line in block.splitlines() if "ppo-core" in line]
+    from ppo_core_cli.config import load_job_config
+
+    root = load_job_config(TINY).vars["root"]
+    config = os.path.relpath(TINY, ROOT)
+    assert commands == [f"ppo-core make-data {root}", f"ppo-core sft {config}", f"ppo-core train {config}"]
+    job = load_job_config(TINY)
+    assert job.algorithm.adv_estimator == "gae" and job.ppo_config().use_critic  # "PPO (GAE + critic ...)"
+    assert f"{job.trainer.total_training_steps} steps" in section
