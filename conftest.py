@@ -10,7 +10,7 @@ import torch
 # Optional extras: their modules are only collected (for doctests) when the extra is installed.
 collect_ignore_glob: list[str] = []
 if importlib.util.find_spec("megatron") is None:
-    collect_ignore_glob.append("ppo_core/workers/megatron/*")
+    collect_ignore_glob += ["ppo_core/workers/megatron/*", "ppo_core_cli/_megatron_workers.py"]
 if importlib.util.find_spec("monarch") is None:
     collect_ignore_glob.append("ppo_core_monarch/*")
 collect_ignore_glob += ["examples/*", "benchmarks/*"]

@@ -176,10 +176,11 @@ def _resume_mode(value: Any, get: Reader) -> Any:
 
 
 def _loggers(value: Any, get: Reader) -> Any:
-    # Remote trackers (wandb, swanlab, mlflow...) become metrics.jsonl: the metrics are still recorded, locally.
+    # Other remote trackers (swanlab, mlflow...) become metrics.jsonl: the metrics are still recorded, locally.
+    kept = ("console", "tensorboard", "wandb")
     names = [value] if isinstance(value, str) else list(value or [])
-    out = [name if name in ("console", "tensorboard") else "jsonl" for name in names]
-    dropped = [name for name in names if name not in ("console", "tensorboard")]
+    out = [name if name in kept else "jsonl" for name in names]
+    dropped = [name for name in names if name not in kept]
     if dropped:
         logger.warning(
             "trainer.logger %s: not available in ppo-core, metrics go to metrics.jsonl instead", dropped
@@ -633,7 +634,7 @@ RULES: tuple[Rule, ...] = (
         ["console", "wandb"],
         ("trainer.loggers",),
         _loggers,
-        "console and tensorboard kept; remote trackers (wandb, ...) become `jsonl` (metrics.jsonl)",
+        "console, tensorboard and wandb kept; other trackers (mlflow, ...) become `jsonl` (metrics.jsonl)",
     ),
     Rule("trainer.nnodes", 1, doc="x `n_gpus_per_node`"),
     Rule(

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppo_core.examples.arith_task import ArithTaskConfig, format_sft_pairs, make_arith_rows
+from ppo_core.examples.arith_task import NUMBER_WORDS, ArithTaskConfig, format_sft_pairs, make_arith_rows
 from ppo_core.examples.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_bpe_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "NUMBER_WORDS",
     "SPECIAL_TOKENS",
     "ArithTaskConfig",
     "ExampleData",

@@ -3,6 +3,7 @@
 ``make_example_data(out_dir, seed=0)`` (or ``python -m ppo_core.examples.make_data OUT_DIR``) writes::
 
     OUT_DIR/data/train.parquet, OUT_DIR/data/test.parquet   # verl schema, synthetic/arith_gsm8k
+    OUT_DIR/data/sft.parquet                                # format warm-up pairs: prompt, response ("#### N")
     OUT_DIR/model/                                          # config.json, model.safetensors, tokenizer files
 
 The tokenizer is trained on the task's text; the model is a ``Qwen2ForCausalLM`` sized for CPU training
@@ -21,10 +22,18 @@ from typing import Any
 import torch
 
 from ppo_core._config_base import ConfigBase
-from ppo_core.examples.arith_task import ArithTaskConfig, make_arith_rows
+from ppo_core.examples.arith_task import ArithTaskConfig, format_sft_pairs, make_arith_rows
 from ppo_core.examples.tokenizer import CHAT_TEMPLATE, train_bpe_tokenizer
 
-__all__ = ["ExampleData", "TinyModelConfig", "main", "make_example_data", "write_parquet"]
+__all__ = [
+    "ExampleData",
+    "TinyModelConfig",
+    "add_arguments",
+    "main",
+    "make_example_data",
+    "run",
+    "write_parquet",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,8 @@ class ExampleData:
     """Training prompts (parquet)."""
     test_file: str
     """Validation prompts (parquet)."""
+    sft_file: str
+    """Format warm-up pairs (parquet: ``data_source``, ``prompt`` messages, ``response`` text) for ``ppo-core sft``."""
     model_dir: str
     """The Hugging Face checkpoint directory (model and tokenizer)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +133,11 @@ def make_example_data(
     test_rows = make_arith_rows(n_test, seed=seed + 1, split="test", config=task)
     train_file = write_parquet(train_rows, os.path.join(root, "data", "train.parquet"))
     test_file = write_parquet(test_rows, os.path.join(root, "data", "test.parquet"))
+    sft_rows = [
+        {"data_source": row["data_source"], "prompt": messages, "response": response}
+        for row, (messages, response) in zip(train_rows, format_sft_pairs(train_rows, seed=seed), strict=True)
+    ]
+    sft_file = write_parquet(sft_rows, os.path.join(root, "data", "sft.parquet"))
 
     model_dir = os.path.join(root, "model")
     tokenizer = train_bpe_tokenizer(_corpus(train_rows), model_dir, vocab_size=vocab_size)
@@ -156,6 +172,7 @@ def make_example_data(
         root=root,
         train_file=train_file,
         test_file=test_file,
+        sft_file=sft_file,
         model_dir=model_dir,
         extra={
             "vocab_size": len(tokenizer),
@@ -166,24 +183,42 @@ def make_example_data(
     )
 
 
-def main(argv: list[str] | None = None) -> ExampleData:
-    """Command line: ``python -m ppo_core.examples.make_data OUT_DIR [--seed S] [--n-train N] [--n-test N]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command-line options of :func:`main` (shared with ``ppo-core make-data``)."""
+    parser.add_argument("out_dir", help="output directory (data/, model/)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-train", type=int, default=2048)
     parser.add_argument("--n-test", type=int, default=128)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--ops", default="+", help="operations, e.g. '+-'")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser.add_argument(
+        "--word-operands",
+        default="1",
+        help="comma-separated values of the second operand, written as words ('1': 'finds one more', what the "
+        "tiny model learns in minutes); 'none': a digit operand like the first (much harder)",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> ExampleData:
+    """Make the example from parsed :func:`add_arguments` options."""
+    words = None if args.word_operands.strip().lower() == "none" else args.word_operands
+    word_operands = None if words is None else [int(v) for v in words.split(",") if v.strip()]
     return make_example_data(
         args.out_dir,
         seed=args.seed,
         n_train=args.n_train,
         n_test=args.n_test,
-        task=ArithTaskConfig(max_operand=args.max_operand, ops=list(args.ops)),
+        task=ArithTaskConfig(max_operand=args.max_operand, ops=list(args.ops), word_operands=word_operands),
     )
+
+
+def main(argv: list[str] | None = None) -> ExampleData:
+    """Command line: ``python -m ppo_core.examples.make_data OUT_DIR [--seed S] [--n-train N] [--n-test N] ...``."""
+    parser = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":

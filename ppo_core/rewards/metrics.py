@@ -1,8 +1,8 @@
 """Per-data-source means of a training batch's reward and of the reward function's numeric extra infos.
 
-Validation already groups by data source (``val-core/{source}/...``). The trainer's training step logs only the
-batch-wide reward; a training loop that wants the per-source view adds
-``reward_metrics_by_source(sources, scores, extra_infos)`` to its step metrics.
+Validation already groups by data source (``val-core/{source}/...``). ``BasePPOTrainer`` adds
+``reward_metrics_by_source(sources, scores, extra_infos)`` to every training step's metrics
+(``reward/{source}/score/mean``, ``reward/{source}/acc/mean``...); a loop of your own can do the same.
 """
 
 from __future__ import annotations

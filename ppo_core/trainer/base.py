@@ -4,7 +4,10 @@ One step, in verl's order (:meth:`BasePPOTrainer.train_step`): sample ``n`` resp
 prompt) -> start the reward (sync, or a Future/awaitable awaited later) -> old log-probs -> reference log-probs
 -> values -> in-reward KL (``apply_kl_penalty``) -> advantages (registry) -> critic update -> actor update
 (after ``critic_warmup`` steps) -> metrics -> validation (every ``test_freq`` steps and at the end) ->
-checkpoint (every ``save_freq`` steps and at the end) -> log.
+checkpoint (every ``save_freq`` steps and at the end) -> log. The step's metrics include the reward per data
+source with the reward function's numeric extra infos (``reward/{source}/score/mean``, ``reward/{source}/acc/mean``:
+:func:`~ppo_core.rewards.reward_metrics_by_source`) and the time of every stage (``timing_s/gen``, ...,
+``timing_s/reward_wait``: how long the reward still ran once the log-prob and value passes were done).
 
 Differences from verl, on purpose: validation runs *before* the checkpoint of a step, so a resumed run continues
 from the state an uninterrupted one had; the controller state (KL coefficient, RNGs, dataloader position) is
@@ -39,6 +42,7 @@ from ppo_core.metrics import (
     compute_timing_metrics,
     rollout_probs_diff_metrics,
 )
+from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
@@ -282,8 +286,10 @@ class BasePPOTrainer(abc.ABC):
                     batch = take_outputs(
                         batch, self.critic_wg.compute_values(batch), [KEYS.values], "compute_values"
                     )
+            with timer("reward_wait"):  # what the reward still needed after the passes above
+                scores, extra = reward.result()
+            metrics.update(reward_metrics_by_source(_data_sources(batch), scores, extra))
             with timer("adv"):
-                scores, _extra = reward.result()
                 batch.set(KEYS.token_level_scores, scores.to(batch[KEYS.response_mask].device))
                 if self.kl_ctrl is not None:
                     batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
@@ -384,6 +390,18 @@ class BasePPOTrainer(abc.ABC):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+
+
+def _data_sources(batch: TensorDictBase) -> list[str]:
+    """The ``data_source`` of every row (``"unknown"`` when the batch has none)."""
+    size = int(batch.batch_size[0])
+    if KEYS.data_source not in batch:
+        return ["unknown"] * size
+    values = batch.get(KEYS.data_source)
+    values = values.tolist() if hasattr(values, "tolist") else values
+    if isinstance(values, str) or not isinstance(values, list):  # one value shared by every row
+        values = [values] * size
+    return [str(v) for v in values]
 
 
 def _progress_bar(enabled: bool, initial: int, total: int) -> Any:

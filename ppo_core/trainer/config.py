@@ -18,7 +18,7 @@ from ppo_core.config import AlgorithmConfig
 __all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]
 
 ResumeMode = Literal["auto", "disable", "path"]
-Logger = Literal["console", "jsonl", "tensorboard"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
 def _dotted_keys(name: str, value: object) -> tuple[str, ...]:
@@ -141,7 +141,8 @@ class TrainerConfig(ConfigBase):
     seed: int = 0
     """Seeds the controller's torch, numpy and python RNGs at the start of a run (restored on resume)."""
     loggers: tuple[Logger, ...] = ("console", "jsonl")
-    """Metric sinks among ``console``, ``jsonl`` and ``tensorboard``."""
+    """Metric sinks among ``console``, ``jsonl``, ``tensorboard`` and ``wandb`` (a sink whose package is missing
+    is skipped with a warning)."""
     log_dir: str | None = None
     """Where ``metrics.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
     console_every: int = 1

@@ -1,4 +1,4 @@
-"""``Tracker``: metric sinks for the trainer (console via logging, ``metrics.jsonl``, optional TensorBoard).
+"""``Tracker``: metric sinks for the trainer (console via logging, ``metrics.jsonl``, TensorBoard, Weights & Biases).
 
 ``metrics.jsonl`` holds one JSON object per logged step: ``{"step": k, "<metric>": value, ...}``. Non-finite
 values are written as ``null`` so every line is strict JSON. Several ``log`` calls for the same step (validation
@@ -58,9 +58,10 @@ class Tracker:
     """Send per-step metric dicts to the configured sinks.
 
     Args:
-        loggers: any of ``"console"`` (``logging.INFO`` on this module's logger), ``"jsonl"`` and
-            ``"tensorboard"`` (needs ``torch.utils.tensorboard`` and its ``tensorboard`` package; skipped with a
-            warning when missing).
+        loggers: any of ``"console"`` (``logging.INFO`` on this module's logger), ``"jsonl"``,
+            ``"tensorboard"`` (needs ``torch.utils.tensorboard`` and its ``tensorboard`` package) and ``"wandb"``
+            (``wandb.init(project=$WANDB_PROJECT or "ppo-core", name=<log_dir's name>, dir=log_dir)``; offline
+            when ``WANDB_MODE=offline``). A sink whose package is missing is skipped with a warning.
         log_dir: directory of ``metrics.jsonl`` and the TensorBoard events (created if needed).
         console_every: log to the console every this many steps.
         resume_step: when resuming from step ``k``, drop the records of steps ``> k`` from ``metrics.jsonl``.
@@ -79,18 +80,19 @@ class Tracker:
         console_every: int = 1,
         resume_step: int | None = None,
     ) -> None:
-        valid = ("console", "jsonl", "tensorboard")
+        valid = ("console", "jsonl", "tensorboard", "wandb")
         for name in loggers:
             if name not in valid:
                 raise ValueError(f"unknown logger {name!r}; valid values: {', '.join(valid)}")
-        if ("jsonl" in loggers or "tensorboard" in loggers) and log_dir is None:
-            raise ValueError("log_dir is required for the jsonl and tensorboard loggers")
+        if any(name in loggers for name in ("jsonl", "tensorboard", "wandb")) and log_dir is None:
+            raise ValueError("log_dir is required for the jsonl, tensorboard and wandb loggers")
         self.loggers = tuple(loggers)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.console_every = max(1, int(console_every))
         self._pending: dict[int, dict[str, float]] = {}
         self._jsonl = None
         self._tb = None
+        self._wandb: Any = None
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
         if "jsonl" in self.loggers:
@@ -107,6 +109,8 @@ class Tracker:
                 self._tb = SummaryWriter(log_dir=self.log_dir)
             except ImportError:
                 logger.warning("tensorboard is not installed; the tensorboard logger is disabled")
+        if "wandb" in self.loggers:
+            self._wandb = _start_wandb(self.log_dir, resume_step)  # type: ignore[arg-type]
 
     @staticmethod
     def _truncate(path: str, step: int) -> None:
@@ -142,6 +146,8 @@ class Tracker:
             if self._tb is not None:
                 for k, v in values.items():
                     self._tb.add_scalar(k, v, s)
+            if self._wandb is not None:
+                self._wandb.log(values, step=s)
             if "console" in self.loggers and (s % self.console_every == 0):
                 text = " - ".join(f"{k}: {v:.4g}" for k, v in sorted(values.items()))
                 logger.info("step %d: %s", s, text)
@@ -155,3 +161,22 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(log_dir: str, resume_step: int | None) -> Any:
+    """A W&B run logging into ``log_dir`` (None, with a warning, when ``wandb`` is not installed)."""
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("wandb is not installed; the wandb logger is disabled")
+        return None
+    name = os.path.basename(os.path.normpath(os.path.abspath(log_dir)))
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "ppo-core"),
+        name=name,
+        dir=log_dir,
+        resume="allow" if resume_step is not None else None,
+    )

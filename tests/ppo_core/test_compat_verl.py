@@ -306,7 +306,7 @@ def test_loggers_resume_and_frequencies():
             }
         )
     )
-    assert cfg.trainer.loggers == ("console", "jsonl", "tensorboard")
+    assert cfg.trainer.loggers == ("console", "wandb", "tensorboard", "jsonl")
     assert (cfg.trainer.resume_mode, cfg.trainer.resume_from_path) == ("path", "ckpt/global_step_5")
     assert (cfg.trainer.test_freq, cfg.trainer.save_freq) == (0, 0)
     assert ppo_config_from_verl(_verl(trainer={"logger": "console"})).trainer.loggers == ("console",)
@@ -314,8 +314,8 @@ def test_loggers_resume_and_frequencies():
 
 def test_dropped_trackers_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="ppo_core.compat.verl"):
-        ppo_config_from_verl(_verl(trainer={"logger": ["console", "wandb"]}))
-    assert "wandb" in caplog.text
+        ppo_config_from_verl(_verl(trainer={"logger": ["console", "mlflow"]}))
+    assert "mlflow" in caplog.text
 
 
 def test_megatron_strategy_fills_the_megatron_worker_fields():

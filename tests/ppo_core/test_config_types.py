@@ -45,6 +45,14 @@ from ppo_core.workers.megatron.config import (
     ParallelConfig,
 )
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
+from ppo_core_cli.config import (
+    JobConfig,
+    JobDataConfig,
+    JobModelConfig,
+    RewardConfig,
+    ScorerConfig,
+    SFTConfig,
+)
 from ppo_core_monarch.config import MonarchConfig
 
 _MODEL = {
@@ -83,6 +91,12 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     PromptDatasetConfig: {},
     ArithTaskConfig: {},
     TinyModelConfig: {},
+    JobConfig: {},
+    JobDataConfig: {},
+    JobModelConfig: {},
+    RewardConfig: {},
+    ScorerConfig: {},
+    SFTConfig: {},
 }
 
 # Values of the wrong type for each scalar annotation (a YAML string, a bool for a number, a float for an int).
@@ -207,9 +221,9 @@ def test_defaults_pass_and_round_trip(cls):
             "algorithm.kl_ctrl must be a KLConfig or a dict, got float 0.1",
         ),
         (
-            {"trainer": {"loggers": ["console", "wandb"]}},
+            {"trainer": {"loggers": ["console", "mlflow"]}},
             ValueError,
-            "unknown trainer.loggers[1] 'wandb'; valid values: console, jsonl, tensorboard",
+            "unknown trainer.loggers[1] 'mlflow'; valid values: console, jsonl, tensorboard, wandb",
         ),
         (
             {"trainer": {"loggers": "console"}},

@@ -54,7 +54,7 @@ def test_config_round_trip_and_derived_flags():
     [
         ({"trainer": {"resume_mode": "latest"}}, "valid values: auto, disable, path"),
         ({"trainer": {"resume_mode": "path"}}, "resume_from_path"),
-        ({"trainer": {"loggers": ["wandb"]}}, "valid values: console, jsonl, tensorboard"),
+        ({"trainer": {"loggers": ["mlflow"]}}, "valid values: console, jsonl, tensorboard, wandb"),
         ({"rollout": {"n": 0}}, "n must be >= 1"),
         ({"data": {"train_batch_size": 2.5}}, "train_batch_size must be an int"),
         ({"trainer": {"bogus": 1}}, r"unknown TrainerConfig field\(s\) \['bogus'\]"),
@@ -185,8 +185,8 @@ def test_tracker_resume_drops_later_steps_and_fresh_run_starts_over(tmp_path):
 
 
 def test_tracker_errors():
-    with pytest.raises(ValueError, match="valid values: console, jsonl, tensorboard"):
-        Tracker(("wandb",))
+    with pytest.raises(ValueError, match="valid values: console, jsonl, tensorboard, wandb"):
+        Tracker(("mlflow",))
     with pytest.raises(ValueError, match="log_dir"):
         Tracker(("jsonl",))
     t = Tracker(("console",))

@@ -1,0 +1,19 @@
+"""The ``ppo-core`` command: from a Hugging Face checkpoint and a prompt dataset to a trained, exported policy.
+
+- :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides);
+- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``;
+- :mod:`~ppo_core_cli.sft`: the supervised (format) warm-up; :mod:`~ppo_core_cli.train`: a PPO run and its outputs;
+- :mod:`~ppo_core_cli.job`: tokenizer, prompts, reward, workers and trainer from a job;
+- :mod:`~ppo_core_cli.export`: the actor of any checkpoint (torch or megatron workers) as a Hugging Face directory;
+- :mod:`~ppo_core_cli.timings`: the step-time breakdown JSON; :mod:`~ppo_core_cli.shapes`: random-init checkpoints.
+
+The package sits on top of ``ppo_core`` and, for ``backend: monarch`` only, ``ppo_core_monarch`` (imported when a
+run asks for it): ``ppo_core`` itself knows nothing of either.
+"""
+
+from __future__ import annotations
+
+from ppo_core_cli.config import JobConfig, load_job_config
+from ppo_core_cli.main import main
+
+__all__ = ["JobConfig", "load_job_config", "main"]

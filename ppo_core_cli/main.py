@@ -1,0 +1,153 @@
+"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train`` and ``export``.
+
+::
+
+    ppo-core make-data OUT_DIR                          # the offline example: prompts, tokenizer, tiny Qwen2
+    ppo-core sft CONFIG.yaml [key=value ...]            # the format warm-up: a new checkpoint (sft.output_dir)
+    ppo-core train CONFIG.yaml [key=value ...]          # PPO/GRPO, then the export; prints where outputs are
+    ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
+
+``key=value`` overrides use dotted keys (``trainer.total_training_steps=5``); see :mod:`ppo_core_cli.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ppo_core.examples.make_data import add_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="ppo-core", description="Post-train a Hugging Face model with PPO (ppo-core)."
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_arguments(
+        sub.add_parser(
+            "make-data",
+            help="write the offline example (synthetic GSM8K-format prompts, tokenizer, tiny Qwen2 checkpoint)",
+        )
+    )
+    for name, text in (
+        ("sft", "supervised warm-up on prompt/response pairs (the sft section); writes sft.output_dir"),
+        ("train", "train with PPO/GRPO, then export the actor"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="the job's YAML file")
+        p.add_argument(
+            "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.seed=1"
+        )
+        if name == "train":
+            p.add_argument(
+                "--timings-json",
+                metavar="FILE",
+                help="write the step-time breakdown, tokens/s and peak memory of the run to FILE",
+            )
+            p.add_argument(
+                "--warmup-steps", type=int, default=1, help="first steps left out of the timings' means"
+            )
+    p = sub.add_parser("export", help="export the actor of a checkpoint as a Hugging Face directory")
+    p.add_argument("checkpoint", help="a global_step_k folder, or a checkpoint root (its newest checkpoint)")
+    p.add_argument("out_dir")
+    p.add_argument("--model-dir", help="the checkpoint the run started from (torch workers without job.yaml)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="dtype of the written weights")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the checksum verification of the checkpoint"
+    )
+    return parser
+
+
+def _make_data(args: argparse.Namespace) -> int:
+    from ppo_core.examples.make_data import run
+
+    data = run(args)
+    print(f"train prompts: {data.train_file}")
+    print(f"test prompts:  {data.test_file}")
+    print(f"sft pairs:     {data.sft_file}")
+    print(f"model:         {data.model_dir} ({data.extra['num_parameters']} parameters)")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from ppo_core_cli.config import load_job_config
+    from ppo_core_cli.sft import run_sft
+
+    job = load_job_config(args.config, args.overrides)
+    if job.torch_threads:
+        import torch
+
+        torch.set_num_threads(job.torch_threads)
+    result = run_sft(job.sft, dtype=job.model.dtype, attn_implementation=job.model.attn_implementation)
+    print(
+        f"sft: {len(result.losses)} steps on {result.num_pairs} pairs in {result.seconds:.0f} s, loss "
+        f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
+    )
+    print(f"checkpoint: {result.output_dir}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ppo_core_cli.config import load_job_config
+    from ppo_core_cli.train import run_train
+
+    job = load_job_config(args.config, args.overrides)
+    result = run_train(job, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
+    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
+    if result.initial_val_reward is not None and result.final_val_reward is not None:
+        gain = result.final_val_reward - result.initial_val_reward
+        line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    print(line)
+    print(f"metrics:    {result.metrics_file}")
+    if result.plot:
+        print(f"plot:       {result.plot}")
+    if result.checkpoint:
+        print(f"checkpoint: {result.checkpoint}")
+    if result.export_dir:
+        print(f"export:     {result.export_dir}")
+    if result.timings_json:
+        print(f"timings:    {result.timings_json}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ppo_core_cli.export import export_checkpoint
+
+    out = export_checkpoint(
+        args.checkpoint, args.out_dir, model_dir=args.model_dir, dtype=args.dtype, verify=not args.no_verify
+    )
+    print(f"export: {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status.
+
+    A configuration or input mistake (``ValueError``, ``TypeError``, ``FileNotFoundError``) prints one line
+    ``ppo-core: error: ...`` and exits with status 2; set ``PPO_CORE_TRACEBACK=1`` for the traceback.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
+    commands = {"make-data": _make_data, "sft": _sft, "train": _train, "export": _export}
+    try:
+        return commands[args.command](args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        if os.environ.get("PPO_CORE_TRACEBACK"):
+            raise
+        print(f"ppo-core: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

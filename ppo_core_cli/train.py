@@ -1,0 +1,190 @@
+"""``ppo-core train``: prompts, reward and workers from a job, ``fit()``, then the export, the plot and a summary.
+
+One run:
+
+1. the model directory (a random-init one first when ``model.init_shape`` asks), the tokenizer, the prompts;
+2. the worker settings completed from the tokenizer and the checkpoint (:func:`~ppo_core_cli.job.complete_workers`),
+   the job written to ``{checkpoints}/job.yaml`` and ``{run_dir}/job.yaml``;
+3. ``BasePPOTrainer.fit()`` on the local or Monarch backend: progress bar, logs (console, ``metrics.jsonl``,
+   TensorBoard, W&B as configured), checkpoints every ``trainer.save_freq`` steps, resume from the newest
+   checkpoint (``trainer.resume_mode=auto``);
+4. the actor's weights (``save_weights``: no optimizer state) exported as a Hugging Face directory;
+5. ``reward_kl.png`` and, on request, the step-time breakdown JSON (:mod:`ppo_core_cli.timings`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ppo_core.trainer import checkpoint as ckpt
+from ppo_core.trainer import read_metrics_jsonl
+from ppo_core_cli.config import JobConfig, dump_job_config
+from ppo_core_cli.export import JOB_FILE, export_actor_weights
+from ppo_core_cli.job import (
+    build_reward,
+    build_trainer,
+    complete_workers,
+    load_datasets,
+    load_tokenizer,
+    pad_token_id,
+    prepare_model,
+    worker_specs,
+)
+from ppo_core_cli.plot import plot_run, validation_reward
+from ppo_core_cli.timings import step_time_breakdown
+
+__all__ = ["TrainResult", "run_train"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    """Where a run's outputs are, and its headline numbers."""
+
+    run_dir: str
+    metrics_file: str
+    checkpoint: str | None = None
+    export_dir: str | None = None
+    plot: str | None = None
+    timings_json: str | None = None
+    steps: int = 0
+    initial_val_reward: float | None = None
+    final_val_reward: float | None = None
+    wall_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _absolute_paths(job: JobConfig) -> JobConfig:
+    """The job with its directories absolute: worker processes may not share this process's working directory."""
+    trainer = job.trainer
+    return JobConfig.from_dict(
+        {
+            **job.to_dict(),
+            "run_dir": os.path.abspath(job.run_dir),
+            "model": {
+                **job.model.to_dict(),
+                "path": os.path.abspath(job.model.path) if job.model.path else "",
+                **{
+                    k: os.path.abspath(v)
+                    for k in ("tokenizer_path", "critic_path")
+                    if (v := getattr(job.model, k))
+                },
+            },
+            "trainer": {
+                **trainer.to_dict(),
+                "default_local_dir": os.path.abspath(job.checkpoint_dir),
+                "log_dir": os.path.abspath(job.log_dir),
+            },
+            "export_dir": os.path.abspath(job.export_path),
+        }
+    )
+
+
+def run_train(job: JobConfig, *, timings_json: str | None = None, warmup_steps: int = 1) -> TrainResult:
+    """Run the job (see the module docstring) and return where everything is.
+
+    Args:
+        job: the job.
+        timings_json: also write the step-time breakdown, tokens/s and peak memory to this file.
+        warmup_steps: steps left out of the breakdown's means (one-time costs).
+    """
+    start = time.perf_counter()
+    job = _absolute_paths(job)
+    if job.torch_threads:
+        torch.set_num_threads(job.torch_threads)
+    model_dir = prepare_model(job)
+    tokenizer = load_tokenizer(job)
+    train, val = load_datasets(job, tokenizer)
+    actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir)
+    ppo = job.ppo_config(actor_worker, critic_worker)
+    for folder in (job.run_dir, job.checkpoint_dir):
+        dump_job_config(job, os.path.join(folder, JOB_FILE))
+    reward = build_reward(job, tokenizer)
+    trainer = build_trainer(
+        job,
+        ppo,
+        worker_specs(job, ppo, model_dir),
+        train_dataset=train,
+        val_dataset=val,
+        reward_fn=reward,
+        pad_token_id=pad_token_id(tokenizer),
+    )
+    result = TrainResult(run_dir=job.run_dir, metrics_file=os.path.join(job.log_dir, "metrics.jsonl"))
+    weights = os.path.join(job.run_dir, "final_actor")
+    try:
+        trainer.fit()
+        result.steps = trainer.global_steps
+        result.checkpoint = ckpt.find_latest_checkpoint(job.checkpoint_dir)
+        if trainer.global_steps > 0:
+            shutil.rmtree(weights, ignore_errors=True)
+            trainer.actor_wg.save_weights(weights)
+        if timings_json:
+            result.extra["peak_memory_gib"] = _peak_memory(trainer)
+    finally:
+        trainer.shutdown()
+        reward.close()
+    if result.steps > 0:
+        result.export_dir = export_actor_weights(
+            weights, job.export_path, actor_worker=actor_worker, model_dir=model_dir, dtype=job.export_dtype
+        )
+        shutil.rmtree(weights, ignore_errors=True)
+    records = read_metrics_jsonl(job.log_dir)
+    vals = [v for r in records if (v := validation_reward(r)) is not None]
+    if vals:
+        result.initial_val_reward, result.final_val_reward = vals[0], vals[-1]
+    result.wall_seconds = time.perf_counter() - start
+    title = f"{job.algorithm.adv_estimator.upper()} on {os.path.basename(model_dir)} ({result.wall_seconds:.0f} s)"
+    result.plot = plot_run(records, os.path.join(job.log_dir, "reward_kl.png"), title)
+    if timings_json:
+        result.timings_json = _write_timings(timings_json, job, records, result, warmup_steps)
+    return result
+
+
+def _peak_memory(trainer: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for role, group in (("actor", trainer.actor_wg), ("critic", trainer.critic_wg)):
+        if group is not None and callable(getattr(group, "peak_memory", None)):
+            out[role] = group.peak_memory()
+    return out
+
+
+def _write_timings(path: str, job: JobConfig, records: list, result: TrainResult, warmup_steps: int) -> str:
+    rows = job.data.train_batch_size * job.rollout.n
+    report = {
+        "job": {
+            "model": job.model.init_shape or job.model.path,
+            "workers": job.workers,
+            "backend": job.backend,
+            "adv_estimator": job.algorithm.adv_estimator,
+            "prompts_per_step": job.data.train_batch_size,
+            "n": job.rollout.n,
+            "max_prompt_length": job.data.max_prompt_length,
+            "max_new_tokens": job.actor.worker.get("rollout", {}).get("max_new_tokens"),
+            "dtype": job.model.dtype,
+            "gpus": job.actor.world_size,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        },
+        **step_time_breakdown(records, warmup_steps=warmup_steps, num_responses=rows),
+        "peak_memory_gib": result.extra.get("peak_memory_gib", {}),
+        "prompt_length_mean": _mean_of(records, "prompt_length/mean"),
+        "response_length_mean": _mean_of(records, "response_length/mean"),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def _mean_of(records: list, key: str) -> float | None:
+    values = [float(r[key]) for r in records if r.get(key) is not None]
+    return sum(values) / len(values) if values else None

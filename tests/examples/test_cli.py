@@ -1,0 +1,185 @@
+"""The README's "Post-train a Hugging Face model" path, short: ``ppo-core make-data``, ``sft``, ``train`` (with the
+timings JSON), resume through the command, ``export``; the exports load in ``transformers`` with the trained actor's
+logits. The learning itself (validation reward +0.3) takes minutes and is the README's claim, not this test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("omegaconf")
+
+from ppo_core.models import load_causal_lm  # noqa: E402
+from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
+from ppo_core_cli.main import main  # noqa: E402
+from ppo_core_cli.timings import STAGES  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "configs" / "tiny_cpu.yaml")
+# a short version of the tiny config: small batches, a few steps
+SHORT = [
+    "data.train_batch_size=16",
+    "actor.worker.ppo_mini_batch_size=8",
+    "critic.worker.ppo_mini_batch_size=8",
+    "trainer.test_freq=2",
+    "trainer.save_freq=2",
+    "trainer.progress_bar=false",
+    "trainer.loggers=[console,jsonl]",
+    "actor.worker.entropy_coeff=0.01",  # the actor moves even when every sampled answer scores 0
+]
+
+
+def _run(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _printed(out: str, label: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith(f"{label}:")]
+    assert len(lines) == 1, out
+    return lines[0].split(":", 1)[1].strip()
+
+
+def _logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _actor_logits(checkpoint: str, base: str, ids: torch.Tensor) -> torch.Tensor:
+    """The trained actor, from its checkpoint file, through ppo-core's own model wrapper."""
+    model = load_causal_lm(base).eval()
+    model.load_state_dict(
+        torch.load(os.path.join(checkpoint, "actor", "rank_0.pt"), weights_only=True)["model"]
+    )
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    data = str(root / "ex")
+    assert main(["-q", "make-data", data, "--n-train", "64", "--n-test", "16"]) == 0
+    assert main(["-q", "sft", TINY, f"vars.root={data}", "sft.steps=3", "sft.batch_size=8"]) == 0
+    return root, data
+
+
+@pytest.mark.slow
+def test_train_resume_and_export(example, capsys):
+    root, data = example
+    run = str(root / "run")
+    timings = str(root / "timings.json")
+    common = [TINY, f"vars.root={data}", f"run_dir={run}", *SHORT]
+    out = _run(capsys, "train", *common, "trainer.total_training_steps=3", "--timings-json", timings)
+    # the command prints where everything is
+    metrics, plot, export = _printed(out, "metrics"), _printed(out, "plot"), _printed(out, "export")
+    checkpoint = _printed(out, "checkpoint")
+    assert os.path.isfile(metrics) and os.path.getsize(plot) > 0 and checkpoint.endswith("global_step_3")
+    assert "validation reward" in out
+    records = read_metrics_jsonl(metrics)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(
+        r["reward/synthetic/arith_gsm8k/count"] == 16 for r in records[1:]
+    )  # per-source reward metrics
+    assert all("reward/synthetic/arith_gsm8k/acc/mean" in r for r in records[1:])
+    # the export is the trained actor: transformers gives its logits
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = os.path.join(data, "sft_model")
+    torch.testing.assert_close(_logits(export, ids), _actor_logits(checkpoint, base, ids))
+    assert not torch.equal(_logits(export, ids), _logits(base, ids))  # three PPO steps moved it
+    # the timings JSON breaks the step down into the stages of a PPO step
+    report = json.loads(pathlib.Path(timings).read_text())
+    assert report["steps"] == 3 and report["warmup_steps"] == 1
+    assert set(report["mean_s"]) == {*STAGES, "everything_else", "step"}
+    assert sum(report["mean_s"][k] for k in (*STAGES, "everything_else")) == pytest.approx(
+        report["mean_s"]["step"]
+    )
+    assert report["tokens_per_s"]["step"] > 0 and report["peak_memory_gib"]["actor"][0]["host_rss"] > 0
+
+    # resume through the command: a longer run continues from the last checkpoint
+    out = _run(capsys, "train", *common, "trainer.total_training_steps=5")
+    assert _printed(out, "checkpoint").endswith("global_step_5")
+    assert [r["step"] for r in read_metrics_jsonl(metrics)] == [0, 1, 2, 3, 4, 5]
+
+    # export any checkpoint with the command
+    out = _run(capsys, "export", os.path.join(run, "checkpoints", "global_step_4"), str(root / "x4"))
+    step4 = os.path.join(run, "checkpoints", "global_step_4")
+    torch.testing.assert_close(_logits(_printed(out, "export"), ids), _actor_logits(step4, base, ids))
+    out = _run(
+        capsys, "export", os.path.join(run, "checkpoints"), str(root / "latest"), "--dtype", "bfloat16"
+    )
+    assert transformers.AutoConfig.from_pretrained(_printed(out, "export")).dtype == torch.bfloat16
+
+
+def test_config_errors_exit_with_status_2_and_name_the_key(example, capsys):
+    _, data = example
+    assert main(["train", TINY, f"vars.root={data}", "trainer.totl_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "ppo-core: error: unknown config key trainer.totl_steps; valid keys under trainer:"
+    ), err
+    assert main(["export", str(pathlib.Path(data) / "nowhere"), "out"]) == 2
+    assert "is neither a checkpoint folder" in capsys.readouterr().err
+
+
+def test_console_entry_point(tmp_path):
+    """``python -m ppo_core_cli`` is the ``ppo-core`` script ([project.scripts] points at the same main)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "ppo_core_cli", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0 and all(c in done.stdout for c in ("make-data", "sft", "train", "export"))
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'ppo-core = "ppo_core_cli.main:main"' in text
+
+
+@pytest.mark.monarch
+@pytest.mark.slow
+def test_monarch_backend(example, capsys):
+    pytest.importorskip("monarch")
+    root, data = example
+    out = _run(
+        capsys,
+        "train",
+        TINY,
+        f"vars.root={data}",
+        f"run_dir={root / 'monarch'}",
+        *SHORT,
+        "backend=monarch",
+        "monarch.device=cpu",
+        "monarch.torch_threads=1",
+        "trainer.total_training_steps=2",
+        "--timings-json",
+        str(root / "monarch.json"),
+    )
+    records = read_metrics_jsonl(_printed(out, "metrics"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert os.path.isfile(os.path.join(_printed(out, "export"), "model.safetensors"))
+    memory = json.loads((root / "monarch.json").read_text())["peak_memory_gib"]
+    assert (
+        memory["actor"][0]["host_rss"] > 0 and memory["critic"][0]["host_rss"] > 0
+    )  # through the role views
+
+
+def test_readme_commands_are_the_tested_path():
+    """The README's commands are the ones above: make-data into the tiny config's root, sft, then train."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Post-train a Hugging Face model")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].split("&&")[-1].strip() for line in block.splitlines() if "ppo-core" in line]
+    from ppo_core_cli.config import load_job_config
+
+    root = load_job_config(TINY).vars["root"]
+    config = os.path.relpath(TINY, ROOT)
+    assert commands == [f"ppo-core make-data {root}", f"ppo-core sft {config}", f"ppo-core train {config}"]
+    job = load_job_config(TINY)
+    assert job.algorithm.adv_estimator == "gae" and job.ppo_config().use_critic  # "PPO (GAE + critic ...)"
+    assert f"{job.trainer.total_training_steps} steps" in section

@@ -1,0 +1,211 @@
+"""The job config of ``ppo-core``: YAML + dotted overrides (Hydra habits), errors naming the dotted key, the worker
+dicts checked against the chosen workers, and the trainer's ``PPOConfig`` derived from it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("omegaconf")
+
+from ppo_core.trainer import PPOConfig
+from ppo_core_cli.config import JobConfig, dump_job_config, load_job_config
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
+TINY = os.path.join(CONFIGS, "tiny_cpu.yaml")
+
+
+def _yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _raises(exc: type, start: str, path: str | None, *overrides: str) -> str:
+    with pytest.raises(exc) as err:
+        load_job_config(path, overrides)
+    message = str(err.value)
+    assert message.startswith(start), message
+    return message
+
+
+# ----- every shipped config loads --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(os.listdir(CONFIGS)))
+def test_shipped_configs_load_and_round_trip(name, tmp_path):
+    job = load_job_config(os.path.join(CONFIGS, name))
+    assert isinstance(job.ppo_config(), PPOConfig)
+    again = load_job_config(dump_job_config(job, tmp_path / "job.yaml"))
+    assert again == job
+
+
+def test_tiny_config_is_ppo_with_a_critic_and_kl_in_the_reward():
+    job = load_job_config(TINY)
+    ppo = job.ppo_config()
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.use_critic and ppo.algorithm.use_kl_in_reward
+    assert job.backend == "local" and job.workers == "torch"
+
+
+# ----- overrides ------------------------------------------------------------------------------------------------
+def test_overrides_interpolations_and_path_resolution(tmp_path):
+    job = load_job_config(
+        TINY,
+        [
+            "trainer.total_training_steps=5",
+            "vars.root=/data/x",
+            "data.train_files=[a.parquet,b.parquet]",
+            "actor.worker.optim.lr=1e-4",
+            "+trainer.seed=3",  # Hydra's "add" prefix is accepted
+            "run_dir=/tmp/r",
+            "trainer.log_dir=logs",
+        ],
+    )
+    assert job.trainer.total_training_steps == 5 and job.trainer.seed == 3
+    assert job.model.path == "/data/x/sft_model" and job.sft.files == ["/data/x/data/sft.parquet"]
+    assert job.data.train_files == ["a.parquet", "b.parquet"]
+    assert job.actor.worker["optim"]["lr"] == 1e-4
+    assert job.checkpoint_dir == "/tmp/r/checkpoints" and job.log_dir == "/tmp/r/logs"
+    assert job.export_path == "/tmp/r/export"
+    ppo = job.ppo_config()
+    assert ppo.trainer.default_local_dir == "/tmp/r/checkpoints" and ppo.trainer.log_dir == "/tmp/r/logs"
+    assert ppo.data.train_batch_size == job.data.train_batch_size
+    absolute = load_job_config(None, ["trainer.default_local_dir=/abs/ckpt", "export_dir=/abs/out"])
+    assert absolute.checkpoint_dir == "/abs/ckpt" and absolute.export_path == "/abs/out"
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *heads, last = dotted.split(".")
+    for head in heads:
+        tree = tree.setdefault(head, {})
+    tree[last] = value
+
+
+SCALARS = {
+    "trainer.total_training_steps": st.integers(1, 10**6),
+    "trainer.seed": st.integers(0, 2**31),
+    "trainer.val_before_train": st.booleans(),
+    "data.train_batch_size": st.integers(1, 4096),
+    "data.max_prompt_length": st.integers(1, 8192),
+    "rollout.n": st.integers(1, 16),
+    "algorithm.gamma": st.floats(0, 1),
+    "algorithm.kl_ctrl.kl_coef": st.floats(0, 1),
+    "actor.worker.optim.lr": st.floats(1e-8, 1.0),
+    "actor.worker.rollout.max_new_tokens": st.integers(1, 4096),
+    "critic.worker.cliprange_value": st.floats(0.01, 10),
+    "reward.num_workers": st.integers(0, 8),
+    "sft.steps": st.integers(1, 1000),
+    "model.dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
+}
+
+
+@given(
+    st.dictionaries(st.sampled_from(sorted(SCALARS)), st.none(), min_size=1).flatmap(
+        lambda keys: st.fixed_dictionaries({k: SCALARS[k] for k in keys})
+    )
+)
+def test_overrides_set_exactly_their_keys(values):
+    """``key=value`` strings give the config a dict with the value at the dotted path gives (a plain reference)."""
+    base = load_job_config(TINY)
+    expected = copy.deepcopy(base.to_dict())
+    for key, value in values.items():
+        _set(expected, key, value)
+    texts = [f"{k}={'true' if v is True else 'false' if v is False else repr(v)}" for k, v in values.items()]
+    assert load_job_config(TINY, texts) == JobConfig.from_dict(expected)
+
+
+# ----- errors name the dotted key ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "exc", "start"),
+    [
+        (
+            ["trainer.totl_steps=5"],
+            ValueError,
+            "unknown config key trainer.totl_steps; valid keys under trainer:",
+        ),
+        (["modell.path=x"], ValueError, "unknown config key modell; valid keys:"),
+        (
+            ["actor.worker.optim.lrr=1"],
+            ValueError,
+            "unknown config key actor.worker.optim.lrr; valid keys under",
+        ),
+        (["reward.scorers.gsm.functon=x"], ValueError, "unknown config key reward.scorers.gsm.functon"),
+        (["trainer.seed=abc"], TypeError, "trainer.seed must be an int, got str 'abc'"),
+        (["trainer.seed=-1"], ValueError, "trainer.seed must be >= 0, got -1"),
+        (["data.truncation=middle"], ValueError, "unknown data.truncation 'middle'; valid values:"),
+        (["data.max_prompt_length=0"], ValueError, "data.max_prompt_length must be >= 1, got 0"),
+        (["actor.worker.optim.lr=-1"], ValueError, "actor.worker.optim.lr must be a finite number > 0"),
+        (
+            ["critic.worker.ppo_epochs=two"],
+            TypeError,
+            "critic.worker.ppo_epochs must be an int, got str 'two'",
+        ),
+        (["actor.worker.rollout.top_p=0"], ValueError, "actor.worker.rollout.top_p must be > 0"),
+        (["backend=ray"], ValueError, "unknown backend 'ray'; valid values: local, monarch"),
+        (["workers=fsdp"], ValueError, "unknown workers 'fsdp'; valid values: megatron, torch"),
+        (["model.init_shape=qwen3"], ValueError, "unknown model.init_shape 'qwen3'; valid values:"),
+        (
+            ["reward.scorers.x.function=nodots"],
+            ValueError,
+            "reward.scorers['x'].function must be 'gsm8k', 'math'",
+        ),
+        (
+            ["actor.world_size=2"],
+            ValueError,
+            "actor.world_size is 2 (critic.world_size 1); the local backend",
+        ),
+        (
+            ["backend=monarch", "actor.world_size=2"],
+            ValueError,
+            "critic.world_size (1) must equal actor.world_size (2) when the roles are colocated",
+        ),
+        (
+            ["workers=megatron", "actor.worker.model.num_layers=3"],
+            ValueError,
+            "actor.worker.model.num_layers is set",
+        ),
+        (
+            ["workers=megatron", "critic.worker.hf_checkpoint=/x"],
+            ValueError,
+            "critic.worker.hf_checkpoint is set",
+        ),
+        (
+            ["workers=megatron", "actor.worker.model.attention=flash"],
+            ValueError,
+            "unknown actor.worker.model.attention",
+        ),
+        (["sft.lr=0"], ValueError, "sft.lr must be a finite number > 0"),
+        (["model.path=${vars.nope}"], ValueError, "model.path: cannot resolve an interpolation"),
+        (["trainer.seed"], ValueError, "override 'trainer.seed' must be a dotted key, '=' and a YAML value"),
+        (["=5"], ValueError, "override '=5' must be a dotted key"),
+    ],
+)
+def test_errors_name_the_dotted_key(overrides, exc, start):
+    _raises(exc, start, TINY, *overrides)
+
+
+def test_yaml_errors(tmp_path):
+    _raises(ValueError, "unknown config key trainer.bogus", _yaml(tmp_path, "trainer:\n  bogus: 1\n"))
+    _raises(
+        TypeError, "trainer must be a TrainerConfig or a dict, got int 3", _yaml(tmp_path, "trainer: 3\n")
+    )
+    _raises(TypeError, "the config must be a mapping", _yaml(tmp_path, "- a\n- b\n"))
+    _raises(ValueError, "cannot read the config", _yaml(tmp_path, "a: [1\n"))
+    with pytest.raises(FileNotFoundError, match=r"nope\.yaml"):
+        load_job_config(tmp_path / "nope.yaml")
+
+
+def test_megatron_workers_accept_model_options_but_not_the_shape():
+    job = load_job_config(None, ["workers=megatron", "actor.worker.model.attention=local", "model.path=m"])
+    assert job.actor.worker == {"model": {"attention": "local"}}
+    # the torch workers would not know these keys
+    _raises(ValueError, "unknown config key actor.worker.model", None, "actor.worker.model.attention=local")
+
+
+def test_defaults_build_a_torch_ppo_job():
+    job = JobConfig()
+    assert (job.backend, job.workers, job.run_dir) == ("local", "torch", "runs/ppo")
+    assert job.ppo_config().use_critic  # gae by default
+    assert JobConfig.from_dict(job.to_dict()) == job
