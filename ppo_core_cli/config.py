@@ -334,9 +334,10 @@ def _checkable(worker: Mapping[str, Any], workers: str) -> dict[str, Any]:
     """The worker dict as its config class can check it: megatron's model shape comes from the checkpoint, so
     a stand-in shape fills the keys the job may not set."""
     out = dict(worker)
-    if workers == "megatron":
-        model = out.get("model") if isinstance(out.get("model"), Mapping) else {}
-        out["model"] = {**_STAND_IN_SHAPE, **model}
+    if workers == "megatron" and isinstance(
+        out.get("model", {}), Mapping
+    ):  # else: its type error is reported
+        out["model"] = {**_STAND_IN_SHAPE, **out.get("model", {})}
     return out
 
 
