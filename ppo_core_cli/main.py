@@ -27,7 +27,7 @@ class CommandError(Exception):
 
 
 def _load(args: argparse.Namespace):  # -> JobConfig
-    from ppo_core_cli.config import load_job_config
+    from ppo_core_cli.loading import load_job_config
 
     try:
         return load_job_config(args.config, args.overrides)

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("omegaconf")
 
 from ppo_core.rewards import gsm8k_score  # noqa: E402
-from ppo_core_cli.config import JobConfig, ScorerConfig, load_job_config  # noqa: E402
+from ppo_core_cli.config import JobConfig, ScorerConfig  # noqa: E402
 from ppo_core_cli.job import (  # noqa: E402
     build_reward,
     complete_workers,
@@ -24,6 +24,7 @@ from ppo_core_cli.job import (  # noqa: E402
     resolve_scorer,
     worker_specs,
 )
+from ppo_core_cli.loading import load_job_config  # noqa: E402
 from ppo_core_cli.shapes import SHAPES, write_random_checkpoint  # noqa: E402
 
 
@@ -47,11 +48,16 @@ def test_random_checkpoints_of_a_shape(tiny, tokenizer_dir, tmp_path):
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
     a = transformers.AutoModelForCausalLM.from_pretrained(tiny)
     b = transformers.AutoModelForCausalLM.from_pretrained(again)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
     tok = transformers.AutoTokenizer.from_pretrained(tiny)  # the tokenizer files were copied
     assert a.config.vocab_size == len(tok) and a.config.eos_token_id == tok.eos_token_id
     shape = SHAPES["tiny"]
-    assert (a.config.hidden_size, a.config.num_hidden_layers) == (shape["hidden_size"], shape["num_hidden_layers"])
+    assert (a.config.hidden_size, a.config.num_hidden_layers) == (
+        shape["hidden_size"],
+        shape["num_hidden_layers"],
+    )
     assert not os.path.exists(str(tmp_path / "again") + ".tmp")
     with pytest.raises(ValueError, match="already holds a checkpoint"):
         write_random_checkpoint(again, "tiny", tokenizer_dir)
@@ -64,18 +70,24 @@ def test_qwen_shapes_are_the_published_configurations():
     published = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2)}
     for name, dims in published.items():
         s = SHAPES[name]
-        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        keys = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        )
         assert tuple(s[k] for k in keys) == dims
         assert s["vocab_size"] == 151936 and s["tie_word_embeddings"] and s["rope_theta"] == 1e6
 
 
 def test_prepare_model(tiny, tokenizer_dir, tmp_path):
     assert prepare_model(JobConfig.from_dict({"model": {"path": tiny}})) == tiny
-    with pytest.raises(FileNotFoundError, match="set model.init_shape"):
+    with pytest.raises(FileNotFoundError, match=r"set model\.init_shape"):
         prepare_model(JobConfig.from_dict({"model": {"path": str(tmp_path / "none")}}))
-    with pytest.raises(ValueError, match="needs model.tokenizer_path"):
+    with pytest.raises(ValueError, match=r"needs model\.tokenizer_path"):
         prepare_model(JobConfig.from_dict({"model": {"path": str(tmp_path / "n"), "init_shape": "tiny"}}))
-    with pytest.raises(ValueError, match="model.path must name"):
+    with pytest.raises(ValueError, match=r"model\.path must name"):
         prepare_model(JobConfig())
     job = JobConfig.from_dict(
         {"model": {"path": str(tmp_path / "new"), "init_shape": "tiny", "tokenizer_path": tokenizer_dir}}
@@ -84,7 +96,9 @@ def test_prepare_model(tiny, tokenizer_dir, tmp_path):
 
 
 def test_torch_workers_get_the_tokenizers_ids_unless_set(tiny):
-    job = JobConfig.from_dict({"model": {"path": tiny}, "actor": {"worker": {"rollout": {"eos_token_id": 7}}}})
+    job = JobConfig.from_dict(
+        {"model": {"path": tiny}, "actor": {"worker": {"rollout": {"eos_token_id": 7}}}}
+    )
     tok = load_tokenizer(job)
     actor, critic = complete_workers(job, tok, tiny)
     assert actor["rollout"] == {"eos_token_id": 7, "pad_token_id": tok.pad_token_id}
