@@ -37,15 +37,6 @@ from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
 from ppo_core.workers.megatron.hf_config import MEGATRON_SHAPE_KEYS
 
-# a valid megatron shape for checking the other worker keys before the checkpoint's shape is read
-_STAND_IN_SHAPE = {
-    "num_layers": 1,
-    "hidden_size": 8,
-    "num_attention_heads": 1,
-    "ffn_hidden_size": 8,
-    "vocab_size": 8,
-}
-
 __all__ = [
     "INIT_SHAPES",
     "JobConfig",
@@ -313,6 +304,15 @@ _CLI_OWNED = {
 }
 """Worker keys the command sets itself (from ``model.path`` and ``model.dtype``): a job may not set them."""
 
+# a valid megatron shape, to check the other worker keys before the checkpoint's shape is read
+_STAND_IN_SHAPE = {
+    "num_layers": 1,
+    "hidden_size": 8,
+    "num_attention_heads": 1,
+    "ffn_hidden_size": 8,
+    "vocab_size": 8,
+}
+
 
 def _check_cli_owned(role: str, worker: Mapping[str, Any], workers: str) -> None:
     model = worker.get("model")
@@ -330,10 +330,11 @@ def _checkable(worker: Mapping[str, Any], workers: str) -> dict[str, Any]:
     """The worker dict as its config class can check it: megatron's model shape comes from the checkpoint, so
     a stand-in shape fills the keys the job may not set."""
     out = dict(worker)
+    model = out.get("model", {})
     if workers == "megatron" and isinstance(
-        out.get("model", {}), Mapping
-    ):  # else: its type error is reported
-        out["model"] = {**_STAND_IN_SHAPE, **out.get("model", {})}
+        model, Mapping
+    ):  # a model that is no mapping: its type error shows
+        out["model"] = {**_STAND_IN_SHAPE, **model}
     return out
 
 
