@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from ppo_core.examples import make_example_data
-    from ppo_core_cli.config import load_job_config
+    from ppo_core_cli.loading import load_job_config
     from ppo_core_cli.train import run_train
 
     root = os.path.abspath(args.root)
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
         make_example_data(root, seed=0, n_train=1024, n_test=16)
     data = os.path.join(root, "data", f"long_{args.prompt_tokens}.parquet")
     if not os.path.isfile(data):
-        long_prompts(os.path.join(root, "data", "train.parquet"), os.path.join(root, "model"), data, args.prompt_tokens)
+        long_prompts(
+            os.path.join(root, "data", "train.parquet"), os.path.join(root, "model"), data, args.prompt_tokens
+        )
     name = f"{args.shape}_{args.algo}_{args.prompt_tokens}+{args.response_tokens}"
     out = os.path.abspath(args.out or os.path.join(root, f"{name}.json"))
     config = os.path.join(ROOT, "examples", "configs", f"{args.shape}_h200_{args.algo}.yaml")
@@ -110,9 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
         report = json.load(f)
     step = report["mean_s"]["step"]
     report["reference"] = REFERENCE
-    same_job = args.shape == "qwen2.5-0.5b" and args.algo == "ppo" and (args.prompt_tokens, args.response_tokens) == (
-        256,
-        256,
+    same_job = (
+        args.shape == "qwen2.5-0.5b"
+        and args.algo == "ppo"
+        and (args.prompt_tokens, args.response_tokens)
+        == (
+            256,
+            256,
+        )
     )
     report["vs_reference"] = {
         "same_job": same_job,

@@ -13,7 +13,8 @@ run asks for it): ``ppo_core`` itself knows nothing of either.
 
 from __future__ import annotations
 
-from ppo_core_cli.config import JobConfig, load_job_config
+from ppo_core_cli.config import JobConfig
+from ppo_core_cli.loading import load_job_config
 from ppo_core_cli.main import main
 
 __all__ = ["JobConfig", "load_job_config", "main"]

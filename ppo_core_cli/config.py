@@ -1,4 +1,4 @@
-"""``JobConfig``: everything one ``ppo-core`` run reads, as one typed config; YAML files and dotted overrides.
+"""``JobConfig``: everything one ``ppo-core`` run reads, as one typed config.
 
 A job is the trainer's :class:`~ppo_core.trainer.PPOConfig` (sections ``data``, ``actor``, ``critic``, ``rollout``,
 ``algorithm``, ``trainer``) plus what the command needs around it: the model directory (``model``), the prompt
@@ -8,10 +8,9 @@ the chosen workers' config class (:class:`~ppo_core.workers.torch.TorchActorConf
 :class:`~ppo_core.workers.megatron.MegatronActorConfig`...) when the job is built, so a typo fails before any model
 loads.
 
-:func:`load_job_config` reads a YAML file with OmegaConf and applies ``key=value`` overrides the way Hydra does
-(``trainer.total_training_steps=5``, ``data.train_files=[a.parquet,b.parquet]``); ``${...}`` interpolations are
-resolved after the overrides (``${vars.root}`` picks up ``vars.root=/tmp/x``). Every error names the dotted key:
-an unknown key lists the valid keys at that level, a value of the wrong type says what was expected.
+:func:`ppo_core_cli.loading.load_job_config` builds one from a YAML file and Hydra-style ``key=value`` overrides.
+Every error names the dotted key: an unknown key lists the valid keys at that level, a value of the wrong type says
+what was expected.
 
 Paths: ``trainer.default_local_dir`` (checkpoints), ``trainer.log_dir`` (metrics; None: ``run_dir``) and
 ``export_dir`` are resolved under ``run_dir`` when relative; every other path is relative to the working
@@ -27,9 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,15 +37,6 @@ from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
 from ppo_core.workers.megatron.hf_config import MEGATRON_SHAPE_KEYS
 
-# a valid megatron shape for checking the other worker keys before the checkpoint's shape is read
-_STAND_IN_SHAPE = {
-    "num_layers": 1,
-    "hidden_size": 8,
-    "num_attention_heads": 1,
-    "ffn_hidden_size": 8,
-    "vocab_size": 8,
-}
-
 __all__ = [
     "INIT_SHAPES",
     "JobConfig",
@@ -56,8 +45,6 @@ __all__ = [
     "RewardConfig",
     "SFTConfig",
     "ScorerConfig",
-    "dump_job_config",
-    "load_job_config",
     "worker_config_classes",
 ]
 
@@ -317,6 +304,15 @@ _CLI_OWNED = {
 }
 """Worker keys the command sets itself (from ``model.path`` and ``model.dtype``): a job may not set them."""
 
+# a valid megatron shape, to check the other worker keys before the checkpoint's shape is read
+_STAND_IN_SHAPE = {
+    "num_layers": 1,
+    "hidden_size": 8,
+    "num_attention_heads": 1,
+    "ffn_hidden_size": 8,
+    "vocab_size": 8,
+}
+
 
 def _check_cli_owned(role: str, worker: Mapping[str, Any], workers: str) -> None:
     model = worker.get("model")
@@ -334,8 +330,10 @@ def _checkable(worker: Mapping[str, Any], workers: str) -> dict[str, Any]:
     """The worker dict as its config class can check it: megatron's model shape comes from the checkpoint, so
     a stand-in shape fills the keys the job may not set."""
     out = dict(worker)
-    if workers == "megatron":
-        model = out.get("model") if isinstance(out.get("model"), Mapping) else {}
+    model = out.get("model", {})
+    if workers == "megatron" and isinstance(
+        model, Mapping
+    ):  # a model that is no mapping: its type error shows
         out["model"] = {**_STAND_IN_SHAPE, **model}
     return out
 
@@ -351,124 +349,3 @@ def worker_config_classes(workers: str) -> tuple[type[ConfigBase], type[ConfigBa
 
         return MegatronActorConfig, MegatronCriticConfig
     raise ValueError(f"unknown workers {workers!r}; valid values: megatron, torch")
-
-
-# ----- loading ------------------------------------------------------------------------------------------------
-def _config_class(tp: Any) -> type[ConfigBase] | None:
-    """The ConfigBase class an annotation holds (``X`` or ``X | None``), else None."""
-    if isinstance(tp, type) and issubclass(tp, ConfigBase):
-        return tp
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            found = _config_class(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _dict_value_class(tp: Any) -> type[ConfigBase] | None:
-    """``X`` for a ``dict[str, X]`` annotation whose values are configs, else None."""
-    if typing.get_origin(tp) is dict:
-        args = typing.get_args(tp)
-        return _config_class(args[1]) if len(args) == 2 else None
-    return None
-
-
-def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, workers: str) -> None:
-    """Raise ``ValueError`` naming the first key of ``data`` (at any depth) that ``cls`` has no field for."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in fields:
-            where = f" under {prefix[:-1]}" if prefix else ""
-            raise FieldValueError(
-                path, f"; valid keys{where}: {', '.join(sorted(fields))}", before="unknown config key "
-            )
-        if not isinstance(value, Mapping):
-            continue
-        if path in ("actor.worker", "critic.worker"):
-            actor_cls, critic_cls = worker_config_classes(workers)
-            _check_keys(actor_cls if path == "actor.worker" else critic_cls, value, path + ".", workers)
-        elif (sub := _config_class(hints[key])) is not None:
-            _check_keys(sub, value, path + ".", workers)
-        elif (item := _dict_value_class(hints[key])) is not None:
-            for name, spec in value.items():
-                if isinstance(spec, Mapping):
-                    _check_keys(item, spec, f"{path}.{name}.", workers)
-
-
-def _parse_overrides(overrides: Sequence[str]) -> list[str]:
-    out = []
-    for text in overrides:
-        key, sep, _ = text.partition("=")
-        key = key.strip().lstrip("+")
-        if not sep or not key or key.startswith(".") or key.endswith("."):
-            raise ValueError(
-                f"override {text!r} must be a dotted key, '=' and a YAML value, e.g. trainer.total_training_steps=5"
-            )
-        out.append(f"{key}={text.partition('=')[2]}")
-    return out
-
-
-def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Read a job from a YAML file (or from the defaults when ``path`` is None) and ``key=value`` overrides.
-
-    Args:
-        path: the YAML file.
-        overrides: Hydra-style ``dotted.key=value`` strings; values are parsed as YAML (``5``, ``1e-3``,
-            ``true``, ``null``, ``[a,b]``); a leading ``+`` is accepted and ignored.
-
-    Raises:
-        ValueError / TypeError: naming the dotted key (unknown keys, wrong types, bad values, interpolations that
-            do not resolve) or the malformed override.
-        FileNotFoundError: ``path`` does not exist.
-    """
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if path is not None and not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")
-    where = os.fspath(path) if path is not None else "overrides"
-    try:
-        base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
-    except (OmegaConfBaseException, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read the config {where}: {exc}") from None
-    if not OmegaConf.is_dict(base):
-        raise TypeError(f"the config must be a mapping of sections, got a list ({where})")
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(_parse_overrides(overrides)))
-    except OmegaConfBaseException as exc:
-        raise ValueError(f"cannot apply the overrides {list(overrides)}: {exc}") from None
-    raw = OmegaConf.to_container(merged, resolve=False)
-    workers = raw.get("workers", "torch")  # type: ignore[union-attr]
-    if workers not in ("torch", "megatron"):
-        raise FieldValueError("workers", f" {workers!r}; valid values: megatron, torch", before="unknown ")
-    _check_keys(JobConfig, raw, "", workers)  # type: ignore[arg-type]
-    try:
-        resolved = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise FieldValueError(str(key), f": cannot resolve an interpolation: {exc.msg}") from None  # type: ignore[attr-defined]
-    if not isinstance(resolved, dict):  # pragma: no cover - checked above
-        raise TypeError("the config must be a mapping")
-    return JobConfig.from_dict(resolved)
-
-
-def dump_job_config(job: JobConfig, path: str | os.PathLike[str]) -> str:
-    """Write ``job`` as YAML (every field, interpolations resolved) and return the path."""
-    from omegaconf import OmegaConf
-
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    OmegaConf.save(OmegaConf.create(_yaml_safe(job.to_dict())), path)
-    return path
-
-
-def _yaml_safe(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _yaml_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_yaml_safe(v) for v in value]
-    return value

@@ -53,7 +53,7 @@ def _job_model_dir(step_dir: str) -> str | None:
     job_file = os.path.join(os.path.dirname(os.path.normpath(step_dir)), JOB_FILE)
     if not os.path.isfile(job_file):
         return None
-    from ppo_core_cli.config import load_job_config
+    from ppo_core_cli.loading import load_job_config
 
     return load_job_config(job_file).model.path or None
 

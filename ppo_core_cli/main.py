@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["CommandError", "main"]
 
 logger = logging.getLogger(__name__)
+
+
+class CommandError(Exception):
+    """A mistake in the command line, the config or the named files: printed as one line, exit status 2."""
+
+
+def _load(args: argparse.Namespace):  # -> JobConfig
+    from ppo_core_cli.loading import load_job_config
+
+    try:
+        return load_job_config(args.config, args.overrides)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,10 +90,9 @@ def _make_data(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from ppo_core_cli.config import load_job_config
     from ppo_core_cli.sft import run_sft
 
-    job = load_job_config(args.config, args.overrides)
+    job = _load(args)
     if job.torch_threads:
         import torch
 
@@ -96,10 +107,9 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ppo_core_cli.config import load_job_config
     from ppo_core_cli.train import run_train
 
-    job = load_job_config(args.config, args.overrides)
+    job = _load(args)
     result = run_train(job, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
     line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:
@@ -119,8 +129,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ppo_core_cli.export import export_checkpoint
+    from ppo_core_cli.export import export_checkpoint, resolve_checkpoint
 
+    try:
+        resolve_checkpoint(args.checkpoint)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from exc
     out = export_checkpoint(
         args.checkpoint, args.out_dir, model_dir=args.model_dir, dtype=args.dtype, verify=not args.no_verify
     )
@@ -131,22 +145,30 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status.
 
-    A configuration or input mistake (``ValueError``, ``TypeError``, ``FileNotFoundError``) prints one line
-    ``ppo-core: error: ...`` and exits with status 2; set ``PPO_CORE_TRACEBACK=1`` for the traceback.
+    A mistake in the config or the named files (:class:`CommandError`) prints one line ``ppo-core: error: ...``
+    and returns 2; anything that fails later, while a run is under way, raises with its traceback.
     """
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )
+    _quiet_transformers()
     commands = {"make-data": _make_data, "sft": _sft, "train": _train, "export": _export}
     try:
         return commands[args.command](args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        if os.environ.get("PPO_CORE_TRACEBACK"):
-            raise
+    except CommandError as exc:
         print(f"ppo-core: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _quiet_transformers() -> None:
+    """No per-file progress bars from ``transformers`` (loading and saving the small checkpoints of a run)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

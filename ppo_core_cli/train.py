@@ -26,7 +26,7 @@ import torch
 
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
-from ppo_core_cli.config import JobConfig, dump_job_config
+from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights
 from ppo_core_cli.job import (
     build_reward,
@@ -38,6 +38,7 @@ from ppo_core_cli.job import (
     prepare_model,
     worker_specs,
 )
+from ppo_core_cli.loading import dump_job_config
 from ppo_core_cli.plot import plot_run, validation_reward
 from ppo_core_cli.timings import step_time_breakdown
 

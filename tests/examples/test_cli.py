@@ -174,8 +174,10 @@ def test_readme_commands_are_the_tested_path():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Post-train a Hugging Face model")[1].split("\n## ")[0]
     block = section.split("```bash\n")[1].split("```")[0]
-    commands = [line.split("#")[0].split("&&")[-1].strip() for line in block.splitlines() if "ppo-core" in line]
-    from ppo_core_cli.config import load_job_config
+    commands = [
+        line.split("#")[0].split("&&")[-1].strip() for line in block.splitlines() if "ppo-core" in line
+    ]
+    from ppo_core_cli.loading import load_job_config
 
     root = load_job_config(TINY).vars["root"]
     config = os.path.relpath(TINY, ROOT)

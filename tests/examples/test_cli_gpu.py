@@ -23,7 +23,9 @@ pytest.importorskip("monarch")
 from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
 from ppo_core_cli.main import main  # noqa: E402
 
-CONFIG = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen2.5-0.5b_h200_ppo.yaml")
+CONFIG = str(
+    pathlib.Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen2.5-0.5b_h200_ppo.yaml"
+)
 
 
 def _printed(out: str, label: str) -> str:
@@ -72,6 +74,8 @@ def test_megatron_workers_under_monarch_train_and_export(tmp_path, capsys, algo)
             logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     assert os.path.isfile(os.path.join(_printed(out, "export"), "tokenizer_config.json"))
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(pathlib.Path(data) / "tiny"), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(pathlib.Path(data) / "tiny"), dtype=torch.float32
+    )
     with torch.no_grad():
         assert not torch.equal(base(input_ids=ids).logits, logits[0])  # two updates moved the actor

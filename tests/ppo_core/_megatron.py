@@ -1,8 +1,12 @@
-"""A tiny megatron model shape shared by the CPU megatron tests (imported as ``from _megatron import ...``)."""
+"""A tiny megatron model shape and random Hugging Face weights shared by the CPU megatron tests (imported as
+``from _megatron import ...``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import torch
 
 from ppo_core.workers.megatron import MegatronModelConfig
 
@@ -21,3 +25,41 @@ def tiny_config(**kw: Any) -> MegatronModelConfig:
         make_vocab_size_divisible_by=8,
     )
     return MegatronModelConfig(**{**base, **kw})
+
+
+def random_hf_state(cfg: MegatronModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A random state dict with Hugging Face Llama/Qwen2 names (``qkv_bias`` adds Qwen2's q/k/v biases)."""
+    g = torch.Generator().manual_seed(seed)
+    d, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    out = {"model.embed_tokens.weight": r(v, d), "model.norm.weight": 1 + 0.1 * r(d)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = r(v, d)
+    if cfg.norm == "LayerNorm":
+        out["model.norm.bias"] = 0.1 * r(d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": 1 + 0.1 * r(d),
+            p + "post_attention_layernorm.weight": 1 + 0.1 * r(d),
+            p + "self_attn.q_proj.weight": r(qd, d),
+            p + "self_attn.k_proj.weight": r(kvd, d),
+            p + "self_attn.v_proj.weight": r(kvd, d),
+            p + "self_attn.o_proj.weight": r(d, qd),
+            p + "mlp.gate_proj.weight": r(f, d),
+            p + "mlp.up_proj.weight": r(f, d),
+            p + "mlp.down_proj.weight": r(d, f),
+        }
+        if cfg.qkv_bias:
+            out |= {
+                p + "self_attn.q_proj.bias": r(qd),
+                p + "self_attn.k_proj.bias": r(kvd),
+                p + "self_attn.v_proj.bias": r(kvd),
+            }
+        if cfg.norm == "LayerNorm":
+            out |= {p + "input_layernorm.bias": 0.1 * r(d), p + "post_attention_layernorm.bias": 0.1 * r(d)}
+    return out

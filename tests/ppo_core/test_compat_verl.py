@@ -55,7 +55,7 @@ def test_empty_config_gives_verls_defaults():
     assert cfg.trainer.total_epochs == 30
     assert cfg.trainer.test_freq == 0 and cfg.trainer.save_freq == 0  # verl's -1 (off)
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
-    assert cfg.trainer.loggers == ("console", "jsonl")  # wandb -> metrics.jsonl
+    assert cfg.trainer.loggers == ("console", "wandb")  # verl's default trackers, both kept
     TorchActorConfig.from_dict(actor)
     TorchCriticConfig.from_dict(critic)
 

@@ -35,7 +35,7 @@ def test_word_operands_against_the_wording(seed, n, max_operand, ops, words):
 
 
 def test_word_operand_errors():
-    with pytest.raises(ValueError, match="word_operands must be a non-empty list of values in 0..10"):
+    with pytest.raises(ValueError, match=r"word_operands must be a non-empty list of values in 0\.\.10"):
         ArithTaskConfig(word_operands=[11])
     with pytest.raises(ValueError, match="word_operands must be a non-empty list"):
         ArithTaskConfig(word_operands=[])

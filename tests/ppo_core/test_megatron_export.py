@@ -4,7 +4,6 @@ TP = 2 over gloo with two spawned ranks)."""
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from _megatron import random_hf_state as _random_hf  # noqa: E402
 from _megatron import tiny_config  # noqa: E402
 
 from ppo_core.workers.megatron import ParallelConfig, megatron_layout  # noqa: E402
@@ -25,38 +25,6 @@ from ppo_core.workers.megatron.hf_config import (  # noqa: E402
     rope_theta_of,
 )
 from ppo_core.workers.megatron.hf_loading import hf_to_megatron  # noqa: E402
-
-
-def _random_hf(cfg, seed: int) -> dict[str, torch.Tensor]:
-    """A random state dict with Hugging Face Llama/Qwen2 names (written out from the names transformers uses)."""
-    g = torch.Generator().manual_seed(seed)
-    d, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
-
-    out = {"model.embed_tokens.weight": r(v, d), "model.norm.weight": 1 + 0.1 * r(d)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = r(v, d)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": 1 + 0.1 * r(d),
-            p + "post_attention_layernorm.weight": 1 + 0.1 * r(d),
-            p + "self_attn.q_proj.weight": r(qd, d),
-            p + "self_attn.k_proj.weight": r(kvd, d),
-            p + "self_attn.v_proj.weight": r(kvd, d),
-            p + "self_attn.o_proj.weight": r(d, qd),
-            p + "mlp.gate_proj.weight": r(f, d),
-            p + "mlp.up_proj.weight": r(f, d),
-            p + "mlp.down_proj.weight": r(d, f),
-        }
-        if cfg.qkv_bias:
-            out |= {
-                p + f"self_attn.{n}.bias": r(s) for n, s in (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd))
-            }
-    return out
 
 
 # ----- the shape of a config, both ways ---------------------------------------------------------------------------

@@ -40,7 +40,9 @@ class FixedActor(Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        return TensorDict({KEYS.old_log_probs: torch.zeros(batch.batch_size[0], R)}, batch_size=batch.batch_size)
+        return TensorDict(
+            {KEYS.old_log_probs: torch.zeros(batch.batch_size[0], R)}, batch_size=batch.batch_size
+        )
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, batch: TensorDict) -> dict[str, float]:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 pytest.importorskip("omegaconf")
 
 from ppo_core.trainer import PPOConfig
-from ppo_core_cli.config import JobConfig, dump_job_config, load_job_config
+from ppo_core_cli.config import JobConfig
+from ppo_core_cli.loading import dump_job_config, load_job_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
 TINY = os.path.join(CONFIGS, "tiny_cpu.yaml")

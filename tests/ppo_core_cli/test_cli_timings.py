@@ -12,7 +12,17 @@ from hypothesis import strategies as st
 from ppo_core_cli.plot import validation_reward
 from ppo_core_cli.timings import STAGES, step_time_breakdown
 
-TIMERS = ["gen", "reward", "reward_wait", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
+TIMERS = [
+    "gen",
+    "reward",
+    "reward_wait",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+]
 
 
 def _record(step: int, times: dict[str, float], tokens: float, length: float) -> dict:
