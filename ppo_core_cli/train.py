@@ -143,7 +143,9 @@ def run_train(job: JobConfig, *, timings_json: str | None = None, warmup_steps: 
     if vals:
         result.initial_val_reward, result.final_val_reward = vals[0], vals[-1]
     result.wall_seconds = time.perf_counter() - start
-    algo = "PPO (GAE + critic)" if job.algorithm.adv_estimator == "gae" else job.algorithm.adv_estimator.upper()
+    algo = (
+        "PPO (GAE + critic)" if job.algorithm.adv_estimator == "gae" else job.algorithm.adv_estimator.upper()
+    )
     title = f"{algo} on {os.path.basename(model_dir)} ({result.wall_seconds:.0f} s)"
     result.plot = plot_run(records, os.path.join(job.log_dir, "reward_kl.png"), title)
     if timings_json:
