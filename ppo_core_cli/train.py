@@ -143,7 +143,10 @@ def run_train(job: JobConfig, *, timings_json: str | None = None, warmup_steps: 
     if vals:
         result.initial_val_reward, result.final_val_reward = vals[0], vals[-1]
     result.wall_seconds = time.perf_counter() - start
-    title = f"{job.algorithm.adv_estimator.upper()} on {os.path.basename(model_dir)} ({result.wall_seconds:.0f} s)"
+    algo = (
+        "PPO (GAE + critic)" if job.algorithm.adv_estimator == "gae" else job.algorithm.adv_estimator.upper()
+    )
+    title = f"{algo} on {os.path.basename(model_dir)} ({result.wall_seconds:.0f} s)"
     result.plot = plot_run(records, os.path.join(job.log_dir, "reward_kl.png"), title)
     if timings_json:
         result.timings_json = _write_timings(timings_json, job, records, result, warmup_steps)
