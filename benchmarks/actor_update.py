@@ -292,7 +292,8 @@ def bench_dense_ours(
 
 
 # ----- Hugging Face -------------------------------------------------------------------------------------------
-def _hf_llama() -> Any:
+def hf_llama(*, use_cache: bool = False) -> Any:
+    """A random-init Hugging Face ``LlamaForCausalLM`` of the benchmark's shape, bf16, on the GPU (train mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(
@@ -307,7 +308,7 @@ def _hf_llama() -> Any:
         tie_word_embeddings=True,
         max_position_embeddings=MODEL["max_position_embeddings"],
         attn_implementation="sdpa",
-        use_cache=False,
+        use_cache=use_cache,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -321,7 +322,7 @@ def bench_hf(args: argparse.Namespace, batch: Any, micro_rows: int) -> dict:
     from ppo_core.losses import PolicyLossConfig, compute_policy_loss
     from ppo_core.models.hf import positions_from_mask
 
-    model = _hf_llama()
+    model = hf_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=True)
     loss_cfg = PolicyLossConfig(loss_mode="vanilla", loss_agg_mode="token-mean")
     r = batch["responses"].shape[1]

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the Llama-3.2-1B shape of the actor-update benchmark
-from benchmarks.actor_update import MODEL
+from benchmarks.actor_update import MODEL, hf_llama
 
 CASES = {
     "b64": {"batch": 64, "prompt": 256, "new": 128},
@@ -54,24 +54,8 @@ EOS = 7
 
 
 def _hf_model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=MODEL["vocab_size"],
-        hidden_size=MODEL["hidden_size"],
-        intermediate_size=MODEL["ffn_hidden_size"],
-        num_hidden_layers=MODEL["num_layers"],
-        num_attention_heads=MODEL["num_attention_heads"],
-        num_key_value_heads=MODEL["num_query_groups"],
-        rope_theta=MODEL["rotary_base"],
-        rms_norm_eps=MODEL["norm_epsilon"],
-        tie_word_embeddings=True,
-        max_position_embeddings=MODEL["max_position_embeddings"],
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return LlamaForCausalLM(cfg).to(dtype=torch.bfloat16).eval()
+    """The actor benchmark's Llama (with its KV cache on, for Hugging Face's own ``generate``), in eval mode."""
+    return hf_llama(use_cache=True).eval()
 
 
 def _megatron_model() -> Any:

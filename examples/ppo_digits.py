@@ -44,7 +44,7 @@ from tensordict import TensorDictBase
 
 from ppo_core.backends.local import LocalWorkerGroup
 from ppo_core.models import TinyGPT, TinyGPTConfig
-from ppo_core.trainer import BasePPOTrainer, read_metrics_jsonl
+from ppo_core.trainer import BasePPOTrainer, plot_run, read_metrics_jsonl
 from ppo_core.workers import WorkerSpec
 from ppo_core.workers.torch import TorchActorWorker, TorchCriticWorker
 
@@ -228,34 +228,8 @@ class DigitsTrainer(BasePPOTrainer):
 
 # ------------------------------------------------------------------------------------------- 5. outputs
 def plot(records: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in records if r.get("critic/score/mean") is not None]
-    val = [
-        (r["step"], v) for r in records for k, v in r.items() if k.startswith("val-core/") and v is not None
-    ]
-    fig, (ax_r, ax_kl) = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
-    ax_r.plot(
-        [r["step"] for r in train], [r["critic/score/mean"] for r in train], label="train reward (sampled)"
-    )
-    if val:
-        ax_r.plot(*zip(*val, strict=True), "o-", label="validation reward (greedy)")
-    ax_r.axhline(0.8, color="grey", linestyle=":", label="0.8")
-    ax_r.set_ylabel("mean reward")
-    ax_r.set_ylim(0, 1.02)
-    ax_r.legend(loc="lower right")
-    ax_r.set_title(title)
-    kl = [(r["step"], r["actor/ref_kl"]) for r in train if r.get("actor/ref_kl") is not None]
-    if kl:
-        ax_kl.plot(*zip(*kl, strict=True), color="tab:red")
-    ax_kl.set_ylabel("KL(pi || pi_ref) per token")
-    ax_kl.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Train and validation reward and the KL to the reference against the step (``ppo_core.trainer.plot_run``)."""
+    plot_run(records, path, title)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,6 +26,7 @@ import torch
 
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
+from ppo_core.trainer.plot import plot_run, validation_reward
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights
 from ppo_core_cli.job import (
@@ -39,7 +40,6 @@ from ppo_core_cli.job import (
     worker_specs,
 )
 from ppo_core_cli.loading import dump_job_config
-from ppo_core_cli.plot import plot_run, validation_reward
 from ppo_core_cli.timings import step_time_breakdown
 
 __all__ = ["TrainResult", "run_train"]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_core_cli.plot import validation_reward
+from ppo_core.trainer.plot import validation_reward
 from ppo_core_cli.timings import STAGES, step_time_breakdown
 
 TIMERS = [

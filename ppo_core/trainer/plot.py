@@ -1,4 +1,5 @@
-"""The run's summary numbers and plot, from ``metrics.jsonl``: validation reward before/after, reward and KL curves."""
+"""A run's summary numbers and plot from its metric records (``metrics.jsonl``): validation reward, reward and KL
+curves (matplotlib, optional: without it no plot is written)."""
 
 from __future__ import annotations
 
