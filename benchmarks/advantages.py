@@ -6,6 +6,10 @@ lengths, an interior gap on every third row, verl's masked-token semantics):
 - ``public``: what users call (``compute_gae(..., whiten=False)`` and ``whiten=True``,
   ``compute_reinforce_pp_advantage``, ``compute_remax_advantage``) against the kernel each one wraps, timed
   interleaved in one loop (medians), with ``public_over_kernel`` (the target is at most 1.3);
+  ``its_kernels_ms`` times the kernels the estimator launches as it calls them (the whitening and the
+  baseline are fused into the scan on Triton, so the whitening estimators launch a normalising kernel too),
+  ``public_over_its_kernels`` the cost of its checks and its one host sync, and ``unfused_ms`` the former
+  form (the checked scan followed by the whitening or the baseline in PyTorch ops);
 - ``ours_ms``: the dispatched scans (``masked_gae_scan``, the fused ``masked_gae_returns_scan``,
   ``masked_discounted_return_scan``) and, per backend, the GAE scan alone;
 - ``oracle_loop_ms``: the per-timestep reference loop (what verl runs), float32, same inputs;
@@ -43,7 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppo_core import advantages, kernels
+from ppo_core.advantages._common import zero_outside
 from ppo_core.kernels import chunked, reference, triton_scan
+from ppo_core.kernels.whiten import whiten_valid
 
 CPU_SHAPES = [(256, 1024), (512, 4096)]
 CUDA_SHAPES = [(256, 1024), (512, 4096), (1024, 8192)]
@@ -133,21 +139,54 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
         "masked_gae_returns_checked": lambda: kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM),
         "masked_discounted_return_checked": lambda: kernels.masked_discounted_return_checked(r, m, GAMMA),
     }
+    # The kernels each estimator launches, as it calls them (whitening / baseline fused on Triton), without the
+    # estimator's checks and its one host sync; and, for the record, the unfused form it had before (the checked
+    # scan, then the whitening or the baseline in PyTorch ops).
+    fused = {
+        "compute_gae(whiten=False)": lambda: kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM),
+        "compute_gae(whiten=True)": lambda: kernels.masked_gae_returns_checked(
+            r, v, m, GAMMA, LAM, whiten=True
+        ),
+        "compute_reinforce_pp_advantage": lambda: kernels.masked_return_advantages_checked(
+            r, m, GAMMA, whiten=True
+        ),
+        "compute_remax_advantage": lambda: kernels.masked_return_advantages_checked(
+            r, m, 1.0, baselines=baselines
+        ),
+    }
+    unfused = {
+        "compute_gae(whiten=True)": lambda: whiten_valid(
+            kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM)[0], m
+        ),
+        "compute_reinforce_pp_advantage": lambda: whiten_valid(
+            kernels.masked_discounted_return_checked(r, m, GAMMA)[0], m
+        ),
+        "compute_remax_advantage": lambda: zero_outside(
+            kernels.masked_discounted_return_checked(r, m, 1.0)[0] - baselines.unsqueeze(-1), m
+        ),
+    }
     fns = dict(checked)
     for name, (public, kernel_name, kernel) in pairs.items():
         fns[name] = public
         fns.setdefault(kernel_name, kernel)
+        fns[f"fused:{name}"] = fused[name]
+        if name in unfused:
+            fns[f"unfused:{name}"] = unfused[name]
     ms = _time_interleaved(fns, r.device.type, repeats)
-    report: dict = {
-        name: {
+    report: dict = {}
+    for name, (_, kernel_name, _) in pairs.items():
+        entry = {
             "public_ms": round(ms[name][0], 4),
             "kernel": kernel_name,
             "kernel_ms": round(ms[kernel_name][0], 4),
             "public_over_kernel": round(ms[name][0] / ms[kernel_name][0], 3),
             "public_over_kernel_of_minima": round(ms[name][1] / ms[kernel_name][1], 3),
+            "its_kernels_ms": round(ms[f"fused:{name}"][0], 4),
+            "public_over_its_kernels": round(ms[name][0] / ms[f"fused:{name}"][0], 3),
         }
-        for name, (_, kernel_name, _) in pairs.items()
-    }
+        if name in unfused:
+            entry["unfused_ms"] = round(ms[f"unfused:{name}"][0], 4)
+        report[name] = entry
     report["checked_kernels_ms"] = {name: round(ms[name][0], 4) for name in checked}
     return report
 

@@ -149,7 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     and returns 2; anything that fails later, while a run is under way, raises with its traceback.
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # overrides may also follow the options (``train job.yaml --timings-json t.json trainer.seed=1``), as in Hydra
+    if extra and getattr(args, "overrides", None) is not None and all(_is_override(a) for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )
@@ -160,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"ppo-core: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _is_override(arg: str) -> bool:
+    """Whether a command-line word is a ``dotted.key=value`` override (not an option)."""
+    return not arg.startswith("-") and "=" in arg
 
 
 def _quiet_transformers() -> None:

@@ -8,7 +8,6 @@ import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim
 from ppo_core.advantages._groups import GroupIndex, factorize_index
-from ppo_core.masked import WHITEN_EPS
 
 __all__: list[str] = []
 
@@ -80,24 +79,6 @@ def check_scalar(name: str, value: float, low: float, high: float = float("inf")
 def zero_outside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` at valid tokens, exactly 0 elsewhere (NaN/inf on masked tokens cannot leak)."""
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def whiten_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``zero_outside(masked_whiten(values, mask), mask)`` for ``values: [B, T]`` that are exactly 0 where masked.
-
-    The estimators' outputs have that property, which lets every sum skip its select (the zeros add nothing) and
-    the centred values serve both the variance and the output: the same arithmetic as :func:`masked_whiten`
-    (bit for bit below 2**24 valid tokens, where its float32 count is exact; this count is exact everywhere) in
-    about half the passes over ``[B, T]``.
-    """
-    acc = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
-    zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
-    count = torch.count_nonzero(mask).to(acc.dtype)
-    mean = acc.sum() / count.clamp(min=1)
-    centred = acc - mean
-    sq_sum = torch.where(mask, centred, zero).square_().sum()
-    var = torch.where(count > 1, sq_sum / (count - 1).clamp(min=1), zero)
-    return centred.mul_(torch.rsqrt(var + WHITEN_EPS)).masked_fill_(~mask, 0).to(values.dtype)
 
 
 def broadcast_rows(per_row: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,6 @@ from ppo_core.advantages._common import (
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
-    whiten_valid,
 )
 
 __all__ = ["compute_gae"]
@@ -78,13 +77,12 @@ def compute_gae(
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
     lam = check_scalar("lam", lam, 0.0, 1.0)
     # The scan zeroes masked positions and flags NaN/inf it reads at valid ones: one host sync, no extra pass.
+    # (On CUDA the whitening statistics come from the scan too: one more kernel normalises.)
     advantages, returns, maybe_nonfinite = kernels.masked_gae_returns_checked(
-        rewards, values, mask, gamma, lam
+        rewards, values, mask, gamma, lam, whiten=bool(whiten)
     )
     if any_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("values", values, mask)
-    if whiten:
-        advantages = whiten_valid(advantages, mask)
     return advantages, returns

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome, whiten_valid
+from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome
 from ppo_core.advantages._groups import group_count, group_stats, group_weighted_mean
+from ppo_core.kernels.whiten import whiten_valid
 
 __all__ = [
     "compute_gpg_advantage",

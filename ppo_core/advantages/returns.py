@@ -13,8 +13,6 @@ from ppo_core.advantages._common import (
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
-    whiten_valid,
-    zero_outside,
 )
 
 __all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
@@ -50,11 +48,13 @@ def compute_reinforce_pp_advantage(
     """
     rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
-    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards, mask, gamma)
+    advantages, returns, maybe_nonfinite = kernels.masked_return_advantages_checked(
+        rewards, mask, gamma, whiten=True
+    )
     if any_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
-    return whiten_valid(returns, mask), returns
+    return advantages, returns
 
 
 @torch.no_grad()
@@ -90,12 +90,12 @@ def compute_remax_advantage(
     if baselines.device != rewards.device:
         raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
-    returns, maybe_nonfinite = kernels.masked_discounted_return_checked(rewards.to(dtype), mask, 1.0)
-    # a baseline only matters for a row with a valid token
-    bad_baseline = (mask.any(dim=-1) & ~torch.isfinite(baselines)).any()
-    if any_set(maybe_nonfinite, bad_baseline, mask_flag):
+    # the scan subtracts the baselines and flags a non-finite one of a row with a valid token (the others are unused)
+    advantages, returns, maybe_nonfinite = kernels.masked_return_advantages_checked(
+        rewards.to(dtype), mask, 1.0, baselines=baselines.to(dtype)
+    )
+    if any_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("reward_baselines", baselines, mask.any(dim=-1))
-    advantages = zero_outside(returns - baselines.to(dtype).unsqueeze(-1), mask)
     return advantages, returns

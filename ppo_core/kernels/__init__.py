@@ -20,6 +20,7 @@ from ppo_core.kernels.dispatch import (
     masked_gae_returns_checked,
     masked_gae_returns_scan,
     masked_gae_scan,
+    masked_return_advantages_checked,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "masked_gae_returns_checked",
     "masked_gae_returns_scan",
     "masked_gae_scan",
+    "masked_return_advantages_checked",
 ]

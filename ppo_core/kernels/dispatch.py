@@ -22,6 +22,7 @@ import torch
 
 from ppo_core._checks import check_floating, check_mask, check_ndim, check_same_shape
 from ppo_core.kernels import chunked, reference, triton_scan
+from ppo_core.kernels.whiten import whiten_valid
 
 __all__ = [
     "BACKENDS",
@@ -31,6 +32,7 @@ __all__ = [
     "masked_gae_returns_checked",
     "masked_gae_returns_scan",
     "masked_gae_scan",
+    "masked_return_advantages_checked",
 ]
 
 BACKENDS = ("auto", "triton", "chunked", "reference")
@@ -218,17 +220,20 @@ def masked_gae_returns_checked(
     gamma: float,
     lam: float,
     *,
+    whiten: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GAE advantages and returns as the estimators give them, and a non-finite flag set by the scan itself.
 
     Semantics of :func:`masked_gae_returns_scan` at valid positions; both outputs are exactly 0 at masked ones
-    (where rewards and values may hold anything, NaN and inf included).
+    (where rewards and values may hold anything, NaN and inf included). With ``whiten`` the advantages are
+    whitened over all valid tokens (:func:`~ppo_core.kernels.whiten.whiten_valid`; fused into the scan on Triton).
 
     Args:
         rewards, values: ``[B, T]`` floating tensors.
         mask: ``[B, T]`` bool (or 0/1) tensor.
         gamma, lam: discount and GAE lambda.
+        whiten: whiten the advantages.
         backend: one of :data:`BACKENDS`.
 
     Returns:
@@ -249,14 +254,16 @@ def masked_gae_returns_checked(
     gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
     name = _resolve(backend, rewards.device, (rewards, values))
     if name == "triton":
-        return triton_scan.gae_returns_checked_triton(rewards, values, mask, gamma, lam)
+        return triton_scan.gae_returns_checked_triton(rewards, values, mask, gamma, lam, whiten=whiten)
     if name == "chunked":
-        return chunked.gae_returns_checked_chunked(rewards, values, mask, gamma, lam)
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    r, v = rewards.to(dtype), values.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=r.device)
-    adv = torch.where(mask, reference.masked_gae_scan(r, v, mask, gamma, lam), zero)
-    return adv, torch.where(mask, adv + v, zero), _reference_flag(mask, rewards, values)
+        adv, ret, flag = chunked.gae_returns_checked_chunked(rewards, values, mask, gamma, lam)
+    else:
+        dtype = torch.promote_types(rewards.dtype, values.dtype)
+        r, v = rewards.to(dtype), values.to(dtype)
+        zero = torch.zeros((), dtype=dtype, device=r.device)
+        adv = torch.where(mask, reference.masked_gae_scan(r, v, mask, gamma, lam), zero)
+        ret, flag = torch.where(mask, adv + v, zero), _reference_flag(mask, rewards, values)
+    return (whiten_valid(adv, mask) if whiten else adv), ret, flag
 
 
 def masked_discounted_return_checked(
@@ -290,3 +297,64 @@ def masked_discounted_return_checked(
         return chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
     returns = reference.masked_discounted_return_scan(rewards, mask, gamma)
     return returns, _reference_flag(mask, rewards)
+
+
+def masked_return_advantages_checked(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    *,
+    whiten: bool = False,
+    baselines: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advantages from the masked discounted return as the critic-free estimators give them, the return, and a
+    non-finite flag set by the scan (see :func:`masked_gae_returns_checked`).
+
+    ``advantages`` is the return whitened over all valid tokens (``whiten``: REINFORCE++), the return minus the
+    row's baseline (``baselines``: ReMax) or the return; both outputs are 0 at masked positions. On Triton the
+    baseline and the whitening statistics come from the scan itself (plus one normalising kernel to whiten).
+
+    Args:
+        rewards: ``[B, T]`` floating tensor.
+        mask: ``[B, T]`` bool (or 0/1) tensor.
+        gamma: discount.
+        whiten: whiten the return.
+        baselines: ``[B]`` floating per-row baselines in the dtype of ``rewards`` (not with ``whiten``).
+        backend: one of :data:`BACKENDS`.
+
+    Returns:
+        ``(advantages, returns, flag)``: two ``[B, T]`` tensors in the dtype of ``rewards`` and a 0-d tensor that
+        is zero (False) only if every reward at a valid position, and the baseline of every row with one, is
+        finite.
+
+    Example:
+        >>> r = torch.tensor([[1.0, 5.0, 1.0]])
+        >>> adv, ret, flag = masked_return_advantages_checked(r, torch.tensor([[1, 0, 1]]), 1.0,
+        ...                                                   baselines=torch.tensor([0.5]))
+        >>> adv, bool(flag)
+        (tensor([[1.5000, 0.0000, 0.5000]]), False)
+    """
+    mask = _check_inputs(rewards, mask)
+    gamma = _scalar("gamma", gamma)
+    if whiten and baselines is not None:
+        raise ValueError("masked_return_advantages_checked: give whiten or baselines, not both")
+    name = _resolve(backend, rewards.device, (rewards,))
+    if name == "triton":
+        return triton_scan.return_advantages_checked_triton(
+            rewards, mask, gamma, whiten=whiten, baselines=baselines
+        )
+    if name == "chunked":
+        returns, flag = chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
+    else:
+        returns = reference.masked_discounted_return_scan(rewards, mask, gamma)
+        flag = _reference_flag(mask, rewards)
+    if whiten:
+        return whiten_valid(returns, mask), returns, flag
+    if baselines is None:
+        return returns, returns, flag
+    # a baseline only matters for a row with a valid token
+    used = mask.any(dim=-1)
+    flag = flag | (used & ~torch.isfinite(baselines)).any()
+    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
+    return torch.where(mask, returns - baselines.unsqueeze(-1), zero), returns, flag

@@ -49,6 +49,7 @@ __all__ = [
     "gae_returns_checked_triton",
     "gae_scan_triton",
     "is_available",
+    "return_advantages_checked_triton",
 ]
 
 
@@ -111,6 +112,78 @@ if triton is not None:
         return (valid & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
 
     @triton.jit
+    def _merge_moments(count, mean, m2, x, valid, zero):
+        # Chan et al.'s pairwise update of per-row (count, mean, M2) with the valid lanes of one chunk: the chunk's
+        # own mean and centred sum of squares first, so no sum of squares of raw values (no cancellation).
+        n_c = tl.sum(valid.to(x.dtype), axis=1)
+        mean_c = tl.sum(tl.where(valid, x, zero), axis=1) / tl.maximum(n_c, 1.0)
+        d_c = tl.where(valid, x - mean_c[:, None], zero)
+        m2_c = tl.sum(d_c * d_c, axis=1)
+        n_new = count + n_c
+        w = n_c / tl.maximum(n_new, 1.0)
+        d = mean_c - mean
+        return n_new, mean + d * w, m2 + m2_c + d * d * count * w
+
+    @triton.jit
+    def _store_moments(stats_ptr, rows, n_rows, count, mean, m2):
+        ok = rows < n_rows
+        tl.store(stats_ptr + rows * 3, count, mask=ok)
+        tl.store(stats_ptr + rows * 3 + 1, mean, mask=ok)
+        tl.store(stats_ptr + rows * 3 + 2, m2, mask=ok)
+
+    @triton.jit
+    def _load_moments(stats_ptr, idx, n_rows):
+        # (count, mean, M2) of rows idx as float64; rows past the end count 0
+        ok = idx < n_rows
+        n = tl.load(stats_ptr + idx * 3, mask=ok, other=0.0).to(tl.float64)
+        mu = tl.load(stats_ptr + idx * 3 + 1, mask=ok, other=0.0).to(tl.float64)
+        m2 = tl.load(stats_ptr + idx * 3 + 2, mask=ok, other=0.0).to(tl.float64)
+        return n, mu, m2
+
+    @triton.jit
+    def _whiten_kernel(
+        x_ptr,
+        m_ptr,
+        out_ptr,
+        stats_ptr,
+        n_rows,
+        length,
+        eps,
+        ACC: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        # Every program combines the per-row moments of the scan (float64: the count is exact and the merge of
+        # thousands of rows loses nothing), then normalises its share of the rows.
+        offs = tl.arange(0, BLOCK_S)
+        n_acc = tl.zeros([BLOCK_S], tl.float64)
+        s_acc = tl.zeros([BLOCK_S], tl.float64)
+        for start in range(0, n_rows, BLOCK_S):
+            n, mu, _ = _load_moments(stats_ptr, start + offs, n_rows)
+            n_acc += n
+            s_acc += n * mu
+        total = tl.sum(n_acc, axis=0)
+        mean = tl.sum(s_acc, axis=0) / tl.maximum(total, 1.0)
+        m2_acc = tl.zeros([BLOCK_S], tl.float64)
+        for start in range(0, n_rows, BLOCK_S):
+            n, mu, m2 = _load_moments(stats_ptr, start + offs, n_rows)
+            m2_acc += m2 + n * (mu - mean) * (mu - mean)
+        # unbiased variance; 0 with fewer than two valid tokens (the output is then exactly 0)
+        var = tl.where(total > 1.0, tl.sum(m2_acc, axis=0) / tl.maximum(total - 1.0, 1.0), 0.0)
+        mean_a = mean.to(ACC)
+        rstd = 1.0 / tl.sqrt(var.to(ACC) + eps)
+        lanes = tl.arange(0, BLOCK_T)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            base = tl.cast(row, tl.int64) * length
+            for start in range(0, length, BLOCK_T):
+                t = start + lanes
+                ok = t < length
+                x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(ACC)
+                m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
+                y = tl.where(m, (x - mean_a) * rstd, 0.0)
+                tl.store(out_ptr + base + t, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _gae_kernel(
         r_ptr,
         v_ptr,
@@ -118,12 +191,14 @@ if triton is not None:
         adv_ptr,
         ret_ptr,
         flag_ptr,
+        stats_ptr,
         n_rows,
         length,
         gamma,
         coef,
         WITH_RETURNS: tl.constexpr,
         CHECKED: tl.constexpr,
+        STATS: tl.constexpr,
         ACC: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -135,6 +210,9 @@ if triton is not None:
         last_lane = lanes == BLOCK_T - 1
         carry_v = tl.zeros([BLOCK_B], ACC)
         carry_adv = tl.zeros([BLOCK_B], ACC)
+        count = tl.zeros([BLOCK_B], ACC)
+        mean = tl.zeros([BLOCK_B], ACC)
+        m2 = tl.zeros([BLOCK_B], ACC)
         # Non-finite inputs seen per lane, OR-ed over the chunks and reduced once after the loop.
         bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         bad_v = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
@@ -166,6 +244,8 @@ if triton is not None:
                     tl.store(ret_ptr + base + t, tl.where(m, adv + v, zero), mask=ok)
                 bad_r = bad_r | _nonfinite(r, m)
                 bad_v = bad_v | _nonfinite(v, m)
+                if STATS:
+                    count, mean, m2 = _merge_moments(count, mean, m2, adv, m, zero)
             else:
                 tl.store(adv_ptr + base + t, adv, mask=ok)
                 if WITH_RETURNS:
@@ -175,6 +255,8 @@ if triton is not None:
         if CHECKED:
             # bit 0: a reward, bit 1: a value at a valid position is NaN or inf
             tl.atomic_or(flag_ptr, tl.max(bad_r) | (tl.max(bad_v) * 2))
+            if STATS:
+                _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
 
     @triton.jit
     def _return_kernel(
@@ -182,10 +264,15 @@ if triton is not None:
         m_ptr,
         out_ptr,
         flag_ptr,
+        stats_ptr,
+        b_ptr,
+        adv_ptr,
         n_rows,
         length,
         gamma,
         CHECKED: tl.constexpr,
+        STATS: tl.constexpr,
+        BASELINE: tl.constexpr,
         ACC: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -197,6 +284,12 @@ if triton is not None:
         last_lane = lanes == BLOCK_T - 1
         carry = tl.zeros([BLOCK_B], ACC)
         bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
+        count = tl.zeros([BLOCK_B], ACC)
+        mean = tl.zeros([BLOCK_B], ACC)
+        m2 = tl.zeros([BLOCK_B], ACC)
+        seen = tl.zeros([BLOCK_B], tl.int32)
+        if BASELINE:
+            baseline = tl.load(b_ptr + rows, mask=rows < n_rows, other=0.0).to(ACC)
         for start in range(0, length, BLOCK_T):
             t = length - 1 - start - lanes
             ok = row_ok & (t >= 0)
@@ -208,11 +301,22 @@ if triton is not None:
             )
             run = a * carry[:, None] + b
             tl.store(out_ptr + base + t, tl.where(m, run, zero), mask=ok)
+            if BASELINE:
+                tl.store(adv_ptr + base + t, tl.where(m, run - baseline[:, None], zero), mask=ok)
+                seen = tl.maximum(seen, tl.max(m.to(tl.int32), axis=1))
+            if STATS:
+                count, mean, m2 = _merge_moments(count, mean, m2, run, m, zero)
             carry = tl.sum(tl.where(last_lane, run, zero), axis=1)
             if CHECKED:
                 bad_r = bad_r | _nonfinite(r, m)
         if CHECKED:
-            tl.atomic_or(flag_ptr, tl.max(bad_r))
+            flags = tl.max(bad_r)
+            if BASELINE:
+                # bit 1: the baseline of a row with a valid token is NaN or inf (other rows never read theirs)
+                flags = flags | (tl.max(_nonfinite(baseline, seen != 0)) * 2)
+            tl.atomic_or(flag_ptr, flags)
+        if STATS:
+            _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
 
 
 def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
@@ -228,6 +332,45 @@ def _new_flag(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _new_stats(batch: int, acc_fp64: bool, device: torch.device) -> torch.Tensor:
+    """``[B, 3]`` per-row (count, mean, M2) of the valid outputs, written by a scan for :func:`_whiten`."""
+    return torch.empty(batch, 3, dtype=torch.float64 if acc_fp64 else torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _whiten_programs(device: torch.device) -> int:
+    # Persistent programs, a few per multiprocessor: each one reads every row's moments once (L2 hits), so fewer
+    # programs than rows keep that redundant read small for batches of many short rows.
+    if device.type != "cuda":
+        return 2  # the interpreter: still more than one program, so the row loop is exercised
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _whiten(
+    values: torch.Tensor, mask_u8: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, acc: object
+) -> torch.Tensor:
+    """``out = (values - mean) * rsqrt(var + eps)`` at valid positions, 0 elsewhere, from a scan's row moments."""
+    from ppo_core.masked import WHITEN_EPS
+
+    batch, length = values.shape
+    if values.numel():
+        block_t = min(2048, max(128, triton.next_power_of_2(length)))
+        _whiten_kernel[(min(batch, _whiten_programs(values.device)),)](
+            values,
+            mask_u8,
+            out,
+            stats,
+            batch,
+            length,
+            WHITEN_EPS,
+            ACC=acc,
+            BLOCK_S=min(1024, max(16, triton.next_power_of_2(batch))),
+            BLOCK_T=block_t,
+            num_warps=4,
+        )
+    return out
+
+
 def _gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -239,6 +382,7 @@ def _gae(
     flag: torch.Tensor | None,
     accumulate_fp64: bool,
     launch: ScanLaunch | None,
+    whiten: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     r = rewards.detach().to(dtype).contiguous()
@@ -247,6 +391,10 @@ def _gae(
     batch, length = r.shape
     adv = torch.empty_like(r)
     ret = torch.empty_like(r) if with_returns else adv  # an unused pointer when not writing returns
+    acc = _acc(dtype, accumulate_fp64)
+    stats = (
+        _new_stats(batch, acc == tl.float64, r.device) if whiten else adv
+    )  # unused pointer when not whitening
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
         _gae_kernel[_grid(batch, launch)](
@@ -256,18 +404,22 @@ def _gae(
             adv,
             ret,
             adv if flag is None else flag,  # an unused pointer when not checking
+            stats,
             batch,
             length,
             float(gamma),
             float(gamma * lam),
             WITH_RETURNS=with_returns,
             CHECKED=flag is not None,
-            ACC=_acc(dtype, accumulate_fp64),
+            STATS=whiten,
+            ACC=acc,
             BLOCK_B=launch.block_b,
             BLOCK_T=launch.block_t,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
         )
+        if whiten:
+            _whiten(adv, m, stats, adv, acc)  # in place: each program rewrites only what it read
     return adv, (ret if with_returns else None)
 
 
@@ -321,21 +473,30 @@ def gae_returns_checked_triton(
     gamma: float,
     lam: float,
     *,
+    whiten: bool = False,
     accumulate_fp64: bool = False,
     launch: ScanLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns, exactly 0 at masked positions, and the kernel's non-finite flag; one launch.
+    """GAE advantages and returns, exactly 0 at masked positions, and the kernel's non-finite flag; one launch
+    (two with ``whiten``).
+
+    With ``whiten`` the scan also keeps each row's count, mean and centred sum of squares of its valid advantages
+    (Chan's merge, chunk by chunk, in registers), and a second kernel combines them (float64) and normalises
+    ``(A - mean) * rsqrt(var + eps)`` (unbiased variance, 0 with fewer than two valid tokens): the whitening of
+    :func:`ppo_core.masked.masked_whiten` without a pass of its own over the raw advantages.
 
     Args:
         rewards, values: ``[B, T]`` floating CUDA tensors.
         mask: ``[B, T]`` bool CUDA tensor.
         gamma, lam: discount and GAE lambda.
+        whiten: return the advantages whitened over all valid tokens of the batch.
         accumulate_fp64: run the scans in float64.
         launch: launch shape override (benchmarks).
 
     Returns:
         ``(advantages, returns, flag)``: two ``[B, T]`` tensors in the promoted dtype of rewards and values, and a
-        0-d int32 tensor with bit 0 set when a reward and bit 1 when a value at a valid position is NaN or inf.
+        0-d int32 tensor with bit 0 set when a reward and bit 1 when a value at a valid position is NaN or inf
+        (the whitened advantages are then meaningless: the caller raises).
 
     Example:
         >>> m = torch.tensor([[True, False, True]], device="cuda")
@@ -355,6 +516,7 @@ def gae_returns_checked_triton(
         flag=flag,
         accumulate_fp64=accumulate_fp64,
         launch=launch,
+        whiten=whiten,
     )
     assert ret is not None
     return adv, ret, flag[0]
@@ -368,11 +530,17 @@ def _discounted(
     flag: torch.Tensor | None,
     accumulate_fp64: bool,
     launch: ScanLaunch | None,
-) -> torch.Tensor:
+    whiten: bool = False,
+    baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     r = rewards.detach().contiguous()
     m = mask.contiguous().view(torch.uint8)
     batch, length = r.shape
     out = torch.empty_like(r)
+    adv = torch.empty_like(r) if whiten or baselines is not None else None
+    acc = _acc(r.dtype, accumulate_fp64)
+    stats = _new_stats(batch, acc == tl.float64, r.device) if whiten else out  # unused pointer otherwise
+    b = baselines.detach().to(r.dtype).contiguous() if baselines is not None else out
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
         _return_kernel[_grid(batch, launch)](
@@ -380,17 +548,26 @@ def _discounted(
             m,
             out,
             out if flag is None else flag,
+            stats,
+            b,
+            out if adv is None else adv,
             batch,
             length,
             float(gamma),
             CHECKED=flag is not None,
-            ACC=_acc(r.dtype, accumulate_fp64),
+            STATS=whiten,
+            BASELINE=baselines is not None,
+            ACC=acc,
             BLOCK_B=launch.block_b,
             BLOCK_T=launch.block_t,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
         )
-    return out
+        if whiten:
+            _whiten(out, m, stats, adv, acc)
+    elif adv is not None:
+        adv.zero_()
+    return out, adv
 
 
 def discounted_return_scan_triton(
@@ -418,7 +595,7 @@ def discounted_return_scan_triton(
         >>> discounted_return_scan_triton(torch.tensor([[1.0, 5.0, 1.0]], device="cuda"), m, 0.5)
         tensor([[1.5000, 0.0000, 1.0000]], device='cuda:0')
     """
-    return _discounted(rewards, mask, gamma, flag=None, accumulate_fp64=accumulate_fp64, launch=launch)
+    return _discounted(rewards, mask, gamma, flag=None, accumulate_fp64=accumulate_fp64, launch=launch)[0]
 
 
 def discounted_return_scan_checked_triton(
@@ -441,5 +618,58 @@ def discounted_return_scan_checked_triton(
         0
     """
     flag = _new_flag(rewards.device)
-    out = _discounted(rewards, mask, gamma, flag=flag, accumulate_fp64=accumulate_fp64, launch=launch)
+    out, _ = _discounted(rewards, mask, gamma, flag=flag, accumulate_fp64=accumulate_fp64, launch=launch)
     return out, flag[0]
+
+
+def return_advantages_checked_triton(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    *,
+    whiten: bool = False,
+    baselines: torch.Tensor | None = None,
+    accumulate_fp64: bool = False,
+    launch: ScanLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advantages from the masked discounted return, the return itself and the non-finite flag, from one scan (and
+    one normalising kernel with ``whiten``).
+
+    ``advantages`` is the return whitened over all valid tokens (``whiten``, REINFORCE++), the return minus each
+    row's baseline (``baselines``, ReMax), or the return itself; 0 at masked positions.
+
+    Args:
+        rewards: ``[B, T]`` floating CUDA tensor.
+        mask: ``[B, T]`` bool CUDA tensor.
+        gamma: discount.
+        whiten: whiten the return (see :func:`gae_returns_checked_triton`).
+        baselines: ``[B]`` per-row baselines subtracted from the return (not with ``whiten``).
+        accumulate_fp64: run the scan in float64.
+        launch: launch shape override (benchmarks).
+
+    Returns:
+        ``(advantages, returns, flag)``: two ``[B, T]`` tensors in the dtype of ``rewards`` and a 0-d int32 tensor,
+        bit 0 set when a reward at a valid position and bit 1 when the baseline of a row with a valid token is
+        NaN or inf.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True]], device="cuda")
+        >>> r = torch.tensor([[1.0, 5.0, 1.0]], device="cuda")
+        >>> adv, ret, flag = return_advantages_checked_triton(r, m, 1.0, baselines=torch.tensor([0.5], device="cuda"))
+        >>> adv, int(flag)
+        (tensor([[1.5000, 0.0000, 0.5000]], device='cuda:0'), 0)
+    """
+    if whiten and baselines is not None:
+        raise ValueError("return_advantages_checked_triton: give whiten or baselines, not both")
+    flag = _new_flag(rewards.device)
+    out, adv = _discounted(
+        rewards,
+        mask,
+        gamma,
+        flag=flag,
+        accumulate_fp64=accumulate_fp64,
+        launch=launch,
+        whiten=whiten,
+        baselines=baselines,
+    )
+    return (out if adv is None else adv), out, flag[0]

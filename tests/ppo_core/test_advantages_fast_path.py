@@ -24,8 +24,9 @@ from ppo_core import kernels
 from ppo_core.advantages import compute_gae, compute_reinforce_pp_advantage, compute_remax_advantage
 from ppo_core.advantages import gae as gae_module
 from ppo_core.advantages import returns as returns_module
-from ppo_core.advantages._common import whiten_valid, zero_outside
+from ppo_core.advantages._common import zero_outside
 from ppo_core.kernels import chunked, reference, triton_scan
+from ppo_core.kernels.whiten import whiten_valid
 from ppo_core.masked import masked_whiten
 from ppo_core.testing import ppo_batches
 
@@ -310,7 +311,7 @@ def test_nothing_is_compiled_at_run_time(tmp_path: Path) -> None:
     tmp.mkdir()
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "PPO_CORE_CACHE_DIR": str(cache),
         "XDG_CACHE_HOME": str(cache),
         "TMPDIR": str(tmp),

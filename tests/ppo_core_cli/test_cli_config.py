@@ -210,3 +210,24 @@ def test_defaults_build_a_torch_ppo_job():
     assert (job.backend, job.workers, job.run_dir) == ("local", "torch", "runs/ppo")
     assert job.ppo_config().use_critic  # gae by default
     assert JobConfig.from_dict(job.to_dict()) == job
+
+
+# ----- the command line: overrides before or after the options ---------------------------------------------------
+@pytest.mark.parametrize("after", [False, True])
+def test_command_reads_overrides_on_either_side_of_the_options(after, capsys, tmp_path):
+    from ppo_core_cli.main import main
+
+    options = ["--timings-json", str(tmp_path / "t.json")]
+    override = ["trainer.no_such_key=1"]
+    argv = ["train", TINY, *(options + override if after else override + options)]
+    assert main(argv) == 2  # the override reached the config loader, which names the dotted key
+    assert "trainer.no_such_key" in capsys.readouterr().err
+
+
+def test_command_still_rejects_unknown_options(capsys):
+    from ppo_core_cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", TINY, "--no-such-option", "trainer.seed=1"])
+    assert exc.value.code == 2
+    assert "--no-such-option" in capsys.readouterr().err
