@@ -63,6 +63,8 @@ class GroupCall(PendingCall):
         on_broken: called with the error when the call breaks the group (lost worker, deadline).
         locate: ranks named by a Monarch failure report (best effort).
         where: host and pid of ranks, for the errors (unknown ranks may be left out).
+        exited: the ranks among those given whose process is known to have exited (checked with the watch; a
+            rank there raises ``WorkerLost`` at once, see :class:`~ppo_core_monarch.liveness.LocalExitProbe`).
         forward: shared-memory files of the arguments with the ranks that read them.
         recycle: ``recycle(file, reusable)`` once every rank answered (reusable: all of them unmapped it).
     """
@@ -79,6 +81,7 @@ class GroupCall(PendingCall):
         on_broken: Callable[[BaseException], None],
         locate: Callable[[str], tuple[int, ...]],
         where: Callable[[Sequence[int]], Sequence[RankLocation]] = lambda ranks: (),
+        exited: Callable[[Sequence[int]], tuple[int, ...]] = lambda ranks: (),
         forward: Sequence[tuple[Encoded, tuple[int, ...]]] = (),
         recycle: Callable[[Encoded, bool], None] = lambda enc, reusable: release(enc),
     ) -> None:
@@ -95,6 +98,7 @@ class GroupCall(PendingCall):
         self._on_broken = on_broken
         self._locate = locate
         self._where = where
+        self._exited = exited
         self._error: BaseException | None = None
 
     # ----- public -----------------------------------------------------------------------------------------
@@ -231,6 +235,10 @@ class GroupCall(PendingCall):
             report = self._watch.failure or "unknown failure"
             ranks = self._locate(report) or self.pending_ranks
             self._raise(self._lost(ranks, report), breaks_group=True)
+        gone = self._exited(self.pending_ranks)
+        if gone:
+            report = "the process exited while the call was pending (seen on the controller's machine)"
+            self._raise(self._lost(gone, report), breaks_group=True)
 
     def _timed_out(self, limit: float, timeout: float | None) -> None:
         ranks = self.pending_ranks

@@ -42,6 +42,7 @@ from ppo_core_monarch.calls import CallPart, GroupCall
 from ppo_core_monarch.config import MonarchConfig
 from ppo_core_monarch.errors import CallTimeout, GroupBroken, SpawnError, WorkerLost
 from ppo_core_monarch.launch import Hosts, local_hosts
+from ppo_core_monarch.liveness import LocalExitProbe
 from ppo_core_monarch.supervision import fault_monitor
 from ppo_core_monarch.topology import MeshTopology
 from ppo_core_monarch.transport import Encoded, ShmPool, compact, encode, release
@@ -106,6 +107,7 @@ class MonarchWorkerGroup(WorkerGroup):
         self._broken: BaseException | None = None
         self._outstanding: list[GroupCall] = []
         self._where: dict[int, RankLocation] = {}
+        self._exit_probe: LocalExitProbe | None = None  # after setup: which ranks the controller can see exit
         self._proc_mesh: Any = None
         self._shm_dir: str | None = None
         self._pool: ShmPool | None = None
@@ -176,6 +178,7 @@ class MonarchWorkerGroup(WorkerGroup):
                     f"{self.topology.coords(expected)}"
                 )
         self.rank_info: tuple[RankInfo, ...] = tuple(infos)
+        self._exit_probe = LocalExitProbe([(i.rank, i.pid, i.process_namespace) for i in infos])
         self._shm_ranks = frozenset(i.rank for i in infos if i.shared_memory)
         logger.info("started %s: %s on hosts %s", self._name, self.topology, sorted({i.host for i in infos}))
 
@@ -255,6 +258,7 @@ class MonarchWorkerGroup(WorkerGroup):
             on_broken=self._mark_broken,
             locate=self._ranks_in_report,
             where=self.rank_locations,
+            exited=self._exit_probe.exited if self._exit_probe is not None else lambda ranks: (),
             forward=forward,
             recycle=self._recycle,
         )

@@ -33,6 +33,7 @@ from monarch.actor import Actor, current_rank, current_size, endpoint
 from ppo_core.workers.base import WorkerSpec, resolve_method, worker_context
 from ppo_core.workers.errors import RankLocation
 from ppo_core_monarch.errors import RemoteWorkerError
+from ppo_core_monarch.liveness import process_namespace
 from ppo_core_monarch.topology import MeshTopology
 from ppo_core_monarch.transport import Encoded, decode_borrowed, encode
 
@@ -52,6 +53,8 @@ class RankInfo:
     local_rank: int
     device: str
     shared_memory: bool
+    process_namespace: str | None = None
+    """Kernel boot id and pid namespace of the process (:func:`~ppo_core_monarch.liveness.process_namespace`)."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ class WorkerActor(Actor):
             local_rank=local_rank,
             device=device,
             shared_memory=self._shm is not None,
+            process_namespace=process_namespace(),
         )
 
     @endpoint

@@ -63,3 +63,21 @@ def random_hf_state(cfg: MegatronModelConfig, seed: int) -> dict[str, torch.Tens
         if cfg.norm == "LayerNorm":
             out |= {p + "input_layernorm.bias": 0.1 * r(d), p + "post_attention_layernorm.bias": 0.1 * r(d)}
     return out
+
+
+def spawn_ranks(main: Any, world: int, *args: Any) -> dict:
+    """Run ``main(rank, world, port, *args, out)`` in ``world`` spawned processes (gloo on 127.0.0.1, a free port)
+    and return ``out``, the dict the ranks filled (``out[rank] = ...``). Spawned, not forked: a child forked after
+    this process ran megatron and gloo can deadlock."""
+    import multiprocessing
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with multiprocessing.get_context("spawn").Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(main, args=(world, port, *args, out), nprocs=world, start_method="spawn")
+        return dict(out)
