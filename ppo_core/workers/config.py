@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ppo_core._checks import check_int, check_positive
 from ppo_core._config_base import ConfigBase
@@ -67,10 +68,13 @@ class PPOWorkerConfig(ConfigBase):
     forward_max_token_len_per_gpu: int | None = None
     """Token budget of one forward pass when only computing log-probs/values (replaces
     ``forward_micro_batch_size``; set one of the two); None: row counts."""
-    use_remove_padding: bool = True
+    use_remove_padding: Literal["auto", True, False] = "auto"
     """Run the model on the valid tokens only, packed into one sequence per micro-batch (per-row causal attention
-    and positions), where the engine supports it (megatron with ``attention="sdpa"``; a torch model declaring
-    ``supports_packed_sequences``, e.g. the Hugging Face wrappers); False (or an unsupported model): padded rows."""
+    and positions). ``"auto"``: where the packed attention skips the work across documents (megatron with
+    ``attention="sdpa"``; a torch model declaring ``supports_packed_sequences``, unless it declares
+    ``packed_attention_is_sparse = False``: the Hugging Face wrappers pack with the ``flash_attention_*`` and
+    ``flex_attention`` implementations, not with ``sdpa``/``eager``, whose block mask is a dense ``[N, N]`` over the
+    whole packed length). True: wherever the model supports it. False: padded rows."""
     shuffle: bool = False
     """Shuffle the rows before cutting mini-batches (verl's default is False)."""
     loss_scale_factor: float | None = None

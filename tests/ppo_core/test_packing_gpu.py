@@ -224,7 +224,7 @@ def test_hf_torch_engine_packed_matches_padded_in_bf16(tmp_path) -> None:
 
     path = make_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=128)
     lm = load_causal_lm(path, dtype=torch.bfloat16, device=CUDA)
-    packed = TorchEngine(lm, device=CUDA)
+    packed = TorchEngine(lm, device=CUDA, remove_padding=True)
     padded = TorchEngine(lm, device=CUDA, remove_padding=False)
     assert packed.packed and not padded.packed
     batch = _gpu_batch(seed=4).to(CUDA)

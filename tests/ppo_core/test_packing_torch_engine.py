@@ -42,7 +42,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _pair(module: torch.nn.Module, head: str = "policy") -> tuple[TorchEngine, TorchEngine]:
     optim = OptimConfig(lr=1e-3)
-    packed = TorchEngine(module, device=CPU, head=head, optim=optim)
+    packed = TorchEngine(module, device=CPU, head=head, optim=optim, remove_padding=True)
     padded = TorchEngine(copy.deepcopy(module), device=CPU, head=head, optim=optim, remove_padding=False)
     assert packed.packed and not padded.packed
     return packed, padded
@@ -107,7 +107,7 @@ def test_hf_losses_and_gradients_packed_equal_padded(ckpts: dict, arch: str) -> 
 
 
 def test_plain_tinygpt_keeps_the_padded_path() -> None:
-    engine = TorchEngine(LM(), device=CPU)
+    engine = TorchEngine(LM(), device=CPU, remove_padding=True)
     reference = TorchEngine(LM(), device=CPU, remove_padding=False)
     assert not engine.packed
     batch = mixed_batch(rows=3, prompt=3, response=4, vocab=CFG.vocab_size)
@@ -232,3 +232,26 @@ def test_hf_attention_without_document_masks_is_not_packed(ckpts: dict) -> None:
     lm.model.config._attn_implementation = "paged_attention"  # builds no mask from position_ids
     assert not lm.supports_packed_sequences
     assert not TorchEngine(lm, device=CPU).packed
+
+
+@pytest.mark.parametrize(
+    ("implementation", "auto_packs"),
+    [("sdpa", False), ("eager", False), ("flex_attention", True), ("flash_attention_2", True)],
+)
+def test_auto_packs_only_where_packed_attention_skips_other_documents(
+    ckpts: dict, implementation: str, auto_packs: bool
+) -> None:
+    """``sdpa``/``eager`` would attend through a dense ``[N, N]`` block mask over the whole packed length (on CPU
+    the tiny job's steps took 5x longer packed): ``"auto"`` keeps their rows padded, True still packs them."""
+    from ppo_core.models.hf import load_value_model
+
+    for lm in (load_causal_lm(ckpts["qwen2"]), load_value_model(ckpts["qwen2"])):
+        config = lm.model.config if hasattr(lm, "model") else lm.body.config
+        config._attn_implementation = implementation
+        assert lm.supports_packed_sequences and lm.packed_attention_is_sparse == auto_packs
+        head = "policy" if hasattr(lm, "model") else "value"
+        assert TorchEngine(lm, device=CPU, head=head).packed == auto_packs  # "auto", the default
+        assert TorchEngine(lm, device=CPU, head=head, remove_padding=True).packed
+        assert not TorchEngine(lm, device=CPU, head=head, remove_padding=False).packed
+    with pytest.raises(ValueError, match="remove_padding"):
+        TorchEngine(load_causal_lm(ckpts["qwen2"]), device=CPU, remove_padding="yes")

@@ -6,7 +6,9 @@ Face token-classification head works). Training wraps the model in ``Distributed
 parallelism is on (see :mod:`ppo_core.workers.torch.distributed`) and steps it with AdamW.
 
 Padding-free micro-batches (``remove_padding``): a model whose ``supports_packed_sequences`` attribute is true
-(the Hugging Face wrappers of :mod:`ppo_core.models.hf`) is called once per micro-batch as
+(the Hugging Face wrappers of :mod:`ppo_core.models.hf`; with ``remove_padding="auto"`` only where its
+``packed_attention_is_sparse`` is not False: a dense block mask over the packed length costs the square of it) is
+called once per micro-batch as
 ``model(input_ids [1, T], position_ids=[1, T])`` on the valid tokens of its rows laid end to end
 (:mod:`ppo_core.workers.packing`), positions restarting at 0 for each row, which the model must read as separate
 causal documents; other models (``TinyGPT``, any plain module) get the padded rows. A model whose ``forward`` takes
@@ -33,7 +35,19 @@ from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, Loss
 from ppo_core.workers.packing import pack_micro_batch
 from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, wrap_ddp
 
-__all__ = ["TorchEngine", "response_outputs", "supports_packed_sequences"]
+__all__ = ["TorchEngine", "packs_sparsely", "response_outputs", "supports_packed_sequences"]
+
+
+def packs_sparsely(module: nn.Module) -> bool:
+    """Whether ``module``'s packed attention skips the work across documents (attribute
+    ``packed_attention_is_sparse``, True when absent); False for a dense ``[N, N]`` block mask over the packed
+    length, whose cost grows with its square (``remove_padding="auto"`` then keeps padded rows).
+
+    Example:
+        >>> packs_sparsely(nn.Linear(2, 2))
+        True
+    """
+    return bool(getattr(module, "packed_attention_is_sparse", True))
 
 
 def supports_packed_sequences(module: nn.Module) -> bool:
@@ -94,8 +108,10 @@ class TorchEngine(EngineBase):
         dp_rank / dp_size: this rank's data-parallel position (every rank is a replica).
         data_parallel: wrap the trained model in DDP and sum over the default process group (the caller has
             joined it, :func:`~ppo_core.workers.torch.distributed.init_data_parallel`).
-        remove_padding: pack each micro-batch's valid tokens into one sequence when the model supports it
-            (:func:`supports_packed_sequences`); the outputs are the same ``[b, R]`` either way.
+        remove_padding: pack each micro-batch's valid tokens into one sequence: ``"auto"`` where the model
+            supports it (:func:`supports_packed_sequences`) and its packed attention skips the work across
+            documents (:func:`packs_sparsely`), True wherever it supports it, False never; the outputs are the
+            same ``[b, R]`` either way.
 
     Example:
         >>> from ppo_core.models import TinyGPT, TinyGPTConfig
@@ -115,8 +131,10 @@ class TorchEngine(EngineBase):
         dp_rank: int = 0,
         dp_size: int = 1,
         data_parallel: bool = False,
-        remove_padding: bool = True,
+        remove_padding: bool | str = "auto",
     ) -> None:
+        if not (isinstance(remove_padding, bool) or remove_padding == "auto"):
+            raise ValueError(f"remove_padding must be True, False or 'auto', got {remove_padding!r}")
         model, optimizer = module, None
         if optim is not None:
             model = wrap_ddp(module, device, data_parallel)
@@ -130,8 +148,10 @@ class TorchEngine(EngineBase):
         super().__init__(module, model, head=head, device=device, optim=optim, optimizer=optimizer)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.data_parallel = data_parallel
-        # padding-free micro-batches: asked for, and the model supports them
-        self.packed = bool(remove_padding) and supports_packed_sequences(module)
+        # padding-free micro-batches: asked for (or "auto" and they pay), and the model supports them
+        self.packed = supports_packed_sequences(module) and (
+            remove_padding is True or (remove_padding == "auto" and packs_sparsely(module))
+        )
         self._logits_to_keep = head == "policy" and _takes_logits_to_keep(module)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
