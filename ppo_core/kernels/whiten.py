@@ -22,7 +22,7 @@ def whiten_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
     count = torch.count_nonzero(mask).to(acc.dtype)
     mean = acc.sum() / count.clamp(min=1)
-    centred = acc - mean
-    sq_sum = torch.where(mask, centred, zero).square_().sum()
-    var = torch.where(count > 1, sq_sum / (count - 1).clamp(min=1), zero)
-    return centred.mul_(torch.rsqrt(var + WHITEN_EPS)).masked_fill_(~mask, 0).to(values.dtype)
+    # the centred values, 0 where masked: they give the variance, and scaled in place they are the result
+    valid = torch.where(mask, acc - mean, zero)
+    var = torch.where(count > 1, valid.square().sum() / (count - 1).clamp(min=1), zero)
+    return valid.mul_(torch.rsqrt(var + WHITEN_EPS)).to(values.dtype)
