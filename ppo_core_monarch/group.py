@@ -107,7 +107,7 @@ class MonarchWorkerGroup(WorkerGroup):
         self._broken: BaseException | None = None
         self._outstanding: list[GroupCall] = []
         self._where: dict[int, RankLocation] = {}
-        self._exit_probe: LocalExitProbe | None = None  # after setup: which ranks the controller can see exit
+        self._exit_probe = LocalExitProbe(())  # sees no rank until setup reports where they run
         self._proc_mesh: Any = None
         self._shm_dir: str | None = None
         self._pool: ShmPool | None = None
@@ -258,7 +258,7 @@ class MonarchWorkerGroup(WorkerGroup):
             on_broken=self._mark_broken,
             locate=self._ranks_in_report,
             where=self.rank_locations,
-            exited=self._exit_probe.exited if self._exit_probe is not None else lambda ranks: (),
+            exited=self._exit_probe.exited,
             forward=forward,
             recycle=self._recycle,
         )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.masked import WHITEN_EPS
 
 try:
     import triton
@@ -244,19 +245,19 @@ if triton is not None:
                     tl.store(ret_ptr + base + t, tl.where(m, adv + v, zero), mask=ok)
                 bad_r = bad_r | _nonfinite(r, m)
                 bad_v = bad_v | _nonfinite(v, m)
-                if STATS:
-                    count, mean, m2 = _merge_moments(count, mean, m2, adv, m, zero)
             else:
                 tl.store(adv_ptr + base + t, adv, mask=ok)
                 if WITH_RETURNS:
                     tl.store(ret_ptr + base + t, adv + v, mask=ok)
+            if STATS:
+                count, mean, m2 = _merge_moments(count, mean, m2, adv, m, zero)
             carry_v = tl.sum(tl.where(last_lane, next_v, zero), axis=1)
             carry_adv = tl.sum(tl.where(last_lane, adv, zero), axis=1)
         if CHECKED:
             # bit 0: a reward, bit 1: a value at a valid position is NaN or inf
             tl.atomic_or(flag_ptr, tl.max(bad_r) | (tl.max(bad_v) * 2))
-            if STATS:
-                _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
+        if STATS:
+            _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
 
     @triton.jit
     def _return_kernel(
@@ -350,8 +351,6 @@ def _whiten(
     values: torch.Tensor, mask_u8: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, acc: object
 ) -> torch.Tensor:
     """``out = (values - mean) * rsqrt(var + eps)`` at valid positions, 0 elsewhere, from a scan's row moments."""
-    from ppo_core.masked import WHITEN_EPS
-
     batch, length = values.shape
     if values.numel():
         block_t = min(2048, max(128, triton.next_power_of_2(length)))
@@ -392,9 +391,8 @@ def _gae(
     adv = torch.empty_like(r)
     ret = torch.empty_like(r) if with_returns else adv  # an unused pointer when not writing returns
     acc = _acc(dtype, accumulate_fp64)
-    stats = (
-        _new_stats(batch, acc == tl.float64, r.device) if whiten else adv
-    )  # unused pointer when not whitening
+    # an unused pointer when not whitening
+    stats = _new_stats(batch, acc == tl.float64, r.device) if whiten else adv
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
         _gae_kernel[_grid(batch, launch)](
@@ -565,8 +563,6 @@ def _discounted(
         )
         if whiten:
             _whiten(out, m, stats, adv, acc)
-    elif adv is not None:
-        adv.zero_()
     return out, adv
 
 
