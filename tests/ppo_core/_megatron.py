@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,6 +66,22 @@ def random_hf_state(cfg: MegatronModelConfig, seed: int) -> dict[str, torch.Tens
         if cfg.norm == "LayerNorm":
             out |= {p + "input_layernorm.bias": 0.1 * r(d), p + "post_attention_layernorm.bias": 0.1 * r(d)}
     return out
+
+
+@contextlib.contextmanager
+def cpu_tensor_parallel(rank: int, world: int, port: int) -> Iterator[Any]:
+    """Join ``world`` CPU ranks as one tensor-parallel group over gloo on 127.0.0.1:``port`` (one thread per rank);
+    yields the ``ParallelConfig`` and tears megatron's parallel state down afterwards."""
+    from ppo_core.workers.megatron import ParallelConfig, destroy_megatron_parallel, init_megatron_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    parallel = ParallelConfig(tensor_model_parallel_size=world)
+    init_megatron_parallel(parallel, rank=rank, world_size=world, device=torch.device("cpu"))
+    try:
+        yield parallel
+    finally:
+        destroy_megatron_parallel()
 
 
 def spawn_ranks(main: Any, world: int, *args: Any) -> dict:

@@ -5,7 +5,6 @@ TP = 2 over gloo with two spawned ranks)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config  # noqa: E402
 from _megatron import random_hf_state as _random_hf  # noqa: E402
-from _megatron import tiny_config  # noqa: E402
 
 from ppo_core.workers.megatron import ParallelConfig, megatron_layout  # noqa: E402
 from ppo_core.workers.megatron.export import export_megatron_actor, megatron_actor_state, rank_files  # noqa: E402
@@ -192,26 +191,15 @@ def test_one_rank_export_gives_the_megatron_logits(cpu_megatron, tmp_path, famil
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tp_rank(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out: dict) -> None:
     """One TP rank: build the TP-sharded model, save its rank file, return its full-vocabulary logits."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    from ppo_core.workers.megatron import build_gpt_model, destroy_megatron_parallel, init_megatron_parallel
+    from ppo_core.workers.megatron import build_gpt_model
     from ppo_core.workers.megatron.engine import position_ids
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    parallel = ParallelConfig(tensor_model_parallel_size=world)
-    init_megatron_parallel(parallel, rank=rank, world_size=world, device=torch.device("cpu"))
-    try:
-        from megatron.core import parallel_state as ps
-
+    with cpu_tensor_parallel(rank, world, port) as parallel:
         cfg = tiny_config(qkv_bias=True, seed=11)
         model = build_gpt_model(cfg, parallel).eval()
         torch.save({"model": model.state_dict(), "optimizer": {}}, os.path.join(folder, f"rank_{rank}.pt"))
@@ -220,26 +208,14 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, o
         parts = [torch.empty_like(part) for _ in range(world)]
         dist.all_gather(parts, part.contiguous(), group=ps.get_tensor_model_parallel_group())
         out[rank] = torch.cat(parts, dim=-1)[..., : cfg.vocab_size]
-    finally:
-        destroy_megatron_parallel()
 
 
 @pytest.mark.slow
 def test_two_tensor_parallel_shards_merge_into_the_same_model(tmp_path):
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
     folder = tmp_path / "actor"
     os.makedirs(folder)
     ids = _ids()
-    # spawn, not fork: a child forked after this process ran megatron and gloo (earlier tests) can deadlock
-    with multiprocessing.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(
-            _tp_rank, args=(2, _free_port(), str(folder), ids, out), nprocs=2, start_method="spawn"
-        )
-        logits = dict(out)
+    logits = spawn_ranks(_tp_rank, 2, str(folder), ids)
     torch.testing.assert_close(logits[0], logits[1])
     cfg = tiny_config(qkv_bias=True, seed=11)
     parallel = ParallelConfig(tensor_model_parallel_size=2)

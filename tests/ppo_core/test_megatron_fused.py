@@ -7,8 +7,6 @@ The CUDA side (compiled kernels, the fp32-output matrix product, megatron's own 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -18,17 +16,11 @@ from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
-from _megatron import tiny_config
+from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
 
 from ppo_core.kernels import compiled as _compiled
 from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rms_norm, rotary_tables
 from ppo_core.workers.megatron.optim import clip_grads, grad_norm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _randn(seed: int, *shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -239,22 +231,12 @@ def test_frozen_weights_take_megatrons_path(cpu_megatron, monkeypatch):
 def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, ids: torch.Tensor, out: dict) -> None:
     """One TP rank: the fused model's vocab-parallel loss and its gradients (main_grad for the linears), with
     Hugging Face names; ``hf=None`` keeps the random initialisation and also returns the weights."""
-    from ppo_core.workers.megatron import (
-        ParallelConfig,
-        build_gpt_model,
-        destroy_megatron_parallel,
-        init_megatron_parallel,
-        vocab_parallel_log_probs,
-    )
+    from megatron.core import parallel_state as ps
+
+    from ppo_core.workers.megatron import build_gpt_model, vocab_parallel_log_probs
     from ppo_core.workers.megatron.hf_loading import hf_to_megatron, megatron_to_hf
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    parallel = ParallelConfig(tensor_model_parallel_size=world)
-    init_megatron_parallel(parallel, rank=rank, world_size=world, device=torch.device("cpu"))
-    try:
-        from megatron.core import parallel_state as ps
-
+    with cpu_tensor_parallel(rank, world, port) as parallel:
         cfg = tiny_config()
         model = build_gpt_model(cfg, parallel)
         if hf is not None:
@@ -266,8 +248,6 @@ def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, ids: torch.
         grads = {n: p.main_grad + (0 if p.grad is None else p.grad) for n, p in model.named_parameters()}
         weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         out[rank] = (float(loss), grads, megatron_to_hf([weights], cfg) if hf is None else None)
-    finally:
-        destroy_megatron_parallel()
 
 
 def _tp_loss(model, ids, group, vocab_parallel_log_probs):
@@ -278,17 +258,7 @@ def _tp_loss(model, ids, group, vocab_parallel_log_probs):
 
 
 def _run_ranks(world: int, hf: dict | None, ids: torch.Tensor) -> dict:
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    # spawn, not fork: a child forked after this process ran megatron and gloo (earlier tests) can deadlock
-    with multiprocessing.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(
-            _tp_rank_main, args=(world, _free_port(), hf, ids, out), nprocs=world, start_method="spawn"
-        )
-        return dict(out)
+    return spawn_ranks(_tp_rank_main, world, hf, ids)
 
 
 @pytest.mark.slow

@@ -10,15 +10,12 @@ padded path something arbitrary: comparisons are over the positions that predict
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron import tiny_config
+from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
 from _packing import mixed_batch, predicted
 
 from ppo_core.keys import KEYS
@@ -182,27 +179,12 @@ def test_remove_padding_off_keeps_the_padded_path(cpu_megatron) -> None:
 
 
 # ----- TP = 2 over gloo ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, remove_padding: bool, out: dict) -> None:
     """One TP rank: loss, log-probs and gradients (Hugging Face names) of the packed or padded engine."""
-    from ppo_core.workers.megatron import (
-        ParallelConfig,
-        build_gpt_model,
-        destroy_megatron_parallel,
-        init_megatron_parallel,
-    )
+    from ppo_core.workers.megatron import build_gpt_model
     from ppo_core.workers.megatron.hf_loading import hf_to_megatron, megatron_to_hf
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    parallel = ParallelConfig(tensor_model_parallel_size=world)
-    init_megatron_parallel(parallel, rank=rank, world_size=world, device=CPU)
-    try:
+    with cpu_tensor_parallel(rank, world, port) as parallel:
         cfg = tiny_config()
         model = build_gpt_model(cfg, parallel)
         if hf is not None:
@@ -217,25 +199,10 @@ def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, remove_padd
             torch.cat(log_probs),
             megatron_to_hf([weights], cfg) if hf is None else None,
         )
-    finally:
-        destroy_megatron_parallel()
 
 
 def _run_ranks(world: int, hf: dict | None, remove_padding: bool) -> dict:
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    # spawn, not fork: a child forked after this process ran megatron and gloo can deadlock
-    with multiprocessing.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(
-            _tp_rank_main,
-            args=(world, _free_port(), hf, remove_padding, out),
-            nprocs=world,
-            start_method="spawn",
-        )
-        return dict(out)
+    return spawn_ranks(_tp_rank_main, world, hf, remove_padding)
 
 
 @pytest.mark.slow

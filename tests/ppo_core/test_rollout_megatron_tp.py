@@ -4,18 +4,14 @@ tokens; greedy and sampled responses and their log-probs equal one rank's with t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron import spawn_ranks, tiny_config
+from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
 
 from ppo_core.rollout import SamplingConfig
-
-CPU = torch.device("cpu")
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,22 +26,13 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> None:
-    from ppo_core.workers.megatron import (
-        ParallelConfig,
-        build_gpt_model,
-        destroy_megatron_parallel,
-        init_megatron_parallel,
-    )
+    from megatron.core import parallel_state
+
+    from ppo_core.workers.megatron import build_gpt_model
     from ppo_core.workers.megatron.hf_loading import hf_to_megatron, megatron_to_hf
     from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    parallel = ParallelConfig(tensor_model_parallel_size=world)
-    init_megatron_parallel(parallel, rank=rank, world_size=world, device=CPU)
-    try:
-        from megatron.core import parallel_state
-
+    with cpu_tensor_parallel(rank, world, port) as parallel:
         cfg = tiny_config()
         model = build_gpt_model(cfg, parallel).eval()
         if hf is not None:
@@ -72,8 +59,6 @@ def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> 
             "sampled_lp": sampled["rollout_log_probs"],
             "hf": megatron_to_hf([weights], cfg) if hf is None else None,
         }
-    finally:
-        destroy_megatron_parallel()
 
 
 @pytest.mark.slow
