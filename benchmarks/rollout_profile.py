@@ -30,6 +30,24 @@ def _ms_per_step(engine, ids, mask, cfg, gen) -> dict:
     return {"decode_ms_per_step": round(sorted(runs)[1], 3), "prefill_s": round(engine.stats.prefill_s, 4)}
 
 
+def _graph_us(fn, *, warmup: int, calls: int = 20, replays: int = 10) -> float:
+    """Microseconds per call of ``fn``: ``calls`` calls captured in one CUDA graph, replayed ``replays`` times after
+    one warm replay (no launch overhead in the time)."""
+    for _ in range(warmup):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (calls * replays) * 1e6
+
+
 def _gemm_times(b: int) -> dict:
     d, f, kv, v = MODEL["hidden_size"], MODEL["ffn_hidden_size"], 512, MODEL["vocab_size"]
     shapes = {
@@ -47,19 +65,7 @@ def _gemm_times(b: int) -> dict:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         xin = x if k == d else torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
-        for _ in range(5):
-            torch.nn.functional.linear(xin, w)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(20):
-                torch.nn.functional.linear(xin, w)
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            g.replay()
-        torch.cuda.synchronize()
-        us = (time.perf_counter() - t0) / 200 * 1e6
+        us = _graph_us(lambda xin=xin, w=w: torch.nn.functional.linear(xin, w), warmup=5)
         out[name] = {"us": round(us, 2), "tb_per_s": round(n * k * 2 / us / 1e6, 3)}
     return out
 
@@ -96,19 +102,7 @@ def _attn_times(b: int, kv_len: int) -> dict:
     for name, fn in variants.items():
         try:
             err = float((fn().float() - ref).abs().max())
-            for _ in range(3):
-                fn()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(20):
-                    fn()
-            g.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                g.replay()
-            torch.cuda.synchronize()
-            out[name] = {"us": round((time.perf_counter() - t0) / 200 * 1e6, 2), "max_err": round(err, 4)}
+            out[name] = {"us": round(_graph_us(fn, warmup=3), 2), "max_err": round(err, 4)}
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return out
