@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppo_core import advantages, kernels
 from ppo_core.advantages._common import zero_outside
-from ppo_core.kernels import chunked, reference, triton_scan
+from ppo_core.kernels import chunked, dispatch, reference, triton_scan
 from ppo_core.kernels.whiten import whiten_valid
 
 CPU_SHAPES = [(256, 1024), (512, 4096)]
@@ -143,14 +143,12 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
     # estimator's checks and its one host sync; and, for the record, the unfused form it had before (the checked
     # scan, then the whitening or the baseline in PyTorch ops).
     fused = {
-        "compute_gae(whiten=False)": lambda: kernels.masked_gae_returns_checked(r, v, m, GAMMA, LAM),
-        "compute_gae(whiten=True)": lambda: kernels.masked_gae_returns_checked(
-            r, v, m, GAMMA, LAM, whiten=True
-        ),
-        "compute_reinforce_pp_advantage": lambda: kernels.masked_return_advantages_checked(
+        "compute_gae(whiten=False)": lambda: dispatch._gae_checked(r, v, m, GAMMA, LAM),
+        "compute_gae(whiten=True)": lambda: dispatch._gae_checked(r, v, m, GAMMA, LAM, whiten=True),
+        "compute_reinforce_pp_advantage": lambda: dispatch._return_advantages_checked(
             r, m, GAMMA, whiten=True
         ),
-        "compute_remax_advantage": lambda: kernels.masked_return_advantages_checked(
+        "compute_remax_advantage": lambda: dispatch._return_advantages_checked(
             r, m, 1.0, baselines=baselines
         ),
     }

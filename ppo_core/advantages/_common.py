@@ -48,15 +48,6 @@ def check_rewards_and_mask_unsynced(
     return rewards, valid, (valid & (mask != 1)).any()
 
 
-def any_set(*flags: torch.Tensor | None) -> bool:
-    """Whether any of the deferred checks of a call flagged something: one host sync for all of them."""
-    present = [flag for flag in flags if flag is not None]
-    combined = present[0]
-    for flag in present[1:]:
-        combined = combined | flag
-    return bool(combined)
-
-
 def check_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming ``name`` if ``value`` holds NaN or inf (only where ``where`` is true, if given)."""
     bad = ~torch.isfinite(value)

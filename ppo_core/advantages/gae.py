@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core import kernels
 from ppo_core._checks import check_floating, check_same_shape
 from ppo_core.advantages._common import (
     REWARDS,
-    any_set,
     check_finite,
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
 )
+from ppo_core.kernels.dispatch import _gae_checked, flags_set
 
 __all__ = ["compute_gae"]
 
@@ -78,10 +77,10 @@ def compute_gae(
     lam = check_scalar("lam", lam, 0.0, 1.0)
     # The scan zeroes masked positions and flags NaN/inf it reads at valid ones: one host sync, no extra pass.
     # (On CUDA the whitening statistics come from the scan too: one more kernel normalises.)
-    advantages, returns, maybe_nonfinite = kernels.masked_gae_returns_checked(
+    advantages, returns, maybe_nonfinite = _gae_checked(
         rewards, values, mask, gamma, lam, whiten=bool(whiten)
     )
-    if any_set(maybe_nonfinite, mask_flag):
+    if flags_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("values", values, mask)

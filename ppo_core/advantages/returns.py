@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core import kernels
 from ppo_core._checks import check_floating, check_ndim
 from ppo_core.advantages._common import (
     REWARDS,
-    any_set,
     check_finite,
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
 )
+from ppo_core.kernels.dispatch import _return_advantages_checked, flags_set
 
 __all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
 
@@ -48,10 +47,8 @@ def compute_reinforce_pp_advantage(
     """
     rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
     gamma = check_scalar("gamma", gamma, 0.0, 1.0)
-    advantages, returns, maybe_nonfinite = kernels.masked_return_advantages_checked(
-        rewards, mask, gamma, whiten=True
-    )
-    if any_set(maybe_nonfinite, mask_flag):
+    advantages, returns, maybe_nonfinite = _return_advantages_checked(rewards, mask, gamma, whiten=True)
+    if flags_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
     return advantages, returns
@@ -91,10 +88,10 @@ def compute_remax_advantage(
         raise ValueError(f"reward_baselines is on {baselines.device} but {REWARDS} is on {rewards.device}")
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
     # the scan subtracts the baselines and flags a non-finite one of a row with a valid token (the others are unused)
-    advantages, returns, maybe_nonfinite = kernels.masked_return_advantages_checked(
+    advantages, returns, maybe_nonfinite = _return_advantages_checked(
         rewards.to(dtype), mask, 1.0, baselines=baselines.to(dtype)
     )
-    if any_set(maybe_nonfinite, mask_flag):
+    if flags_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
         check_finite("reward_baselines", baselines, mask.any(dim=-1))

@@ -52,16 +52,18 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 def _resolve(backend: str, device: torch.device, tensors: tuple[torch.Tensor, ...]) -> str:
+    if backend == "auto":  # the common case first, without building the list of available backends
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return "chunked"
+        if device.type != "cuda" or triton_scan.triton is None:  # a CUDA tensor: CUDA is available
+            return "chunked"
+        if any(t.dtype == torch.float64 for t in tensors):
+            # Triton passes gamma and lam as fp32 scalars: float64 inputs would lose ~1e-8 of precision
+            return "chunked"
+        return "triton"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     available = available_backends(device)
-    if backend == "auto":
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return "chunked"
-        if available[0] == "triton" and any(t.dtype == torch.float64 for t in tensors):
-            # Triton passes gamma and lam as fp32 scalars: float64 inputs would lose ~1e-8 of precision
-            return "chunked"
-        return available[0]
     if backend not in available:
         raise ValueError(f"backend {backend!r} is not available on {device}; available: {available}")
     return backend
@@ -252,9 +254,59 @@ def masked_gae_returns_checked(
     """
     mask = _check_inputs(rewards, mask, values=values)
     gamma, lam = _scalar("gamma", gamma), _scalar("lam", lam)
+    adv, ret, flags = _gae_checked(rewards, values, mask, gamma, lam, whiten, backend, flags_on_host=False)
+    return adv, ret, _as_flag(flags)
+
+
+def _as_flag(flags: torch.Tensor) -> torch.Tensor:
+    """The 0-d flag of the public ``*_checked`` functions from a backend's flags (Triton: one word per program)."""
+    return flags if flags.dim() == 0 else flags.any()
+
+
+def flags_set(*flags: torch.Tensor | None) -> bool:
+    """Whether any of the flags of a ``*_checked`` scan (any shape, as :func:`_gae_checked` gives them) or of a
+    deferred check is set: one host sync for all of them (None entries skipped).
+
+    Flags in pinned host memory were written by the device directly (:func:`~triton_scan.host_flag_words`): a
+    stream sync makes them readable, with no copy back.
+    """
+    if len(flags) == 2 and flags[1] is None and flags[0] is not None and flags[0].is_pinned():
+        torch.cuda.current_stream().synchronize()  # the usual case on CUDA: Triton's words, a bool mask
+        return bool(flags[0].numpy().any())
+    written: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
+    for flag in flags:
+        if flag is not None:
+            (written if flag.device.type == "cpu" and flag.is_pinned() else others).append(flag)
+    if others and bool(torch.stack([flag.any() for flag in others]).any()):
+        return True  # (on CUDA this read is the one sync; the device's writes to host words are complete after it)
+    if not written:
+        return False
+    if not any(flag.is_cuda for flag in others):
+        torch.cuda.current_stream().synchronize()  # the one sync
+    return any(bool(flag.numpy().any()) for flag in written)  # no copy back
+
+
+def _gae_checked(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = False,
+    backend: str = "auto",
+    flags_on_host: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`masked_gae_returns_checked` on inputs already validated (floating, same shape and device, bool mask,
+    float scalars), for the estimators, which check them once; the flags in the backend's form, to read at once
+    with :func:`flags_set` (Triton's words in this thread's pinned host memory with ``flags_on_host``)."""
     name = _resolve(backend, rewards.device, (rewards, values))
     if name == "triton":
-        return triton_scan.gae_returns_checked_triton(rewards, values, mask, gamma, lam, whiten=whiten)
+        # at least one word per program
+        words = triton_scan.host_flag_words(rewards.device, rewards.shape[0]) if flags_on_host else None
+        return triton_scan.gae_returns_checked_triton(
+            rewards, values, mask, gamma, lam, whiten=whiten, flags=words
+        )
     if name == "chunked":
         adv, ret, flag = chunked.gae_returns_checked_chunked(rewards, values, mask, gamma, lam)
     else:
@@ -292,7 +344,8 @@ def masked_discounted_return_checked(
     gamma = _scalar("gamma", gamma)
     name = _resolve(backend, rewards.device, (rewards,))
     if name == "triton":
-        return triton_scan.discounted_return_scan_checked_triton(rewards, mask, gamma)
+        returns, flags = triton_scan.discounted_return_scan_checked_triton(rewards, mask, gamma)
+        return returns, _as_flag(flags)
     if name == "chunked":
         return chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
     returns = reference.masked_discounted_return_scan(rewards, mask, gamma)
@@ -339,10 +392,35 @@ def masked_return_advantages_checked(
     gamma = _scalar("gamma", gamma)
     if whiten and baselines is not None:
         raise ValueError("masked_return_advantages_checked: give whiten or baselines, not both")
+    if baselines is not None:
+        baselines = check_ndim("baselines", check_floating("baselines", baselines), 1)
+        if baselines.shape[0] != rewards.shape[0] or baselines.device != rewards.device:
+            raise ValueError(
+                f"baselines must be [B] = [{rewards.shape[0]}] on {rewards.device}, got shape "
+                f"{tuple(baselines.shape)} on {baselines.device}"
+            )
+    adv, returns, flags = _return_advantages_checked(
+        rewards, mask, gamma, whiten, baselines, backend, flags_on_host=False
+    )
+    return adv, returns, _as_flag(flags)
+
+
+def _return_advantages_checked(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    whiten: bool = False,
+    baselines: torch.Tensor | None = None,
+    backend: str = "auto",
+    flags_on_host: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`masked_return_advantages_checked` on inputs already validated (see :func:`_gae_checked`)."""
     name = _resolve(backend, rewards.device, (rewards,))
     if name == "triton":
+        # at least one word per program
+        words = triton_scan.host_flag_words(rewards.device, rewards.shape[0]) if flags_on_host else None
         return triton_scan.return_advantages_checked_triton(
-            rewards, mask, gamma, whiten=whiten, baselines=baselines
+            rewards, mask, gamma, whiten=whiten, baselines=baselines, flags=words
         )
     if name == "chunked":
         returns, flag = chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)

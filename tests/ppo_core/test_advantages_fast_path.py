@@ -336,24 +336,44 @@ def _check_triton_checked(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, lau
     dirty_r, dirty_v = r.masked_fill(~m, float("nan")), v.masked_fill(~m, float("inf"))
     adv, ret, flag = triton_scan.gae_returns_checked_triton(dirty_r, dirty_v, m, 0.99, 0.95, launch=launch)
     mc = m.cpu()
-    assert int(flag) == 0
+    assert triton_scan.flag_bits(flag) == 0
     assert bool((adv[~m] == 0).all()) and bool((ret[~m] == 0).all())
     torch.testing.assert_close(adv.double().cpu(), torch.where(mc, ref, 0.0), atol=1e-4, rtol=0)
     torch.testing.assert_close(
         ret.double().cpu(), torch.where(mc, ref + v.double().cpu(), 0.0), atol=1e-4, rtol=0
     )
     out, flag = triton_scan.discounted_return_scan_checked_triton(dirty_r, m, 0.99, launch=launch)
-    assert int(flag) == 0
+    assert triton_scan.flag_bits(flag) == 0
     torch.testing.assert_close(out.double().cpu(), ref_ret, atol=1e-4, rtol=0)
     if not bool(m.any()):
         return
     row, col = m.nonzero()[-1].tolist()
     bad_r, bad_v = r.clone(), v.clone()
     bad_r[row, col], bad_v[row, col] = float("inf"), float("nan")
-    assert int(triton_scan.gae_returns_checked_triton(bad_r, v, m, 0.99, 0.95, launch=launch)[2]) == 1
-    assert int(triton_scan.gae_returns_checked_triton(r, bad_v, m, 0.99, 0.95, launch=launch)[2]) == 2
-    assert int(triton_scan.gae_returns_checked_triton(bad_r, bad_v, m, 0.99, 0.95, launch=launch)[2]) == 3
-    assert int(triton_scan.discounted_return_scan_checked_triton(bad_r, m, 0.99, launch=launch)[1]) == 1
+    assert (
+        triton_scan.flag_bits(
+            triton_scan.gae_returns_checked_triton(bad_r, v, m, 0.99, 0.95, launch=launch)[2]
+        )
+        == 1
+    )
+    assert (
+        triton_scan.flag_bits(
+            triton_scan.gae_returns_checked_triton(r, bad_v, m, 0.99, 0.95, launch=launch)[2]
+        )
+        == 2
+    )
+    assert (
+        triton_scan.flag_bits(
+            triton_scan.gae_returns_checked_triton(bad_r, bad_v, m, 0.99, 0.95, launch=launch)[2]
+        )
+        == 3
+    )
+    assert (
+        triton_scan.flag_bits(
+            triton_scan.discounted_return_scan_checked_triton(bad_r, m, 0.99, launch=launch)[1]
+        )
+        == 1
+    )
 
 
 @interpret
@@ -365,6 +385,48 @@ def test_triton_checked_interpreted(batch) -> None:
     _check_triton_checked(batch.token_level_rewards, batch.values, batch.response_mask, launch)
 
 
+@interpret
+@pytest.mark.parametrize("shape", [(5, 40), (1, 1), (3, 0), (0, 4)])
+def test_triton_flag_words_need_no_zeroing(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every program writes its own flag word, so the buffer is never zeroed (no launch for it): flag words that
+    start as all ones still read 0 after a scan of finite inputs, and only the right bit after a NaN."""
+    flag_words = triton_scan._flag_words
+    monkeypatch.setattr(triton_scan, "_flag_words", lambda *args: flag_words(*args).fill_(-1))
+    r, v, m = _case(*shape, seed=shape[1])
+    launch = triton_scan.ScanLaunch(block_b=2, block_t=16, num_warps=1)
+    assert (
+        triton_scan.flag_bits(triton_scan.gae_returns_checked_triton(r, v, m, 0.99, 0.95, launch=launch)[2])
+        == 0
+    )
+    for options in ({"whiten": True}, {"baselines": torch.zeros(shape[0])}):
+        flags = triton_scan.return_advantages_checked_triton(r, m, 0.99, launch=launch, **options)[2]
+        assert triton_scan.flag_bits(flags) == 0
+    if bool(m.any()):
+        bad_v = v.masked_fill(m, float("nan"))
+        assert triton_scan.flag_bits(triton_scan.gae_returns_checked_triton(r, bad_v, m, 0.99, 0.95)[2]) == 2
+
+
+@pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
+def test_estimators_validate_their_inputs_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimators check their arguments themselves and call the scans past the dispatcher's own checks (a
+    second round of the same checks was host time on every call)."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the dispatcher validated inputs the estimator had already checked")
+
+    monkeypatch.setattr(kernels.dispatch, "_check_inputs", forbidden)
+    r, v, m = _case(batch=6, length=20)
+    _estimators(r, v, m)[name]()
+
+
+def test_flags_set_reads_any_form_of_flag() -> None:
+    flags_set = kernels.dispatch.flags_set
+    assert not flags_set(torch.zeros(7, dtype=torch.int32), None)
+    assert flags_set(torch.tensor([0, 0, 2], dtype=torch.int32))
+    assert flags_set(torch.tensor(False), torch.tensor(True))
+    assert not flags_set(torch.zeros(0, dtype=torch.int32), torch.tensor(False))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", [(1, 1), (7, 33), (64, 700), (300, 5000)])
@@ -373,6 +435,23 @@ def test_triton_checked_on_gpu(shape: tuple[int, int]) -> None:
         pytest.skip("Triton is not installed")
     r, v, m = (t.cuda() for t in _case(*shape, seed=shape[1]))
     _check_triton_checked(r, v, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
+def test_cuda_flags_in_reused_host_words(name: str) -> None:
+    """On CUDA the scans write their flag words straight into this thread's pinned host buffer, reused by every
+    call: a NaN is caught on every call, a finite call after it sees no stale word, and a batch of more rows than
+    the buffer holds grows it."""
+    for batch in (64, 5000):
+        r, v, m = (t.cuda() for t in _case(batch=batch, length=40))
+        bad_r = r.masked_fill(m, float("nan"))
+        for _ in range(2):
+            with pytest.raises(ValueError, match="NaN"):
+                _estimators(bad_r, v, m)[name]()
+            adv, _ = _estimators(r, v, m)[name]()
+            assert bool(torch.isfinite(adv).all())
 
 
 @pytest.mark.gpu

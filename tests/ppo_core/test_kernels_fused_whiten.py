@@ -62,7 +62,7 @@ def test_fused_gae_whitening_matches_torch(device, shape, gamma, lam) -> None:
     r, v, m = _case(*shape, seed=sum(shape), device=device)
     adv, ret, flag = triton_scan.gae_returns_checked_triton(r, v, m, gamma, lam, whiten=True)
     want_adv, want_ret = _want_gae(r, v, m, gamma, lam)
-    assert int(flag) == 0 and adv.shape == r.shape
+    assert triton_scan.flag_bits(flag) == 0 and adv.shape == r.shape
     _close(adv, want_adv, m)
     _close(ret, want_ret, m)
 
@@ -78,7 +78,7 @@ def test_fused_whitening_across_chunks_and_programs(device) -> None:
     _close(adv, _want_gae(r, v, m, 1.0, 1.0)[0], m)
     returns, _ = triton_scan.discounted_return_scan_checked_triton(r, m, 1.0)
     white, again, flag = triton_scan.return_advantages_checked_triton(r, m, 1.0, whiten=True, launch=launch)
-    assert int(flag) == 0
+    assert triton_scan.flag_bits(flag) == 0
     _close(again, returns, m, tol=1e-6)  # another launch shape: another rounding order
     _close(white, whiten_valid(returns.double().cpu(), m.cpu()), m)
     assert abs(white[m].double().mean().item()) < 1e-5 and abs(white[m].double().std().item() - 1) < 1e-4
@@ -90,21 +90,26 @@ def test_fused_baselines_and_their_flag(device) -> None:
     r, _, m = _case(6, 50, seed=4, device=device)
     b = torch.randn(6).to(device)
     adv, ret, flag = triton_scan.return_advantages_checked_triton(r, m, 1.0, baselines=b)
-    assert int(flag) == 0
+    assert triton_scan.flag_bits(flag) == 0
     _close(adv, torch.where(m, ret - b[:, None], 0.0), m, tol=1e-6)
     # a NaN baseline of the all-masked row is never read; of a row with a valid token, it sets bit 1
     b_unused = b.clone()
     b_unused[3] = float("nan")  # row 3 = batch // 2 is all masked
-    assert int(triton_scan.return_advantages_checked_triton(r, m, 1.0, baselines=b_unused)[2]) == 0
+    assert (
+        triton_scan.flag_bits(triton_scan.return_advantages_checked_triton(r, m, 1.0, baselines=b_unused)[2])
+        == 0
+    )
     b_used = b.clone()
     b_used[0] = float("inf")
     row0 = bool(m[0].any())
-    assert int(triton_scan.return_advantages_checked_triton(r, m, 1.0, baselines=b_used)[2]) == (
-        2 if row0 else 0
-    )
+    assert triton_scan.flag_bits(
+        triton_scan.return_advantages_checked_triton(r, m, 1.0, baselines=b_used)[2]
+    ) == (2 if row0 else 0)
     r_bad = r.clone()
     r_bad[m] = float("nan")
-    assert int(triton_scan.return_advantages_checked_triton(r_bad, m, 1.0, whiten=True)[2]) & 1
+    assert (
+        triton_scan.flag_bits(triton_scan.return_advantages_checked_triton(r_bad, m, 1.0, whiten=True)[2]) & 1
+    )
 
 
 @triton_devices
