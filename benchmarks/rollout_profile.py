@@ -162,7 +162,13 @@ def main() -> None:
         from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 
         mmodel, mcfg = _megatron_model()
-        result["megatron_graphs"] = _ms_per_step(MegatronRolloutEngine(mmodel, mcfg), ids, mask, cfg, gen)
+        mengine = MegatronRolloutEngine(mmodel, mcfg)
+        result["megatron_graphs"] = _ms_per_step(mengine, ids, mask, cfg, gen)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mengine.generate(ids, mask, cfg, generator=gen)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        result["megatron_profile_top"] = table.splitlines()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -14,7 +14,8 @@ Two implementations, the same maths:
   64 rows x 384 slots on an H200, where reading the cache takes about 12 us).
 
 :func:`decode_attention` picks Triton on CUDA when it is installed (``PPO_CORE_DECODE_ATTENTION=sdpa`` forces the
-reference).
+reference). Given ``filled`` (a device scalar: slots ``>= filled`` are all masked), the Triton kernel stops reading
+there: a decode graph captured for a cache length ``L`` rounded up to its bucket reads only what is filled.
 
 Shapes: ``q [B, H, 1, d]``, ``k``/``v [B, G, L, d]`` (views of the cache, last dimension contiguous), ``bias
 [B, 1, 1, L]`` (fp32 or the model dtype); output ``[B, H, 1, d]``.
@@ -80,7 +81,9 @@ if triton is not None:
         so_b,
         so_h,
         kv_len,
+        Filled,
         scale,
+        HAS_FILLED: tl.constexpr,
         REP: tl.constexpr,
         REP_PAD: tl.constexpr,
         D: tl.constexpr,
@@ -98,7 +101,10 @@ if triton is not None:
         acc = tl.zeros([REP_PAD, D], tl.float32)
         k_base = K + b * sk_b + g * sk_g
         v_base = V + b * sv_b + g * sv_g
-        for start in range(0, kv_len, BLOCK_L):
+        n = kv_len
+        if HAS_FILLED:  # the slots past the filled ones are masked: do not read them
+            n = tl.minimum(kv_len, tl.load(Filled).to(tl.int32))
+        for start in range(0, n, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < kv_len
             k = tl.load(
@@ -132,12 +138,14 @@ def decode_attention_triton(
     bias: torch.Tensor,
     scale: float | None = None,
     *,
+    filled: torch.Tensor | None = None,
     block_l: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA; see the module docstring). ``q``'s heads and ``k``/``v``'s last dimension must be
-    contiguous; the head width a power of two >= 16."""
+    contiguous; the head width a power of two >= 16. ``filled``: a device scalar, every slot at or past it is
+    masked (read no further)."""
     if triton is None:
         raise RuntimeError("decode_attention_triton needs Triton")
     b, h, _, d = q.shape
@@ -169,7 +177,9 @@ def decode_attention_triton(
         out.stride(0),
         out.stride(1),
         kv_len,
+        out if filled is None else filled,  # an unused pointer without it
         float(scale if scale is not None else d**-0.5),
+        HAS_FILLED=filled is not None,
         REP=rep,
         REP_PAD=max(16, triton.next_power_of_2(rep)),
         D=d,
@@ -182,9 +192,15 @@ def decode_attention_triton(
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float | None = None,
+    filled: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention on the fastest available implementation (see the module docstring)."""
+    """Decode attention on the fastest available implementation (see the module docstring); ``filled``: an optional
+    device scalar past which every slot is masked."""
     d = q.shape[-1]
     if (
         triton_available(q.device)
@@ -192,5 +208,5 @@ def decode_attention(
         and d >= 16
         and not d & (d - 1)
     ):
-        return decode_attention_triton(q, k, v, bias, scale)
+        return decode_attention_triton(q, k, v, bias, scale, filled=filled)
     return decode_attention_sdpa(q, k, v, bias, scale)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -70,14 +71,79 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-class _LlamaFamilyForward:
-    """The fused cached forward of a Llama-family model (see the module docstring)."""
+def _concatenated(layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
+    none has one)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    if all(layer.bias is None for layer in layers):
+        return weight, None
+    biases = [
+        layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
+        for layer in layers
+    ]
+    return weight, torch.cat(biases)
 
-    def __init__(self, model: nn.Module) -> None:
+
+class _LlamaFamilyForward:
+    """The fused cached forward of a Llama-family model (see the module docstring).
+
+    With ``fuse_projections`` each layer's query/key/value projections run as one GEMM, and its gate/up projections
+    as another, over weights concatenated by :meth:`refresh` from the model's own (at the start of every
+    generation, so they follow the training updates); small decode GEMMs are latency-bound, so one launch over
+    the concatenation costs little more than the largest of its parts.
+    """
+
+    def __init__(self, model: nn.Module, fuse_projections: bool = True) -> None:
         self.body, self.lm_head, cfg = model.model, model.lm_head, model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.fuse_projections = fuse_projections
+        # per layer: q/k/v weight and bias, gate/up weight and bias (a bias None when the model has none)
+        self._fused: list[list[torch.Tensor | None]] | None = None
+
+    def refresh(self) -> None:
+        """(Re)build the concatenated weights from the model's current ones, in place when they exist (a kept
+        CUDA graph reads them at fixed addresses)."""
+        if not self.fuse_projections:
+            return
+        fresh = self._fused is None
+        fused = [] if fresh else self._fused
+        with torch.no_grad():
+            for i, layer in enumerate(self.body.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+                tensors = [t for group in groups for t in _concatenated(group)]
+                if fresh:
+                    fused.append(tensors)
+                    continue
+                for old, new in zip(fused[i], tensors, strict=True):
+                    if old is not None:
+                        old.copy_(new)
+        self._fused = fused
+
+    def free(self) -> None:
+        """Drop the concatenated weights."""
+        self._fused = None
+
+    def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, s = x.shape[:2]
+        attn = layer.self_attn
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self._fused is not None:
+            qkv = F.linear(x, self._fused[i][0], self._fused[i][1])
+            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = _linear(x, attn.q_proj), _linear(x, attn.k_proj), _linear(x, attn.v_proj)
+        shape = (b, s, -1, self.head_dim)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def _mlp(self, i: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            gate, up = F.linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
+        else:
+            gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
+        return _linear(silu_mul(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         body = self.body
@@ -93,18 +159,16 @@ class _LlamaFamilyForward:
                 x = rms_norm(h, norm1.weight, norm1.variance_epsilon)
             else:  # the previous layer's residual add fused with this layer's norm
                 h, x = add_rms_norm(h, mlp_out, norm1.weight, norm1.variance_epsilon)
-            q = _linear(x, attn.q_proj).view(b, s, self.heads, self.head_dim)
-            k = _linear(x, attn.k_proj).view(b, s, self.kv_heads, self.head_dim)
-            v = _linear(x, attn.v_proj).view(b, s, self.kv_heads, self.head_dim)
+            q, k, v = self._projections(i, layer, x)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
                 q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
             q, k = apply_rotary(q, k, cos, sin)
             out = cache.attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.scaling)
-            norm2, mlp = layer.post_attention_layernorm, layer.mlp
+            norm2 = layer.post_attention_layernorm
             attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
             h, x = add_rms_norm(h, attn_out, norm2.weight, norm2.variance_epsilon)
-            mlp_out = _linear(silu_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)), mlp.down_proj)
+            mlp_out = self._mlp(i, layer.mlp, x)
         h_last = h[:, -1] + mlp_out[:, -1]
         last = rms_norm(h_last, body.norm.weight, body.norm.variance_epsilon)
         return self.lm_head(last).float()
@@ -183,6 +247,10 @@ class HFRolloutEngine(CachedRolloutEngine):
         model: the causal LM (its ``config`` tells the shapes), or a wrapper holding it as ``.model`` (such as
             :class:`ppo_core.models.hf.HFCausalLM`).
         fast_path: use the Llama-family fused path; None: when :func:`supports_fast_path`.
+        fuse_projections: on the fused path, run each layer's q/k/v and gate/up projections as one GEMM each,
+            over concatenated copies of those weights made at the start of every generation and dropped after
+            it (unless ``keep_cache``): about 55% of the weights of a Llama-shaped model more memory while
+            sampling, none during the update.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -192,6 +260,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         model: nn.Module,
         *,
         fast_path: bool | None = None,
+        fuse_projections: bool = True,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -211,7 +280,9 @@ class HFRolloutEngine(CachedRolloutEngine):
             raise ValueError(
                 f"fast_path=True but {type(model).__name__} is not a supported Llama-family model"
             )
-        self._forward = _LlamaFamilyForward(model) if self.fast_path else _GenericForward(model)
+        self._forward = (
+            _LlamaFamilyForward(model, fuse_projections) if self.fast_path else _GenericForward(model)
+        )
         heads = cfg.num_attention_heads
         param = next(model.parameters())
         spec = ModelSpec(
@@ -227,4 +298,21 @@ class HFRolloutEngine(CachedRolloutEngine):
     def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
         if isinstance(self._forward, _GenericForward):
             return self._forward.attention_implementation()
-        return contextlib.nullcontext()
+        return self._fused_weights()
+
+    @contextlib.contextmanager
+    def _fused_weights(self) -> Iterator[None]:
+        """The concatenated projections of this generation, from the current weights; dropped after it unless the
+        decoder keeps its cache (its graphs read them)."""
+        self._forward.refresh()
+        try:
+            yield
+        finally:
+            if not self.decoder.keep_cache:
+                self._forward.free()
+
+    def release(self) -> None:
+        """Free the KV cache, graphs and concatenated weights kept by ``keep_cache=True``."""
+        super().release()
+        if isinstance(self._forward, _LlamaFamilyForward):
+            self._forward.free()

@@ -80,6 +80,7 @@ class KVCache:
     kv_len: int = 0
     prefill_mask: torch.Tensor | None = None
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+    _filled: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(
@@ -113,6 +114,7 @@ class KVCache:
     def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
         """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len
+        self._filled = slot + 1
         # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
         valid = self.key_valid[:, None, None, :kv_len]
         zero = torch.zeros((), dtype=self.keys[0].dtype, device=valid.device)
@@ -145,6 +147,7 @@ class KVCache:
             raise ValueError(f"a decode step feeds one token per row, got {s}")
         keys.index_copy_(2, self.slot.view(1), k)
         values.index_copy_(2, self.slot.view(1), v)
+        # nothing past this step's slot is filled yet: the kernel stops there within the bucket's kv_len
         return decode_attention(
-            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale
+            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled
         )

@@ -31,6 +31,7 @@ import torch
 from ppo_core._checks import FieldValueError, check_int, check_positive, check_unit_interval
 from ppo_core._config_base import ConfigBase
 from ppo_core.kernels.compiled import cuda_compiled
+from ppo_core.rollout.fused_sampling import fused_sample, fused_sampling_available
 
 __all__ = [
     "SamplingConfig",
@@ -171,6 +172,10 @@ def sample_tokens(
     if temperature > 0 and (noise is None or noise.shape != logits.shape):
         got = None if noise is None else tuple(noise.shape)
         raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling, got {got}")
+    if fused_sampling_available(
+        logits, top_k, top_p
+    ):  # CUDA without truncation: one read of logits and noise
+        return fused_sample(logits, noise, float(temperature))
     return _draw(logits, noise, float(temperature), int(top_k), float(top_p))
 
 

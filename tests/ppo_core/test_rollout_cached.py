@@ -260,6 +260,42 @@ def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
     assert kept.decoder._state is None
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q/k/v
+def test_fused_projections_match_separate_ones_and_follow_weight_updates(kind):
+    """The concatenated q/k/v and gate/up weights give the separate projections' tokens and log-probs, are rebuilt
+    from the weights of the moment at every generation (in place when the cache and graphs are kept), and are
+    dropped after a generation otherwise."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf(kind)
+    model.model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.randn(48))  # an MLP bias on one of two
+    ids, mask = _left_padded(3, 5, seed=2)
+    cfg = SamplingConfig(max_new_tokens=6, temperature=1.0)
+
+    def run(engine):
+        return engine.generate(ids, mask, cfg, generator=torch.Generator().manual_seed(9))
+
+    separate = HFRolloutEngine(model, fuse_projections=False)
+    fused, kept = HFRolloutEngine(model), HFRolloutEngine(model, keep_cache=True)
+    for step in range(2):
+        want = run(separate)
+        for engine in (fused, kept):
+            got = run(engine)
+            assert torch.equal(got["responses"], want["responses"]), (kind, step)
+            torch.testing.assert_close(
+                got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-5, rtol=1e-5
+            )
+        assert fused._forward._fused is None and kept._forward._fused is not None
+        with torch.no_grad():  # a training update between two rollouts
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    buffers = [t.data_ptr() for t in kept._forward._fused[0] if t is not None]
+    run(kept)
+    assert [t.data_ptr() for t in kept._forward._fused[0] if t is not None] == buffers
+    kept.release()
+    assert kept._forward._fused is None
+
+
 def test_decoder_rejects_bad_inputs_by_name():
     spec = ModelSpec(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
     decoder = StaticCacheDecoder(lambda i, p, c: torch.zeros(i.shape[0], 3), spec, 3)

@@ -118,3 +118,21 @@ def test_triton_decode_attention_matches_the_sdpa_reference(dtype, heads, groups
     ref = decode_attention_sdpa(q.double(), k.double(), v.double(), bias.double(), 0.125).float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("filled", [1, 63, 64, 65, 300])
+def test_triton_decode_attention_stops_at_the_filled_slots(filled):
+    """With ``filled`` (a device scalar) the kernel reads no slot past it: NaN there changes nothing."""
+    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+
+    g = torch.Generator("cuda").manual_seed(filled)
+    b, heads, groups, d, kv_len = 3, 16, 4, 64, 384
+    q = torch.randn(b, heads, 1, d, device="cuda", generator=g, dtype=torch.float32)
+    k = torch.randn(b, groups, kv_len, d, device="cuda", generator=g)
+    v = torch.randn(b, groups, kv_len, d, device="cuda", generator=g)
+    visible = torch.arange(kv_len, device="cuda")[None, :] < filled
+    bias = torch.where(visible, 0.0, float("-inf")).expand(b, kv_len)[:, None, None, :]
+    ref = decode_attention_sdpa(q.double(), k.double(), v.double(), bias.double(), 0.125).float()
+    k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")  # never written, never read
+    ours = decode_attention_triton(q, k, v, bias, 0.125, filled=torch.tensor(filled, device="cuda"))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
