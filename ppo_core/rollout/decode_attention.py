@@ -106,7 +106,7 @@ if triton is not None:
             n = tl.minimum(kv_len, tl.load(Filled).to(tl.int32))
         for start in range(0, n, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
-            inside = slots < kv_len
+            inside = slots < n
             k = tl.load(
                 k_base + slots[None, :] * sk_l + d[:, None], mask=inside[None, :], other=0.0
             )  # [D, L]
