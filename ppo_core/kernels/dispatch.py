@@ -271,8 +271,9 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
     stream sync makes them readable, with no copy back.
     """
     if len(flags) == 2 and flags[1] is None and flags[0] is not None and flags[0].is_pinned():
-        torch.cuda.current_stream().synchronize()  # the usual case on CUDA: Triton's words, a bool mask
-        return bool(flags[0].numpy().any())
+        words = flags[0].numpy()  # the usual case on CUDA (Triton's words, a bool mask): a view, made before
+        torch.cuda.current_stream().synchronize()  # the sync, so that little is left to do after it
+        return bool(words.any())
     written: list[torch.Tensor] = []
     others: list[torch.Tensor] = []
     for flag in flags:

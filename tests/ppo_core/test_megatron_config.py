@@ -118,3 +118,18 @@ def test_layout_rejects_bad_ranks():
         megatron_layout(4, 4, ParallelConfig())
     with pytest.raises(ValueError, match="world_size"):
         megatron_layout(0, 3, ParallelConfig(tensor_model_parallel_size=2))
+
+
+def test_a_gloo_rank_builds_its_weights_on_the_cpu_even_where_cuda_exists(cpu_megatron, monkeypatch):
+    """Megatron initialises weights on the GPU (through its CUDA RNG tracker) unless told otherwise: a rank that
+    joined with gloo must get CPU initialisation although the machine has a GPU (CPU tests on a GPU host)."""
+    import torch
+
+    from ppo_core.workers.megatron import MegatronModelConfig
+
+    pytest.importorskip("megatron.core")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = MegatronModelConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16, vocab_size=32
+    )
+    assert config.transformer_config(ParallelConfig()).use_cpu_initialization is True

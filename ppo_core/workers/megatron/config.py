@@ -197,10 +197,20 @@ class MegatronModelConfig(ConfigBase):
             persist_layer_norm=False,
             gradient_accumulation_fusion=False,
             apply_rope_fusion=False,
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=_weights_on_cpu(),
         )
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+
+def _weights_on_cpu() -> bool:
+    """Whether megatron builds the weights on the CPU: this process joined its group with gloo (a CPU rank, even on
+    a machine with a GPU), or, before joining one, has no GPU."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" not in str(dist.get_backend())
+    return not torch.cuda.is_available()
 
 
 @dataclass(kw_only=True)

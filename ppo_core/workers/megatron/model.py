@@ -291,7 +291,8 @@ def padded_vocab_size(config: MegatronModelConfig, tp: int) -> int:
 def build_gpt_model(
     config: MegatronModelConfig, parallel: ParallelConfig, *, value_head: bool = False
 ) -> nn.Module:
-    """This rank's stage of a ``GPTModel`` (parallel state must be initialised), on the current device.
+    """This rank's stage of a ``GPTModel`` (parallel state must be initialised), on the current CUDA device of a
+    rank that joined with nccl, on the CPU otherwise.
 
     Args:
         config: the model's shape and dtype.
@@ -308,7 +309,9 @@ def build_gpt_model(
 
     tc = config.transformer_config(parallel)
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    cuda = torch.cuda.is_available()
+    cuda = (
+        not tc.use_cpu_initialization
+    )  # a GPU rank (nccl); a gloo rank stays on the CPU, even on a GPU host
     # megatron initialises replicated weights from the default RNG: seed a forked one (no global side effect)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         torch.manual_seed(config.seed)
