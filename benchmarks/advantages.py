@@ -189,6 +189,44 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
     return report
 
 
+def _estimator_layer_us() -> dict:
+    """Host time (us) of each public estimator beyond the kernels it calls, on 2 x 4 CPU inputs (the kernels then
+    cost little, so the difference is the estimator's own Python: argument checks, reading the flag)."""
+    r, v, b = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2)
+    m = torch.ones(2, 4, dtype=torch.bool)
+    pairs = {
+        "compute_gae": (
+            lambda: advantages.compute_gae(r, v, m, gamma=GAMMA, lam=LAM, whiten=False),
+            lambda: dispatch._gae_checked(r, v, m, GAMMA, LAM),
+        ),
+        "compute_remax_advantage": (
+            lambda: advantages.compute_remax_advantage(r, b, m),
+            lambda: dispatch._return_advantages_checked(r, m, 1.0, baselines=b),
+        ),
+    }
+
+    def best_us(fn: Callable[[], object]) -> float:
+        for _ in range(200):
+            fn()
+        runs = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            runs.append((time.perf_counter() - t0) * 1e3)
+        return min(runs)
+
+    report = {}
+    for name, (public, kernels_only) in pairs.items():
+        public_us, kernels_us = best_us(public), best_us(kernels_only)
+        report[name] = {
+            "public_us": round(public_us, 2),
+            "its_kernels_us": round(kernels_us, 2),
+            "estimator_us": round(public_us - kernels_us, 2),
+        }
+    return report
+
+
 def _copy_bandwidth_gbps(device: str) -> float:
     """Bytes read plus written per second by a device copy of a buffer far larger than the caches."""
     numel = (256 << 20) if device == "cuda" else (32 << 20)  # 1 GiB on CUDA, 128 MiB on CPU
@@ -414,6 +452,8 @@ def main() -> None:
                 "backends": kernels.available_backends(device),
                 "public": shapes,
             }
+            if device == "cpu":
+                result[device]["estimator_layer_us_2x4"] = _estimator_layer_us()
             if load is not None:
                 result[device]["load_avg"] = {"before": load, "after": os.getloadavg()}
             continue

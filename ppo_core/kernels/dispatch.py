@@ -270,15 +270,16 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
     Flags in pinned host memory were written by the device directly (:func:`~triton_scan.host_flag_words`): a
     stream sync makes them readable, with no copy back.
     """
-    if len(flags) == 2 and flags[1] is None and flags[0] is not None and flags[0].is_pinned():
-        words = flags[0].numpy()  # the usual case on CUDA (Triton's words, a bool mask): a view, made before
-        torch.cuda.current_stream().synchronize()  # the sync, so that little is left to do after it
-        return bool(words.any())
-    written: list[torch.Tensor] = []
-    others: list[torch.Tensor] = []
-    for flag in flags:
-        if flag is not None:
-            (written if flag.device.type == "cpu" and flag.is_pinned() else others).append(flag)
+    present = [flag for flag in flags if flag is not None]
+    if len(present) == 1:  # the usual case: the scan's flag alone (a bool mask needs no check of its own)
+        flag = present[0]
+        if flag.device.type == "cpu" and flag.is_pinned():
+            words = flag.numpy()  # a view, made before the sync so that little is left to do after it
+            torch.cuda.current_stream().synchronize()
+            return bool(words.any())
+        return bool(flag.any() if flag.dim() else flag)
+    written = [flag for flag in present if flag.device.type == "cpu" and flag.is_pinned()]
+    others = [flag for flag in present if not (flag.device.type == "cpu" and flag.is_pinned())]
     if others and bool(torch.stack([flag.any() for flag in others]).any()):
         return True  # (on CUDA this read is the one sync; the device's writes to host words are complete after it)
     if not written:

@@ -3,9 +3,10 @@
 Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_cache.KVCache`:
 
 - **Llama-family fast path** (``llama``, ``mistral``, ``qwen2``, ``qwen3`` model types with SiLU MLPs and full
-  attention): the decoder layers are evaluated from the model's own modules and weights (no copy) with fused
-  kernels (:mod:`ppo_core.kernels.fused`: RMSNorm, rotary embedding, SwiGLU each one kernel on CUDA), so a decode
-  step is about 14 kernels per layer. The rotary tables come from the model's own ``rotary_emb`` (any
+  attention): the decoder layers are evaluated from the model's own modules and weights with fused kernels
+  (:mod:`ppo_core.kernels.fused`: RMSNorm, rotary embedding, SwiGLU each one kernel on CUDA) and, by default, the
+  q/k/v and gate/up projections as one GEMM each over weights concatenated for the rollout (``fuse_projections``),
+  so a decode step is about 11 kernels per layer. The rotary tables come from the model's own ``rotary_emb`` (any
   ``rope_scaling`` it supports). Same maths as the model's ``forward`` (fp32 on the CPU: the same tokens).
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
