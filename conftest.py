@@ -31,5 +31,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     needs_cuda = pytest.mark.skip(reason="the example runs on a CUDA device")
     for item in items:
-        if isinstance(item, pytest.DoctestItem) and "triton_scan" in item.name:
+        if isinstance(item, pytest.DoctestItem) and any('"cuda"' in ex.source for ex in item.dtest.examples):
             item.add_marker(needs_cuda)
