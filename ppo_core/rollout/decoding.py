@@ -2,7 +2,7 @@
 megatron-core rollout engines.
 
 A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positions [B, S], cache) -> logits
-[B, V]`` (fp32, the full vocabulary, last position only) that routes its attention through
+[B, V]`` (any floating dtype, read in fp32 by the sampler; the full vocabulary, last position only) that routes its attention through
 :meth:`ppo_core.rollout.kv_cache.KVCache.attend`. :class:`StaticCacheDecoder` then
 
 1. allocates the cache for ``B`` rows of ``P + R`` slots,
@@ -52,7 +52,7 @@ class CachedForward(Protocol):
     """A model's forward through a :class:`~ppo_core.rollout.kv_cache.KVCache`."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[B, S]`` -> fp32 logits ``[B, V]`` of the last position."""
+        """``input_ids``/``positions`` ``[B, S]`` -> logits ``[B, V]`` of the last position (any floating dtype)."""
         ...
 
 

@@ -13,8 +13,8 @@ Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_ca
   model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
   kernels.
 
-Both return fp32 logits of the last position only (the prefill does not project every prompt position onto the
-vocabulary).
+Both return the logits of the last position only (the prefill does not project every prompt position onto the
+vocabulary), in the model's dtype: sampling reads them in fp32.
 
 Example:
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -172,7 +172,7 @@ class _LlamaFamilyForward:
             mlp_out = self._mlp(i, layer.mlp, x)
         h_last = h[:, -1] + mlp_out[:, -1]
         last = rms_norm(h_last, body.norm.weight, body.norm.variance_epsilon)
-        return self.lm_head(last).float()
+        return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
 
 class _GenericForward:
@@ -194,7 +194,7 @@ class _GenericForward:
         for module in self.attention_modules:
             module._ppo_core_kv_cache = cache
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
     def attention_implementation(self) -> _AttentionSwitch:
         return _AttentionSwitch(self.model)

@@ -29,7 +29,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,13 +76,31 @@ class KVCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     key_valid: torch.Tensor
-    positions: torch.Tensor | None = None
+    _positions: torch.Tensor | None = field(default=None, repr=False)
     slot: torch.Tensor | None = None
     mode: str = "prefill"
     kv_len: int = 0
     prefill_mask: torch.Tensor | None = None
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _filled: torch.Tensor | None = field(default=None, repr=False)
+    _per_forward: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """``[B, S]`` rotary positions of the tokens of the current forward (set by the caller before each one)."""
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor | None) -> None:
+        self._positions = value
+        self._per_forward.clear()  # a new forward: what the layers shared belonged to the previous one
+
+    def per_forward(self, key: object, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per forward (per assignment of :attr:`positions`) and shared by every layer
+        that asks with the same ``key`` (such as the rotary tables at this forward's positions)."""
+        if key not in self._per_forward:
+            self._per_forward[key] = make()
+        return self._per_forward[key]
 
     @classmethod
     def allocate(

@@ -362,3 +362,22 @@ def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
     expected = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
     torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=1e-5)
     assert all(layer.kv_cache is None for layer in engine.attention)
+
+
+def test_per_forward_values_are_shared_by_the_layers_of_one_forward_only():
+    """What the layers of one forward share (the rotary tables at its positions) is made once per forward: a new
+    assignment of ``positions`` (the next forward) starts afresh."""
+    cache = KVCache.allocate(
+        layers=2, batch=1, kv_heads=1, head_dim=2, length=4, dtype=torch.float32, device="cpu"
+    )
+    calls = []
+
+    def make():
+        calls.append(1)
+        return cache.positions + 1
+
+    cache.positions = torch.tensor([[0, 1]])
+    first = [cache.per_forward("rotary", make) for _ in range(3)]  # three layers
+    assert len(calls) == 1 and all(t is first[0] for t in first)
+    cache.positions = torch.tensor([[2]])
+    assert torch.equal(cache.per_forward("rotary", make), torch.tensor([[3]])) and len(calls) == 2

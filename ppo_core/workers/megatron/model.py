@@ -171,10 +171,15 @@ class SDPACoreAttention(nn.Module):
         cache = self.kv_cache
         if self.rotary_base is not None:
             cos, sin = self._rotary
-            pos_sb = cache.positions.t()  # [s, b]
-            query, key = apply_rotary(
-                query, key, cos[:, 0, 0][pos_sb][:, :, None], sin[:, 0, 0][pos_sb][:, :, None]
-            )
+
+            def tables() -> tuple[torch.Tensor, torch.Tensor]:
+                pos_sb = cache.positions.t()  # [s, b]
+                return cos[:, 0, 0][pos_sb][:, :, None], sin[:, 0, 0][pos_sb][:, :, None]
+
+            # every layer's tables hold the same values (same base, width and length) at the same positions: gathered
+            # once per forward, not once per layer
+            shared = ("rotary", self.rotary_base, tuple(cos.shape))
+            query, key = apply_rotary(query, key, *cache.per_forward(shared, tables))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

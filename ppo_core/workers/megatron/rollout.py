@@ -89,7 +89,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         s = input_ids.shape[1]
         with logits_window(self.module, s - 1, s):
             out = self.module(input_ids, positions, None)
-        last = out[:, -1].float()  # [B, V_padded / TP]
+        last = out[:, -1]  # [B, V_padded / TP], model dtype (sampling reads it in fp32)
         if self.tp_size > 1:
             parts = [torch.empty_like(last) for _ in range(self.tp_size)]
             dist.all_gather(parts, last.contiguous(), group=self.tp_group)
