@@ -21,8 +21,10 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def cuda_compiled(fn: F) -> F:
-    """Decorate ``fn`` so that calls whose first argument is a CUDA tensor run ``torch.compile(fn)``.
+def cuda_compiled(fn: F | None = None, *, options: dict[str, Any] | None = None) -> Any:
+    """Decorate ``fn`` so that calls whose first argument is a CUDA tensor run ``torch.compile(fn)`` (with the
+    inductor ``options`` if given, e.g. ``{"emulate_precision_casts": True}`` to keep every explicit rounding to a
+    lower precision that eager PyTorch would make).
 
     If the compiled call fails while the eager one succeeds (no Triton, no working compiler), a warning is
     logged once and ``fn`` stays eager from then on; an error of the inputs themselves is raised by the eager
@@ -35,6 +37,8 @@ def cuda_compiled(fn: F) -> F:
         >>> double(torch.ones(2))  # CPU: eager
         tensor([2., 2.])
     """
+    if fn is None:
+        return lambda f: cuda_compiled(f, options=options)
     compiled: Callable[..., Any] | None = None
     broken = False
 
@@ -44,7 +48,7 @@ def cuda_compiled(fn: F) -> F:
         if broken or not (isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn)
+            compiled = torch.compile(fn, options=options) if options else torch.compile(fn)
         try:
             return compiled(*args, **kwargs)
         except Exception:

@@ -3,11 +3,12 @@
 Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_cache.KVCache`:
 
 - **Llama-family fast path** (``llama``, ``mistral``, ``qwen2``, ``qwen3`` model types with SiLU MLPs and full
-  attention): the decoder layers are evaluated from the model's own modules and weights with fused kernels
-  (:mod:`ppo_core.kernels.fused`: RMSNorm, rotary embedding, SwiGLU each one kernel on CUDA) and, by default, the
-  q/k/v and gate/up projections as one GEMM each over weights concatenated for the rollout (``fuse_projections``),
-  so a decode step is about 11 kernels per layer. The rotary tables come from the model's own ``rotary_emb`` (any
-  ``rope_scaling`` it supports). Same maths as the model's ``forward`` (fp32 on the CPU: the same tokens).
+  attention): the decoder layers are evaluated from the model's own modules and weights, the element-wise steps
+  (RMSNorm, residual add + RMSNorm, rotary embedding, SwiGLU) each one compiled kernel on CUDA that rounds as the
+  model's eager forward does, and by default the q/k/v and gate/up projections as one GEMM each over weights
+  concatenated for the rollout (``fuse_projections``), so a decode step is about 11 kernels per layer. The rotary
+  tables come from the model's own ``rotary_emb`` (any ``rope_scaling`` it supports). The model's own arithmetic:
+  on the CPU the same tokens and log-probs as its own modules through the cache, bit for bit, in fp32 and bf16.
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
   model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.kernels.fused import add_rms_norm, apply_rotary, rms_norm, silu_mul
+from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.generate import _hf_causal_lm
 from ppo_core.rollout.kv_cache import KVCache
@@ -70,6 +71,54 @@ def supports_fast_path(model: nn.Module) -> bool:
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
+
+
+# The element-wise steps of a Llama-family layer with the roundings of the model's own eager forward (in bf16:
+# normalise in fp32, round, scale by the weight and round again; each product and sum of the rotation rounded; SiLU
+# rounded before the gating product), so that cached decoding computes what the model computes: the fused kernels
+# of ppo_core.kernels.fused round once, which is more exact but not what the model's forward gives. Compiled on
+# CUDA with the explicit roundings kept (one kernel each still).
+_EAGER_ROUNDING = {"emulate_precision_casts": True}
+
+
+def _norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+@cuda_compiled(options=_EAGER_ROUNDING)
+def _rms_norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm of ``x [..., D]`` (``LlamaRMSNorm``'s arithmetic)."""
+    return _norm_as_model(x, weight, eps)
+
+
+@cuda_compiled(options=_EAGER_ROUNDING)
+def _add_rms_norm_as_model(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add (in the model dtype) and the model's RMSNorm of its result."""
+    h = x + delta
+    return h, _norm_as_model(h, weight, eps)
+
+
+@cuda_compiled(options=_EAGER_ROUNDING)
+def _rotary_as_model(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t cos + rotate_half(t) sin`` with tables in the model dtype, each product and the sum rounded."""
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+@cuda_compiled(options=_EAGER_ROUNDING)
+def _silu_mul_as_model(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with SiLU rounded to the model dtype first."""
+    return F.silu(gate) * up
 
 
 def _concatenated(layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,34 +193,35 @@ class _LlamaFamilyForward:
             gate, up = F.linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
         else:
             gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
-        return _linear(silu_mul(gate, up), mlp.down_proj)
+        return _linear(_silu_mul_as_model(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         body = self.body
         b, s = input_ids.shape
         h = body.embed_tokens(input_ids)  # [B, S, D]
-        # fp32 tables from the model's own rotary module (it reads only the device and dtype of its first input)
-        cos, sin = body.rotary_emb(torch.empty(0, device=h.device), positions)
+        # the model's own rotary tables, in its dtype as its forward uses them (the module reads only the device and
+        # dtype of its first input)
+        cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
         mlp_out = None
         for i, layer in enumerate(body.layers):
             attn, norm1 = layer.self_attn, layer.input_layernorm
             if mlp_out is None:
-                x = rms_norm(h, norm1.weight, norm1.variance_epsilon)
+                x = _rms_norm_as_model(h, norm1.weight, norm1.variance_epsilon)
             else:  # the previous layer's residual add fused with this layer's norm
-                h, x = add_rms_norm(h, mlp_out, norm1.weight, norm1.variance_epsilon)
+                h, x = _add_rms_norm_as_model(h, mlp_out, norm1.weight, norm1.variance_epsilon)
             q, k, v = self._projections(i, layer, x)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
-                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            q, k = apply_rotary(q, k, cos, sin)
+                q = _rms_norm_as_model(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                k = _rms_norm_as_model(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q, k = _rotary_as_model(q, k, cos, sin)
             out = cache.attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.scaling)
             norm2 = layer.post_attention_layernorm
             attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
-            h, x = add_rms_norm(h, attn_out, norm2.weight, norm2.variance_epsilon)
+            h, x = _add_rms_norm_as_model(h, attn_out, norm2.weight, norm2.variance_epsilon)
             mlp_out = self._mlp(i, layer.mlp, x)
         h_last = h[:, -1] + mlp_out[:, -1]
-        last = rms_norm(h_last, body.norm.weight, body.norm.variance_epsilon)
+        last = _rms_norm_as_model(h_last, body.norm.weight, body.norm.variance_epsilon)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
 

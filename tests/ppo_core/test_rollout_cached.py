@@ -381,3 +381,22 @@ def test_per_forward_values_are_shared_by_the_layers_of_one_forward_only():
     assert len(calls) == 1 and all(t is first[0] for t in first)
     cache.positions = torch.tensor([[2]])
     assert torch.equal(cache.per_forward("rotary", make), torch.tensor([[3]])) and len(calls) == 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("fuse_projections", [False, True])
+def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse_projections):
+    """In bf16 the fused Llama-family path rounds as the model's own eager forward does (norm, rotation, SwiGLU),
+    so it draws the same tokens with the same log-probs as the model's own modules run through the cache, bit
+    for bit (on the CPU, where both run eagerly)."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf(kind).to(torch.bfloat16)
+    ids, mask = _left_padded(6, 9, seed=8)
+    cfg = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    outs = [
+        HFRolloutEngine(model, **options).generate(ids, mask, cfg, generator=torch.Generator().manual_seed(4))
+        for options in ({"fast_path": False}, {"fast_path": True, "fuse_projections": fuse_projections})
+    ]
+    assert torch.equal(outs[0]["responses"], outs[1]["responses"])
+    assert torch.equal(outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"])
