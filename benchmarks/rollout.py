@@ -22,7 +22,9 @@ warm-up call (compilation, graph capture), and the peak GPU memory of a call.
 
 Also checks exactness in bf16 (``exactness``): greedy tokens of the cached engines against full recomputation for
 ``exact_new`` tokens (rows identical, and for each differing row the gap between the two competing logits at the
-first difference), and ``rollout_log_probs`` against one forward over the finished sequences.
+first difference), and ``rollout_log_probs`` against one forward over the finished sequences; for the HF engine also
+with the model's own modules through the cache (``hf_model_modules``) and with cuBLAS's split-K partial sums kept in
+fp32 (``hf_fp32_split_k``), to tell where the differences come from.
 
 Usage: ``python benchmarks/rollout.py [--repeats 3] [--cases b64,b256,mixed] [--out FILE]`` (CUDA only).
 """
@@ -255,6 +257,17 @@ def _exactness(model: Any, engine: Any, forward_logits, new: int) -> dict:
     }
 
 
+def _fp32_split_k(run):
+    """``run()`` with cuBLAS told not to reduce split-K partial sums in bf16 (restored afterwards)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        return run()
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
 def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> None:
     from ppo_core.rollout.hf import HFRolloutEngine
 
@@ -270,6 +283,14 @@ def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> N
         return model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits
 
     attempt("exactness:hf", lambda: _exactness(model, engine, hf_logits, args.exact_new))
+    # where the bf16 differences come from: the model's own modules through the cache (its element-wise roundings,
+    # our attention and decode-sized GEMMs), and split-K GEMM partial sums kept in fp32 by cuBLAS
+    modules = HFRolloutEngine(model, fast_path=False)
+    attempt("exactness:hf_model_modules", lambda: _exactness(model, modules, hf_logits, args.exact_new))
+    attempt(
+        "exactness:hf_fp32_split_k",
+        lambda: _fp32_split_k(lambda: _exactness(model, engine, hf_logits, args.exact_new)),
+    )
     if args.exact_fp32:
         # the same model in fp32: differences left by the engines' numerics alone are much smaller than in bf16
         model32 = model.float()
