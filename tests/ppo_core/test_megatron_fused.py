@@ -397,6 +397,24 @@ def test_cuda_compiled_raises_the_inputs_own_errors_and_keeps_compiling(monkeypa
     assert len(compiled_calls) == 2  # the bad call did not switch compilation off
 
 
+def test_cuda_compiled_passes_inductor_options(monkeypatch):
+    seen = []
+
+    def fake_compile(fn, options=None):
+        seen.append(options)
+        return fn
+
+    monkeypatch.setattr(_compiled.torch, "compile", fake_compile)
+
+    @_compiled.cuda_compiled(options={"emulate_precision_casts": True})
+    def double(x):
+        return x * 2
+
+    assert double(torch.ones(1)).tolist() == [2.0] and seen == []  # the CPU runs eagerly, compiles nothing
+    assert double(_fake_cuda(torch.ones(1))).tolist() == [2.0]
+    assert seen == [{"emulate_precision_casts": True}]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_megatron_fusions_follow_fused_kernels_on_cuda_only(monkeypatch, fused):
     cfg = tiny_config(fused_kernels=fused)
