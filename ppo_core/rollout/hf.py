@@ -203,6 +203,7 @@ class _LlamaFamilyForward:
         # dtype of its first input)
         cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
+        cos_bhsd, sin_bhsd = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, 1, S, d], against [B, H, S, d]
         mlp_out = None
         for i, layer in enumerate(body.layers):
             attn, norm1 = layer.self_attn, layer.input_layernorm
@@ -214,8 +215,17 @@ class _LlamaFamilyForward:
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
                 q = _rms_norm_as_model(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = _rms_norm_as_model(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            q, k = _rotary_as_model(q, k, cos, sin)
-            out = cache.attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.scaling)
+            # the rotation (and, decoding on CUDA, the cache write with it in one kernel) in the model's rounding
+            out = cache.attend_rotated(
+                i,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                lambda q, k: _rotary_as_model(q, k, cos_bhsd, sin_bhsd),
+                lambda: (cos[:, 0, 0], sin[:, 0, 0]),
+                attn.scaling,
+                model_rounding=True,
+            )
             norm2 = layer.post_attention_layernorm
             attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
             h, x = _add_rms_norm_as_model(h, attn_out, norm2.weight, norm2.variance_epsilon)

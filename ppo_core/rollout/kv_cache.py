@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ppo_core.rollout.decode_attention import decode_attention
+from ppo_core.rollout.decode_rotary import rotate_and_write_triton, rotate_and_write_triton_available
 
 __all__ = ["KVCache", "prefill_attention_mask"]
 
@@ -167,6 +168,53 @@ class KVCache:
             raise ValueError(f"a decode step feeds one token per row, got {s}")
         keys.index_copy_(2, self.slot.view(1), k)
         values.index_copy_(2, self.slot.view(1), v)
+        return self._decode_attention(layer, q, scale)
+
+    def attend_rotated(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        tables: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        scale: float | None = None,
+        *,
+        model_rounding: bool,
+    ) -> torch.Tensor:
+        """:meth:`attend` for queries and keys not rotated yet.
+
+        ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding; in a decode step on CUDA it is replaced by one
+        kernel that rotates by ``tables() -> (cos, sin)`` ``[B, d]`` (the step's row positions) with the same rule
+        (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`) and writes the key and value into the
+        cache: three launches or more fewer per layer.
+
+        Args:
+            layer, scale: as in :meth:`attend`.
+            q: ``[B, H, S, d]``; k, v: ``[B, G, S, d]`` (any strides).
+            rotate: the caller's rotation of ``q`` and ``k``.
+            tables: the decode step's ``cos``/``sin`` ``[B, d]`` (called only when the kernel runs).
+            model_rounding: whether ``rotate`` rounds each product and the sum to the model dtype.
+        """
+        if self.mode == "decode" and q.shape[2] == 1 and rotate_and_write_triton_available(q):
+            cos, sin = tables()
+            q = rotate_and_write_triton(
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                self.keys[layer],
+                self.values[layer],
+                self.slot,
+                model_rounding=model_rounding,
+            )
+            return self._decode_attention(layer, q, scale)
+        q, k = rotate(q, k)
+        return self.attend(layer, q, k, v, scale)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        keys, values = self.keys[layer], self.values[layer]
         # nothing past this step's slot is filled yet: the kernel stops there within the bucket's kv_len
         return decode_attention(
             q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled

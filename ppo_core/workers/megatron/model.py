@@ -169,19 +169,34 @@ class SDPACoreAttention(nn.Module):
         ``key``/``value [s, b, g, d]`` of the tokens being decoded, rotated by the cache's per-row positions."""
         s, b, h, d = query.shape
         cache = self.kv_cache
-        if self.rotary_base is not None:
-            cos, sin = self._rotary
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d] views
+        if self.rotary_base is None:
+            out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        cos, sin = self._rotary
 
-            def tables() -> tuple[torch.Tensor, torch.Tensor]:
-                pos_sb = cache.positions.t()  # [s, b]
-                return cos[:, 0, 0][pos_sb][:, :, None], sin[:, 0, 0][pos_sb][:, :, None]
+        def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+            pos = cache.positions  # [b, s]
+            return cos[:, 0, 0][pos][:, None], sin[:, 0, 0][pos][:, None]  # [b, 1, s, d]
 
-            # every layer's tables hold the same values (same base, width and length) at the same positions: gathered
-            # once per forward, not once per layer
-            shared = ("rotary", self.rotary_base, tuple(cos.shape))
-            query, key = apply_rotary(query, key, *cache.per_forward(shared, tables))
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
+        # every layer's tables hold the same values (same base, width and length) at the same positions: gathered
+        # once per forward, not once per layer
+        shared = ("rotary", self.rotary_base, tuple(cos.shape))
+
+        def tables() -> tuple[torch.Tensor, torch.Tensor]:
+            c, s_ = cache.per_forward(shared, gathered)
+            return c[:, 0, 0], s_[:, 0, 0]  # [b, d] at the step's one position
+
+        out = cache.attend_rotated(
+            self.kv_cache_layer,
+            q,
+            k,
+            v,
+            lambda q, k: apply_rotary(q, k, *cache.per_forward(shared, gathered)),
+            tables,
+            self.softmax_scale,
+            model_rounding=False,
+        )
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 

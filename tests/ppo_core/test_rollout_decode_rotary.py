@@ -1,0 +1,81 @@
+"""The fused rotation + KV-cache write of a decode step equals its PyTorch contract (``TRITON_INTERPRET=1`` on CPU
+where Triton is installed, and on CUDA under the ``gpu`` marker)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ppo_core.rollout import decode_rotary
+from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
+from ppo_core.rollout.hf import _rotary_as_model
+
+INTERPRET = decode_rotary.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and decode_rotary.triton is not None
+DEVICES = (["cpu"] if INTERPRET else []) + (["cuda"] if CUDA else [])
+BF16_STEP = 2.0**-7  # relative spacing of bf16 numbers (at most)
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
+
+
+def _step(b: int, h: int, g: int, d: int, length: int, dtype: torch.dtype, device: str, seed: int):
+    """A decode step's q/k/v as strided views of one fused projection ``[B, 1, (H + 2G) d]`` (as the engines give
+    them), per-row tables, and a cache holding earlier tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, 1, (h + 2 * g) * d, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    q, k, v = (t.view(b, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, 1, d]
+    angles = torch.rand(b, d // 2, generator=gen) * 50
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    cache = torch.randn(2, b, g, length, d, generator=gen).to(dtype).to(device)
+    return q, k, v, cos, sin, cache
+
+
+def _tolerance(device: str, dtype: torch.dtype, model_rounding: bool) -> dict:
+    """Exact where both sides round alike. Triton's interpreter rounds fp32 -> bf16 by truncation (the GPU to
+    nearest), so an interpreted bf16 product is one bf16 step of its size off (inputs here are at most ~5, so the
+    two products of a rotation ~5 * 2^-7 each); on CUDA an fp32 mul-add may be fused into one rounding (the
+    round-once rule only), which can move a bf16 result by one step and an fp32 one by an ulp."""
+    if dtype == torch.bfloat16 and (device == "cpu" or not model_rounding):
+        return {"atol": 2 * 5 * BF16_STEP, "rtol": BF16_STEP}
+    if device == "cuda" and not model_rounding:
+        return {"atol": 1e-6, "rtol": 1e-6}
+    return {"atol": 0, "rtol": 0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_rounding", [False, True])
+@pytest.mark.parametrize(("h", "g", "d"), [(8, 2, 16), (12, 4, 32), (4, 4, 64)])
+def test_fused_rotation_and_write_equal_the_contract(device, dtype, model_rounding, h, g, d) -> None:
+    b, length, slot = 3, 9, 5
+    q, k, v, cos, sin, cache = _step(b, h, g, d, length, dtype, device, seed=h + d)
+    before = cache.clone()
+    if model_rounding:  # the tables in the model dtype, as the model's forward holds them
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    index = torch.tensor(slot, device=device)
+    want_cache = cache.clone()
+    want_q = rotate_and_write(q, k, v, cos, sin, *want_cache, index, model_rounding=model_rounding)
+    got_q = rotate_and_write_triton(q, k, v, cos, sin, *cache, index, model_rounding=model_rounding)
+    tol = _tolerance(device, dtype, model_rounding)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(cache, want_cache, **tol)
+    others = torch.arange(length, device=device) != slot
+    assert torch.equal(cache[:, :, :, others], before[:, :, :, others])  # no other slot written
+    assert torch.equal(cache[1][:, :, slot : slot + 1], v)  # the value as it came
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_rounding_is_the_hf_engines_rotation(device) -> None:
+    """``model_rounding=True`` is the rule of the Hugging Face engine's own rotation (bf16, tables in bf16)."""
+    q, k, v, cos, sin, cache = _step(2, 8, 2, 32, 4, torch.bfloat16, device, seed=1)
+    cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    got_q = rotate_and_write_triton(
+        q, k, v, cos, sin, *cache, torch.tensor(0, device=device), model_rounding=True
+    )
+    want_q, want_k = _rotary_as_model(q, k, cos[:, None, None], sin[:, None, None])
+    tol = _tolerance(device, torch.bfloat16, model_rounding=True)  # exact on CUDA
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(cache[0][:, :, 0:1], want_k, **tol)
