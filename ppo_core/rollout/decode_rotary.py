@@ -180,7 +180,7 @@ def rotate_and_write_triton(
     b, h, _, d = q.shape
     g = k.shape[1]
     tensors = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "keys": keys, "values": values}
-    if any(t.stride(-1) != 1 for t in tensors.values()) or cos.stride() != sin.stride():
+    if any(t.stride(-1) != 1 for t in tensors.values()) or cos.stride() != sin.stride() or slot.numel() != 1:
         raise ValueError(
             "rotate_and_write_triton needs a contiguous last dimension and cos/sin of one layout"
         )

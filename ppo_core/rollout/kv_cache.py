@@ -196,7 +196,12 @@ class KVCache:
             tables: the decode step's ``cos``/``sin`` ``[B, d]`` (called only when the kernel runs).
             model_rounding: whether ``rotate`` rounds each product and the sum to the model dtype.
         """
-        if self.mode == "decode" and q.shape[2] == 1 and rotate_and_write_triton_available(q):
+        if (
+            self.mode == "decode"
+            and q.shape[2] == 1
+            and rotate_and_write_triton_available(q)
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+        ):
             cos, sin = tables()
             q = rotate_and_write_triton(
                 q,
