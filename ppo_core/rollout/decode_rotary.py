@@ -8,9 +8,10 @@ slot held in a device scalar (so the launch is captured in the step's CUDA graph
 
 Two roundings of ``t cos + rotate_half(t) sin`` (``rotate_half([t1, t2]) = [-t2, t1]``):
 
-- ``model_rounding=False``: in fp32, rounded once to the model dtype (:func:`ppo_core.kernels.fused.apply_rotary`);
+- ``model_rounding=False``: in fp32, rounded once to the model dtype (:func:`ppo_core.kernels.fused.apply_rotary`,
+  megatron's rule);
 - ``model_rounding=True``: each product and the sum rounded to the model dtype, as a model's eager forward does
-  with tables in its dtype (the Hugging Face engine's rule).
+  with tables in its dtype (:func:`ppo_core.rollout.eager_rounding.rotary_as_model`, the Hugging Face engine's).
 
 :func:`rotate_and_write` is the kernel's contract in PyTorch (any device, the reference of the tests);
 ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors.
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ppo_core.kernels.fused import apply_rotary
+from ppo_core.rollout.eager_rounding import rotary_as_model
+
 try:
     import triton
     import triton.language as tl
@@ -28,15 +32,6 @@ except ImportError:  # Triton is optional
     tl = None
 
 __all__ = ["rotate_and_write", "rotate_and_write_triton", "rotate_and_write_triton_available"]
-
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_rounding: bool) -> torch.Tensor:
-    t1, t2 = t.chunk(2, dim=-1)
-    half = torch.cat((-t2, t1), dim=-1)
-    if model_rounding:
-        return t * cos.to(t.dtype) + half * sin.to(t.dtype)
-    math = torch.promote_types(t.dtype, torch.float32)
-    return (t.to(math) * cos.to(math) + half.to(math) * sin.to(math)).to(t.dtype)
 
 
 def rotate_and_write(
@@ -71,10 +66,11 @@ def rotate_and_write(
         >>> cache_v[0, 0, 1].tolist(), bool(torch.equal(out, q))
         ([3.0, 3.0, 3.0, 3.0], True)
     """
-    c, s = cos[:, None, None, :], sin[:, None, None, :]
-    keys.index_copy_(2, slot.view(1), _rotate(k, c, s, model_rounding))
+    rotate = rotary_as_model if model_rounding else apply_rotary
+    q, k = rotate(q, k, cos[:, None, None, :], sin[:, None, None, :])
+    keys.index_copy_(2, slot.view(1), k)
     values.index_copy_(2, slot.view(1), v)
-    return _rotate(q, c, s, model_rounding)
+    return q
 
 
 def rotate_and_write_triton_available(q: torch.Tensor) -> bool:

@@ -37,8 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
+from ppo_core.rollout.eager_rounding import (
+    add_rms_norm_as_model,
+    rms_norm_as_model,
+    rotary_as_model,
+    silu_mul_as_model,
+)
 from ppo_core.rollout.generate import _hf_causal_lm
 from ppo_core.rollout.kv_cache import KVCache
 
@@ -71,54 +76,6 @@ def supports_fast_path(model: nn.Module) -> bool:
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
-
-
-# The element-wise steps of a Llama-family layer with the roundings of the model's own eager forward (in bf16:
-# normalise in fp32, round, scale by the weight and round again; each product and sum of the rotation rounded; SiLU
-# rounded before the gating product), so that cached decoding computes what the model computes: the fused kernels
-# of ppo_core.kernels.fused round once, which is more exact but not what the model's forward gives. Compiled on
-# CUDA with the explicit roundings kept (one kernel each still).
-_EAGER_ROUNDING = {"emulate_precision_casts": True}
-
-
-def _norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed
-
-
-@cuda_compiled(options=_EAGER_ROUNDING)
-def _rms_norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm of ``x [..., D]`` (``LlamaRMSNorm``'s arithmetic)."""
-    return _norm_as_model(x, weight, eps)
-
-
-@cuda_compiled(options=_EAGER_ROUNDING)
-def _add_rms_norm_as_model(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add (in the model dtype) and the model's RMSNorm of its result."""
-    h = x + delta
-    return h, _norm_as_model(h, weight, eps)
-
-
-@cuda_compiled(options=_EAGER_ROUNDING)
-def _rotary_as_model(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t cos + rotate_half(t) sin`` with tables in the model dtype, each product and the sum rounded."""
-
-    def rotate(t: torch.Tensor) -> torch.Tensor:
-        t1, t2 = t.chunk(2, dim=-1)
-        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
-
-    return rotate(q), rotate(k)
-
-
-@cuda_compiled(options=_EAGER_ROUNDING)
-def _silu_mul_as_model(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with SiLU rounded to the model dtype first."""
-    return F.silu(gate) * up
 
 
 def _concatenated(layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -193,7 +150,7 @@ class _LlamaFamilyForward:
             gate, up = F.linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
         else:
             gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
-        return _linear(_silu_mul_as_model(gate, up), mlp.down_proj)
+        return _linear(silu_mul_as_model(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         body = self.body
@@ -208,30 +165,30 @@ class _LlamaFamilyForward:
         for i, layer in enumerate(body.layers):
             attn, norm1 = layer.self_attn, layer.input_layernorm
             if mlp_out is None:
-                x = _rms_norm_as_model(h, norm1.weight, norm1.variance_epsilon)
+                x = rms_norm_as_model(h, norm1.weight, norm1.variance_epsilon)
             else:  # the previous layer's residual add fused with this layer's norm
-                h, x = _add_rms_norm_as_model(h, mlp_out, norm1.weight, norm1.variance_epsilon)
+                h, x = add_rms_norm_as_model(h, mlp_out, norm1.weight, norm1.variance_epsilon)
             q, k, v = self._projections(i, layer, x)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
-                q = _rms_norm_as_model(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = _rms_norm_as_model(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                q = rms_norm_as_model(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                k = rms_norm_as_model(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
             # the rotation (and, decoding on CUDA, the cache write with it in one kernel) in the model's rounding
             out = cache.attend_rotated(
                 i,
                 q.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
-                lambda q, k: _rotary_as_model(q, k, cos_bhsd, sin_bhsd),
+                lambda q, k: rotary_as_model(q, k, cos_bhsd, sin_bhsd),
                 lambda: (cos[:, 0, 0], sin[:, 0, 0]),
                 attn.scaling,
                 model_rounding=True,
             )
             norm2 = layer.post_attention_layernorm
             attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
-            h, x = _add_rms_norm_as_model(h, attn_out, norm2.weight, norm2.variance_epsilon)
+            h, x = add_rms_norm_as_model(h, attn_out, norm2.weight, norm2.variance_epsilon)
             mlp_out = self._mlp(i, layer.mlp, x)
         h_last = h[:, -1] + mlp_out[:, -1]
-        last = _rms_norm_as_model(h_last, body.norm.weight, body.norm.variance_epsilon)
+        last = rms_norm_as_model(h_last, body.norm.weight, body.norm.variance_epsilon)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ppo_core.rollout import decode_rotary
 from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
-from ppo_core.rollout.hf import _rotary_as_model
+from ppo_core.rollout.eager_rounding import rotary_as_model
 
 INTERPRET = decode_rotary.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and decode_rotary.triton is not None
@@ -75,7 +75,7 @@ def test_model_rounding_is_the_hf_engines_rotation(device) -> None:
     got_q = rotate_and_write_triton(
         q, k, v, cos, sin, *cache, torch.tensor(0, device=device), model_rounding=True
     )
-    want_q, want_k = _rotary_as_model(q, k, cos[:, None, None], sin[:, None, None])
+    want_q, want_k = rotary_as_model(q, k, cos[:, None, None], sin[:, None, None])
     tol = _tolerance(device, torch.bfloat16, model_rounding=True)  # exact on CUDA
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(cache[0][:, :, 0:1], want_k, **tol)

@@ -1,0 +1,50 @@
+"""The element-wise steps of the HF rollout engine equal the ``transformers`` modules they replace, bit for bit in
+bf16 (and fp32) on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_core.rollout.eager_rounding import (
+    add_rms_norm_as_model,
+    rms_norm_as_model,
+    rotary_as_model,
+    silu_mul_as_model,
+)
+
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
+
+
+def _x(shape, seed: int, dtype: torch.dtype, scale: float = 3.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=DTYPES, width=st.sampled_from([8, 64, 96]))
+def test_norms_are_the_models(seed, dtype, width) -> None:
+    norm = modeling_llama.LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_x((width,), seed + 1, dtype, 1.0))
+    x, delta = _x((3, 5, width), seed, dtype), _x((3, 5, width), seed + 2, dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm_as_model(x, norm.weight, 1e-5), norm(x))
+        h, normed = add_rms_norm_as_model(x, delta, norm.weight, 1e-5)
+        assert torch.equal(h, x + delta) and torch.equal(normed, norm(x + delta))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=DTYPES)
+def test_rotation_and_gating_are_the_models(seed, dtype) -> None:
+    q, k = _x((2, 4, 5, 16), seed, dtype), _x((2, 2, 5, 16), seed + 1, dtype)
+    angles = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(seed + 2)) * 40
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # [B, S, d], as the model's rotary module gives
+    want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes the heads dimension
+    got = rotary_as_model(q, k, cos[:, None], sin[:, None])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    gate, up = _x((3, 32), seed + 3, dtype), _x((3, 32), seed + 4, dtype)
+    assert torch.equal(silu_mul_as_model(gate, up), modeling_llama.ACT2FN["silu"](gate) * up)  # LlamaMLP's
