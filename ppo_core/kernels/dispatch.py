@@ -270,23 +270,29 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
     Flags in pinned host memory were written by the device directly (:func:`~triton_scan.host_flag_words`): a
     stream sync makes them readable, with no copy back.
     """
-    present = [flag for flag in flags if flag is not None]
-    if len(present) == 1:  # the usual case: the scan's flag alone (a bool mask needs no check of its own)
-        flag = present[0]
-        if flag.device.type == "cpu" and flag.is_pinned():
-            words = flag.numpy()  # a view, made before the sync so that little is left to do after it
-            torch.cuda.current_stream().synchronize()
-            return bool(words.any())
-        return bool(flag.any() if flag.dim() else flag)
-    written = [flag for flag in present if flag.device.type == "cpu" and flag.is_pinned()]
-    others = [flag for flag in present if not (flag.device.type == "cpu" and flag.is_pinned())]
-    if others and bool(torch.stack([flag.any() for flag in others]).any()):
-        return True  # (on CUDA this read is the one sync; the device's writes to host words are complete after it)
+    written: list[torch.Tensor] = []  # words the device wrote to pinned host memory
+    others: list[torch.Tensor] = []
+    for flag in flags:
+        if flag is not None:
+            (written if flag.device.type == "cpu" and flag.is_pinned() else others).append(flag)
+    if others:
+        combined = others[0] if len(others) == 1 else torch.stack([flag.any() for flag in others])
+        if bool(
+            combined.any()
+        ):  # on CUDA the one sync: the device's writes to host words are complete after it
+            return True
     if not written:
         return False
+    views = [flag.numpy() for flag in written]  # made before the sync, so that little is left to do after it
     if not any(flag.is_cuda for flag in others):
         torch.cuda.current_stream().synchronize()  # the one sync
-    return any(bool(flag.numpy().any()) for flag in written)  # no copy back
+    return any(bool(view.any()) for view in views)  # no copy back
+
+
+def _host_words(rewards: torch.Tensor, flags_on_host: bool) -> torch.Tensor | None:
+    """Where a checked Triton scan of ``rewards`` writes its flag words: this thread's pinned host words (at least
+    one per program: one per row) with ``flags_on_host``, else new device memory (None)."""
+    return triton_scan.host_flag_words(rewards.device, rewards.shape[0]) if flags_on_host else None
 
 
 def _gae_checked(
@@ -304,10 +310,8 @@ def _gae_checked(
     with :func:`flags_set` (Triton's words in this thread's pinned host memory with ``flags_on_host``)."""
     name = _resolve(backend, rewards.device, (rewards, values))
     if name == "triton":
-        # at least one word per program
-        words = triton_scan.host_flag_words(rewards.device, rewards.shape[0]) if flags_on_host else None
         return triton_scan.gae_returns_checked_triton(
-            rewards, values, mask, gamma, lam, whiten=whiten, flags=words
+            rewards, values, mask, gamma, lam, whiten=whiten, flags=_host_words(rewards, flags_on_host)
         )
     if name == "chunked":
         adv, ret, flag = chunked.gae_returns_checked_chunked(rewards, values, mask, gamma, lam)
@@ -344,14 +348,9 @@ def masked_discounted_return_checked(
     """
     mask = _check_inputs(rewards, mask)
     gamma = _scalar("gamma", gamma)
-    name = _resolve(backend, rewards.device, (rewards,))
-    if name == "triton":
-        returns, flags = triton_scan.discounted_return_scan_checked_triton(rewards, mask, gamma)
-        return returns, _as_flag(flags)
-    if name == "chunked":
-        return chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
-    returns = reference.masked_discounted_return_scan(rewards, mask, gamma)
-    return returns, _reference_flag(mask, rewards)
+    # the advantages without whitening or baselines are the returns: the same scan, the same launch
+    _, returns, flags = _return_advantages_checked(rewards, mask, gamma, backend=backend, flags_on_host=False)
+    return returns, _as_flag(flags)
 
 
 def masked_return_advantages_checked(
@@ -419,10 +418,13 @@ def _return_advantages_checked(
     """:func:`masked_return_advantages_checked` on inputs already validated (see :func:`_gae_checked`)."""
     name = _resolve(backend, rewards.device, (rewards,))
     if name == "triton":
-        # at least one word per program
-        words = triton_scan.host_flag_words(rewards.device, rewards.shape[0]) if flags_on_host else None
         return triton_scan.return_advantages_checked_triton(
-            rewards, mask, gamma, whiten=whiten, baselines=baselines, flags=words
+            rewards,
+            mask,
+            gamma,
+            whiten=whiten,
+            baselines=baselines,
+            flags=_host_words(rewards, flags_on_host),
         )
     if name == "chunked":
         returns, flag = chunked.discounted_return_scan_checked_chunked(rewards, mask, gamma)
