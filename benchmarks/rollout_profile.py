@@ -30,6 +30,20 @@ def _ms_per_step(engine, ids, mask, cfg, gen) -> dict:
     return {"decode_ms_per_step": round(sorted(runs)[1], 3), "prefill_s": round(engine.stats.prefill_s, 4)}
 
 
+def _profile_top(engine, ids, mask, cfg, gen) -> list[str]:
+    """The 30 CUDA kernels of one ``generate`` call that take the most time (``torch.profiler`` table lines)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, mask, cfg, generator=gen)
+        torch.cuda.synchronize()
+    return (
+        prof.key_averages()
+        .table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        .splitlines()
+    )
+
+
 def _graph_us(fn, *, warmup: int, calls: int = 20, replays: int = 10) -> float:
     """Microseconds per call of ``fn``: ``calls`` calls captured in one CUDA graph, replayed ``replays`` times after
     one warm replay (no launch overhead in the time)."""
@@ -141,13 +155,7 @@ def main() -> None:
     ids256, mask256 = _prompts(256, 256, MODEL["vocab_size"])
     result["graphs_b256"] = _ms_per_step(engine, ids256, mask256, cfg, gen)
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(ids, mask, cfg, generator=gen)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    result["profile_top"] = table.splitlines()
+    result["profile_top"] = _profile_top(engine, ids, mask, cfg, gen)
     save()
     if args.compile:
         t0 = time.perf_counter()
@@ -164,11 +172,7 @@ def main() -> None:
         mmodel, mcfg = _megatron_model()
         mengine = MegatronRolloutEngine(mmodel, mcfg)
         result["megatron_graphs"] = _ms_per_step(mengine, ids, mask, cfg, gen)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            mengine.generate(ids, mask, cfg, generator=gen)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-        result["megatron_profile_top"] = table.splitlines()
+        result["megatron_profile_top"] = _profile_top(mengine, ids, mask, cfg, gen)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
