@@ -78,17 +78,26 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def _concatenated(layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _concatenated(
+    layers: tuple[nn.Linear, ...], out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
-    none has one)."""
-    weight = torch.cat([layer.weight for layer in layers])
+    none has one); written into ``out`` (weight, bias) when given."""
+    weight_out, bias_out = out if out is not None else (None, None)
+    weight = torch.cat([layer.weight for layer in layers], out=weight_out)
     if all(layer.bias is None for layer in layers):
         return weight, None
     biases = [
         layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
         for layer in layers
     ]
-    return weight, torch.cat(biases)
+    return weight, torch.cat(biases, out=bias_out)
+
+
+def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:
+    """A decoder layer's projections that run as one GEMM each: q/k/v, and gate/up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
 
 
 class _LlamaFamilyForward:
@@ -114,20 +123,15 @@ class _LlamaFamilyForward:
         CUDA graph reads them at fixed addresses)."""
         if not self.fuse_projections:
             return
-        fresh = self._fused is None
-        fused = [] if fresh else self._fused
+        layers = []
         with torch.no_grad():
             for i, layer in enumerate(self.body.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
-                tensors = [t for group in groups for t in _concatenated(group)]
-                if fresh:
-                    fused.append(tensors)
-                    continue
-                for old, new in zip(fused[i], tensors, strict=True):
-                    if old is not None:
-                        old.copy_(new)
-        self._fused = fused
+                tensors: list[torch.Tensor | None] = []
+                for j, group in enumerate(_projection_groups(layer)):
+                    out = None if self._fused is None else self._fused[i][2 * j : 2 * j + 2]
+                    tensors.extend(_concatenated(group, out=out))
+                layers.append(tensors)
+        self._fused = layers
 
     def free(self) -> None:
         """Drop the concatenated weights."""
@@ -267,7 +271,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         fast_path: use the Llama-family fused path; None: when :func:`supports_fast_path`.
         fuse_projections: on the fused path, run each layer's q/k/v and gate/up projections as one GEMM each,
             over concatenated copies of those weights made at the start of every generation and dropped after
-            it (unless ``keep_cache``): about 55% of the weights of a Llama-shaped model more memory while
+            it (unless ``keep_cache``): about half the weights of a Llama-shaped model more memory while
             sampling, none during the update.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
