@@ -172,7 +172,14 @@ class SDPACoreAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d] views
         if self.rotary_base is None:
             out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
-            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        else:
+            out = self._attend_rotated(q, k, v)
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [b, h, s, d]``, ``k``/``v [b, g, s, d]`` rotated at the cache's per-row positions, then attended (one
+        kernel for the rotation and the cache write when decoding on CUDA)."""
+        cache = self.kv_cache
         cos, sin = self._rotary
 
         def gathered() -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +194,7 @@ class SDPACoreAttention(nn.Module):
             c, s_ = cache.per_forward(shared, gathered)
             return c[:, 0, 0], s_[:, 0, 0]  # [b, d] at the step's one position
 
-        out = cache.attend_rotated(
+        return cache.attend_rotated(
             self.kv_cache_layer,
             q,
             k,
@@ -197,7 +204,6 @@ class SDPACoreAttention(nn.Module):
             self.softmax_scale,
             model_rounding=False,
         )
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
 def packed_seq_params(docs: PackedDocuments) -> Any:
