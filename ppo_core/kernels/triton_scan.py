@@ -665,8 +665,9 @@ def discounted_return_scan_checked_triton(
         >>> flag_bits(flags)
         0
     """
-    flags = _flag_words(*rewards.shape, launch, rewards.device, None)
-    out, _ = _discounted(rewards, mask, gamma, flag=flags, accumulate_fp64=accumulate_fp64, launch=launch)
+    _, out, flags = return_advantages_checked_triton(
+        rewards, mask, gamma, accumulate_fp64=accumulate_fp64, launch=launch
+    )
     return out, flags
 
 
