@@ -176,10 +176,15 @@ def rotate_and_write_triton(
     b, h, _, d = q.shape
     g = k.shape[1]
     tensors = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "keys": keys, "values": values}
-    if any(t.stride(-1) != 1 for t in tensors.values()) or cos.stride() != sin.stride() or slot.numel() != 1:
+    strided = [name for name, t in tensors.items() if t.stride(-1) != 1]
+    if strided:
         raise ValueError(
-            "rotate_and_write_triton needs a contiguous last dimension and cos/sin of one layout"
+            f"rotate_and_write_triton needs a contiguous last dimension; {', '.join(strided)} have none"
         )
+    if cos.stride() != sin.stride():
+        raise ValueError(f"cos and sin must share one layout, got strides {cos.stride()} and {sin.stride()}")
+    if slot.numel() != 1:
+        raise ValueError(f"slot must be a device scalar, got shape {tuple(slot.shape)}")
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out

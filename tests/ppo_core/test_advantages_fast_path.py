@@ -483,3 +483,19 @@ def test_whitening_of_zero_padded_outputs_is_masked_whiten_bit_for_bit(batch, dt
     got = whiten_valid(x, m)
     assert got.dtype == dtype
     assert torch.equal(got, zero_outside(masked_whiten(x, m), m))
+
+
+def test_host_flag_words_are_per_thread_reused_and_grow() -> None:
+    import threading
+
+    cpu = torch.device("cpu")
+    words = triton_scan.host_flag_words(cpu, 10)
+    assert words.dtype == torch.int32 and words.numel() >= 10
+    assert triton_scan.host_flag_words(cpu, 5) is words  # reused while large enough
+    bigger = triton_scan.host_flag_words(cpu, words.numel() + 1)
+    assert bigger.numel() > words.numel() and triton_scan.host_flag_words(cpu, 3) is bigger
+    other: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: other.append(triton_scan.host_flag_words(cpu, 3)))
+    thread.start()
+    thread.join()
+    assert other[0] is not bigger  # another thread never shares this one's words

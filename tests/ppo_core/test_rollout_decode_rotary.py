@@ -79,3 +79,22 @@ def test_model_rounding_is_the_hf_engines_rotation(device) -> None:
     tol = _tolerance(device, torch.bfloat16, model_rounding=True)  # exact on CUDA
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(cache[0][:, :, 0:1], want_k, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_layouts_are_named(device) -> None:
+    q, k, v, cos, sin, cache = _step(2, 4, 2, 16, 4, torch.float32, device, seed=2)
+    slot = torch.tensor(1, device=device)
+    with pytest.raises(ValueError, match="k have none"):
+        rotate_and_write_triton(q, k.transpose(-1, -2), v, cos, sin, *cache, slot, model_rounding=False)
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotate_and_write_triton(q, k, v, cos, sin[:1].expand_as(cos), *cache, slot, model_rounding=False)
+    with pytest.raises(ValueError, match="slot"):
+        rotate_and_write_triton(q, k, v, cos, sin, *cache, slot.view(1).expand(2), model_rounding=False)
+
+
+def test_the_kernel_is_only_offered_for_cuda_and_power_of_two_heads() -> None:
+    assert not decode_rotary.rotate_and_write_triton_available(torch.zeros(1, 2, 1, 16))  # CPU: PyTorch
+    if CUDA:
+        assert decode_rotary.rotate_and_write_triton_available(torch.zeros(1, 2, 1, 64, device="cuda"))
+        assert not decode_rotary.rotate_and_write_triton_available(torch.zeros(1, 2, 1, 48, device="cuda"))
