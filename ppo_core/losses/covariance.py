@@ -10,13 +10,22 @@ from __future__ import annotations
 import torch
 
 from ppo_core.losses._common import _LossInputs, _policy_loss
+from ppo_core.masked import _mean
 
 __all__ = ["clip_cov_policy_loss", "kl_cov_policy_loss"]
 
 
 def _token_covariance(inp: _LossInputs) -> torch.Tensor:
-    new = inp.new.detach()
-    return (inp.adv - inp.mean(inp.adv)) * (new - inp.mean(new))
+    """``[B, T]`` per-token ``(A − mean A)·(log_prob − mean log_prob)``, means over valid tokens, in float64.
+
+    In float64 the mean of a constant (float32 or narrower) row set is the constant itself, so a constant advantage
+    or log-prob gives a covariance of exactly 0. In the inputs' dtype it is rounding noise of either sign, and that
+    sign alone would decide whether a token is a candidate when a bound is 0. (float32 on MPS, which has no
+    float64.)
+    """
+    dtype = torch.float32 if inp.adv.device.type == "mps" else torch.float64
+    adv, new = inp.adv.detach().to(dtype), inp.new.detach().to(dtype)
+    return (adv - _mean(adv, inp.mask)) * (new - _mean(new, inp.mask))
 
 
 def _num_selected(ratio: float, n_valid: int) -> int:
@@ -89,7 +98,8 @@ def kl_cov_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch.
     per_token = -inp.adv * torch.exp(log_ratio)
     k = _num_selected(cfg.kl_cov_ratio, int(mask.sum()))
     if k:
-        cov = torch.where(mask, _token_covariance(inp), torch.full_like(log_ratio, -torch.inf)).flatten()
+        cov = _token_covariance(inp)
+        cov = torch.where(mask, cov, torch.full_like(cov, -torch.inf)).flatten()
         order = torch.sort(cov, descending=True, stable=True).indices
         penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
         penalised[order[:k]] = True
