@@ -194,33 +194,121 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
     return report
 
 
-def _estimator_layer_us() -> dict:
-    """Host time (us) of each public estimator beyond the kernels it calls, on 2 x 4 CPU inputs (the kernels then
-    cost little, so the difference is the estimator's own Python: argument checks, reading the flag)."""
-    r, v, b = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2)
-    m = torch.ones(2, 4, dtype=torch.bool)
+def _host_us(fn: Callable[[], object], device: str, calls: int = 2000) -> float:
+    """Host time (us) of one call of ``fn``: the best of 5 loops of ``calls`` calls (on CUDA the calls only queue
+    work, except for the syncs they make themselves)."""
+    for _ in range(50):
+        fn()
+    _sync(device)
+    loops = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+        _sync(device)
+    return min(loops)
+
+
+def _estimator_layer_us(device: str) -> dict:
+    """Time (us) of each public estimator beyond the kernels it calls, on inputs so small (2 x 4 on the CPU, 8 x 64
+    on CUDA) that the kernels cost little, so the difference is the estimator's own Python: argument checks and
+    reading the flag (on CUDA with its one sync, so ``its_kernels_and_flag_read_us`` is given too).
+
+    On CUDA also the host time of the pieces a call is made of: one launch of the checked GAE kernel through
+    Triton's launcher (``triton_launch_us``) and through the compiled kernel Triton's launcher found
+    (``compiled_kernel_launch_us``, the ``kernel[grid](...)`` form of Triton's fused-softmax tutorial: what a
+    launcher of our own would cost), and one stream sync of an idle stream (``stream_sync_us``).
+    """
+    shape = (2, 4) if device == "cpu" else (8, 64)
+    gen = torch.Generator().manual_seed(0)
+    r, v = (torch.randn(*shape, generator=gen).to(device) for _ in range(2))
+    b = torch.randn(shape[0], generator=gen).to(device)
+    m = torch.ones(*shape, dtype=torch.bool, device=device)
+
+    def gae_and_flag():
+        *_, flags = dispatch._gae_checked(r, v, m, GAMMA, LAM)
+        return dispatch.flags_set(flags, None)
+
+    def remax_and_flag():
+        *_, flags = dispatch._return_advantages_checked(r, m, 1.0, baselines=b)
+        return dispatch.flags_set(flags, None)
+
     pairs = {
         "compute_gae": (
             lambda: advantages.compute_gae(r, v, m, gamma=GAMMA, lam=LAM, whiten=False),
             lambda: dispatch._gae_checked(r, v, m, GAMMA, LAM),
+            gae_and_flag,
         ),
         "compute_remax_advantage": (
             lambda: advantages.compute_remax_advantage(r, b, m),
             lambda: dispatch._return_advantages_checked(r, m, 1.0, baselines=b),
+            remax_and_flag,
         ),
     }
-
-    report = {}
-    for name, (public, kernels_only) in pairs.items():
-        # median of 2000 single calls each (the benchmark's CPU timer), in us
-        public_us, kernels_us = (
-            1e3 * _time_ms(fn, "cpu", repeats=2000, warmup=200) for fn in (public, kernels_only)
-        )
+    report: dict = {"shape": list(shape)}
+    for name, (public, kernels_only, with_flag) in pairs.items():
+        if device == "cpu":  # median of 2000 single calls each (the benchmark's CPU timer), in us
+            public_us, kernels_us = (
+                1e3 * _time_ms(fn, "cpu", repeats=2000, warmup=200) for fn in (public, kernels_only)
+            )
+            entry = {}
+        else:
+            public_us, kernels_us = _host_us(public, device), _host_us(kernels_only, device)
+            entry = {"its_kernels_and_flag_read_us": round(_host_us(with_flag, device), 2)}
         report[name] = {
             "public_us": round(public_us, 2),
             "its_kernels_us": round(kernels_us, 2),
             "estimator_us": round(public_us - kernels_us, 2),
+            **entry,
         }
+    if device == "cuda" and triton_scan.is_available("cuda"):
+        report.update(_launch_us(r, v, m))
+    return report
+
+
+def _launch_us(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> dict:
+    """Host time (us) of one launch of the checked GAE kernel through Triton's launcher and through the compiled
+    kernel it returns, and whether the second writes the same outputs (see :func:`_estimator_layer_us`)."""
+    tl = triton_scan.tl
+    batch, length = r.shape
+    launch = triton_scan._default_launch(length)
+    words = triton_scan.host_flag_words(r.device, batch)
+    constexprs = {
+        "WITH_RETURNS": True,
+        "CHECKED": True,
+        "STATS": False,
+        "ACC": tl.float32,
+        "BLOCK_B": launch.block_b,
+        "BLOCK_T": launch.block_t,
+    }
+    grid = triton_scan._grid(batch, launch)
+
+    def args(adv: torch.Tensor, ret: torch.Tensor) -> tuple:
+        return (r, v, m.view(torch.uint8), adv, ret, words, adv, batch, length, GAMMA, GAMMA * LAM)
+
+    adv, ret = torch.empty_like(r), torch.empty_like(r)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    compiled = triton_scan._gae_kernel[grid](*args(adv, ret), **constexprs, **options)
+    report = {
+        "triton_launch_us": round(
+            _host_us(lambda: triton_scan._gae_kernel[grid](*args(adv, ret), **constexprs, **options), "cuda"),
+            2,
+        ),
+        "stream_sync_us": round(_host_us(lambda: torch.cuda.current_stream().synchronize(), "cuda"), 2),
+    }
+    try:  # every parameter in order, the constexprs included, as the tutorial launches it
+        direct = (grid[0], 1, 1)
+        positional = args(adv, ret) + tuple(constexprs.values())
+        report["compiled_kernel_launch_us"] = round(
+            _host_us(lambda: compiled[direct](*positional), "cuda"), 2
+        )
+        adv2, ret2 = torch.empty_like(r), torch.empty_like(r)
+        compiled[direct](*(args(adv2, ret2) + tuple(constexprs.values())))
+        torch.cuda.synchronize()
+        report["compiled_kernel_same_outputs"] = bool(torch.equal(adv, adv2) and torch.equal(ret, ret2))
+    except Exception as error:  # an API this Triton version lacks: recorded, not fatal
+        report["compiled_kernel_launch_error"] = repr(error)
     return report
 
 
@@ -449,8 +537,7 @@ def main() -> None:
                 "backends": kernels.available_backends(device),
                 "public": shapes,
             }
-            if device == "cpu":
-                result[device]["estimator_layer_us_2x4"] = _estimator_layer_us()
+            result[device]["estimator_layer_us"] = _estimator_layer_us(device)
             if load is not None:
                 result[device]["load_avg"] = {"before": load, "after": os.getloadavg()}
             continue
