@@ -24,7 +24,9 @@ Also checks exactness in bf16 (``exactness``): greedy tokens of the cached engin
 ``exact_new`` tokens (rows identical, and for each differing row the gap between the two competing logits at the
 first difference), and ``rollout_log_probs`` against one forward over the finished sequences; for the HF engine also
 with the model's own modules through the cache (``hf_model_modules``) and with cuBLAS's split-K partial sums kept in
-fp32 (``hf_fp32_split_k``), to tell where the differences come from.
+fp32 (``hf_fp32_split_k``), to tell where the differences come from; and the engine with batch-invariant numerics
+(``ours_hf_batch_invariant``, ``exactness:hf_batch_invariant``: the reference is a full recomputation through the
+same functions, :meth:`~ppo_core.rollout.hf.HFRolloutEngine.recompute_logits`).
 
 Usage: ``python benchmarks/rollout.py [--repeats 3] [--cases b64,b256,mixed] [--out FILE]`` (CUDA only).
 """
@@ -204,19 +206,22 @@ def _bandwidth(weight_bytes: int, batch: int) -> dict:
     }
 
 
-def _greedy_recompute(forward_logits, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
-    """``[B, new]`` greedy tokens, the whole sequence recomputed for each."""
+def _greedy_recompute(last_logits, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    """``[B, new]`` greedy tokens, the whole sequence recomputed for each (``last_logits(seq, mask) -> [B, V]``)."""
     seq, seq_mask, tokens = ids, mask, []
     for _ in range(new):
-        tok = forward_logits(seq, seq_mask)[:, -1].float().argmax(-1)
+        tok = last_logits(seq, seq_mask).float().argmax(-1)
         tokens.append(tok)
         seq = torch.cat([seq, tok[:, None]], 1)
         seq_mask = torch.cat([seq_mask, torch.ones_like(tok[:, None])], 1)
     return torch.stack(tokens, 1)
 
 
-def _exactness(model: Any, engine: Any, forward_logits, new: int) -> dict:
+def _exactness(model: Any, engine: Any, forward_logits, new: int, last_logits=None) -> dict:
     """Greedy cached tokens vs full recomputation (bf16), and rollout log-probs vs one forward.
+
+    The recomputation is ``last_logits(seq, mask) -> [B, V]`` (by default the last position of ``forward_logits``,
+    the model's own forward); the log-probs are checked against ``forward_logits``.
 
     ``reference_rows_identical_in_halves``: the recomputation against itself run on the same rows in two batches of
     32 (other GEMM shapes, so other bf16 roundings): how many rows a bf16 random-weights model keeps identical
@@ -224,24 +229,22 @@ def _exactness(model: Any, engine: Any, forward_logits, new: int) -> dict:
     """
     from ppo_core.rollout import SamplingConfig
 
+    last = last_logits or (lambda seq, seq_mask: forward_logits(seq, seq_mask)[:, -1])
     b, p = 64, 256
     ids, mask = _prompts(b, p, MODEL["vocab_size"])
     out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0))
     gaps = []
     with torch.no_grad():
-        ref = _greedy_recompute(forward_logits, ids, mask, new)
+        ref = _greedy_recompute(last, ids, mask, new)
         halves = torch.cat(
-            [
-                _greedy_recompute(forward_logits, ids[rows], mask[rows], new)
-                for rows in (slice(0, 32), slice(32, 64))
-            ]
+            [_greedy_recompute(last, ids[rows], mask[rows], new) for rows in (slice(0, 32), slice(32, 64))]
         )
         differ = (ref != out["responses"]).any(1)
         # for each differing row: the recomputed logit gap between the two tokens at the first difference
         for row in differ.nonzero().flatten().tolist():
             t = int((ref[row] != out["responses"][row]).nonzero()[0])
             prefix = torch.cat([ids[row], ref[row, :t]])[None]
-            logits = forward_logits(prefix, torch.ones_like(prefix))[0, -1].float()
+            logits = last(prefix, torch.ones_like(prefix))[0].float()
             gaps.append(float(logits[ref[row, t]] - logits[out["responses"][row, t]]))
         full = forward_logits(out["input_ids"], out["attention_mask"])[:, p - 1 : -1].float()
         lp = full.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
@@ -290,6 +293,15 @@ def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> N
     attempt(
         "exactness:hf_fp32_split_k",
         lambda: _fp32_split_k(lambda: _exactness(model, engine, hf_logits, args.exact_new)),
+    )
+    # batch-invariant numerics: the cached engine against a full recomputation through the same functions
+    invariant = HFRolloutEngine(model, batch_invariant=True)
+    attempt("ours_hf_batch_invariant:b64", lambda: _engine_case(invariant, CASES["b64"], args.repeats))
+    attempt(
+        "exactness:hf_batch_invariant",
+        lambda: _exactness(
+            model, invariant, hf_logits, args.exact_new, last_logits=invariant.recompute_logits
+        ),
     )
     if args.exact_fp32:
         # the same model in fp32: differences left by the engines' numerics alone are much smaller than in bf16
@@ -363,7 +375,14 @@ def main(argv: list[str] | None = None) -> dict:
         _bench_megatron(cases, args, attempt)
 
     summary = {}
-    for method in ("ours_hf", "ours_megatron", "hf_static", "hf_dynamic", "recompute"):
+    for method in (
+        "ours_hf",
+        "ours_hf_batch_invariant",
+        "ours_megatron",
+        "hf_static",
+        "hf_dynamic",
+        "recompute",
+    ):
         for case, rep in result.get(method, {}).items():
             if isinstance(rep, dict) and "new_tokens_per_s" in rep:
                 summary[f"{method}:{case}"] = rep["new_tokens_per_s"]

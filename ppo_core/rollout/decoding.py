@@ -430,6 +430,11 @@ class CachedRolloutEngine:
             ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``,
             ``rollout_log_probs`` (see the module docstring).
         """
+        if getattr(config, "batch_invariant", False) and not getattr(self, "batch_invariant", False):
+            raise ValueError(
+                f"sampling.batch_invariant=True but this {type(self).__name__} does not compute batch-invariantly "
+                "(HFRolloutEngine(model, batch_invariant=True) does, for Llama-family models)"
+            )
         was_training = self.module.training
         self.module.eval()
         try:

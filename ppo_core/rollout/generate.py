@@ -70,7 +70,13 @@ def generate(
         if hf_model is not None:
             from ppo_core.rollout.hf import HFRolloutEngine
 
-            return HFRolloutEngine(hf_model).generate(prompts, mask_BP, config, generator=generator)
+            engine = HFRolloutEngine(hf_model, batch_invariant=config.batch_invariant)
+            return engine.generate(prompts, mask_BP, config, generator=generator)
+    if config.batch_invariant:
+        raise ValueError(
+            f"sampling.batch_invariant=True needs a Llama-family Hugging Face causal LM with use_cache=True; "
+            f"{type(model).__name__} is sampled by the generic loop"
+        )
     B, R = prompts.shape[0], config.max_new_tokens
     device = prompts.device
     use_cache = config.use_cache and callable(getattr(model, "new_cache", None))

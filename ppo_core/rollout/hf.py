@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rows
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -45,7 +46,7 @@ from ppo_core.rollout.eager_rounding import (
     silu_mul_as_model,
 )
 from ppo_core.rollout.generate import _hf_causal_lm
-from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
 
 __all__ = ["HFRolloutEngine", "supports_fast_path"]
 
@@ -72,10 +73,6 @@ def supports_fast_path(model: nn.Module) -> bool:
         return False
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     return all(hasattr(body, name) for name in needed)
-
-
-def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
 
 
 def _concatenated(
@@ -109,8 +106,11 @@ class _LlamaFamilyForward:
     the concatenation costs little more than the largest of its parts.
     """
 
-    def __init__(self, model: nn.Module, fuse_projections: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, fuse_projections: bool = True, batch_invariant: bool = False
+    ) -> None:
         self.body, self.lm_head, cfg = model.model, model.lm_head, model.config
+        self.batch_invariant = batch_invariant
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -137,28 +137,49 @@ class _LlamaFamilyForward:
         """Drop the concatenated weights."""
         self._fused = None
 
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return invariant_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+
+    def _layer(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return self._linear(x, layer.weight, layer.bias)
+
+    def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_rows(rms_norm_as_model, x, weight=norm.weight, eps=norm.variance_epsilon)
+        return rms_norm_as_model(x, norm.weight, norm.variance_epsilon)
+
+    def _add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, ...]:
+        if self.batch_invariant:
+            return invariant_rows(
+                add_rms_norm_as_model, h, delta, weight=norm.weight, eps=norm.variance_epsilon
+            )
+        return add_rms_norm_as_model(h, delta, norm.weight, norm.variance_epsilon)
+
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, s = x.shape[:2]
         attn = layer.self_attn
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if self._fused is not None:
-            qkv = F.linear(x, self._fused[i][0], self._fused[i][1])
+            qkv = self._linear(x, self._fused[i][0], self._fused[i][1])
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         else:
-            q, k, v = _linear(x, attn.q_proj), _linear(x, attn.k_proj), _linear(x, attn.v_proj)
+            q, k, v = (self._layer(x, proj) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         shape = (b, s, -1, self.head_dim)
         return q.view(shape), k.view(shape), v.view(shape)
 
     def _mlp(self, i: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
-            gate, up = F.linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
+            gate, up = self._linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
         else:
-            gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
-        return _linear(silu_mul_as_model(gate, up), mlp.down_proj)
+            gate, up = self._layer(x, mlp.gate_proj), self._layer(x, mlp.up_proj)
+        return self._layer(silu_mul_as_model(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         body = self.body
         b, s = input_ids.shape
+        cache.batch_invariant = self.batch_invariant
         h = body.embed_tokens(input_ids)  # [B, S, D]
         # the model's own rotary tables, in its dtype as its forward uses them (the module reads only the device and
         # dtype of its first input)
@@ -169,13 +190,12 @@ class _LlamaFamilyForward:
         for i, layer in enumerate(body.layers):
             attn, norm1 = layer.self_attn, layer.input_layernorm
             if mlp_out is None:
-                x = rms_norm_as_model(h, norm1.weight, norm1.variance_epsilon)
+                x = self._rms_norm(h, norm1)
             else:  # the previous layer's residual add fused with this layer's norm
-                h, x = add_rms_norm_as_model(h, mlp_out, norm1.weight, norm1.variance_epsilon)
+                h, x = self._add_rms_norm(h, mlp_out, norm1)
             q, k, v = self._projections(i, layer, x)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
-                q = rms_norm_as_model(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = rms_norm_as_model(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
             # the rotation (and, decoding on CUDA, the cache write with it in one kernel) in the model's rounding
             out = cache.attend_rotated(
                 i,
@@ -188,11 +208,13 @@ class _LlamaFamilyForward:
                 model_rounding=True,
             )
             norm2 = layer.post_attention_layernorm
-            attn_out = _linear(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
-            h, x = add_rms_norm_as_model(h, attn_out, norm2.weight, norm2.variance_epsilon)
+            attn_out = self._layer(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
+            h, x = self._add_rms_norm(h, attn_out, norm2)
             mlp_out = self._mlp(i, layer.mlp, x)
         h_last = h[:, -1] + mlp_out[:, -1]
-        last = rms_norm_as_model(h_last, body.norm.weight, body.norm.variance_epsilon)
+        last = self._rms_norm(h_last, body.norm)
+        if self.batch_invariant:
+            return self._layer(last, self.lm_head)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
 
@@ -273,6 +295,11 @@ class HFRolloutEngine(CachedRolloutEngine):
             over concatenated copies of those weights made at the start of every generation and dropped after
             it (unless ``keep_cache``): about half the weights of a Llama-shaped model more memory while
             sampling, none during the update.
+        batch_invariant: on the fused path, compute every GEMM, RMSNorm and attention with the batch-invariant
+            functions of :mod:`ppo_core.rollout.batch_invariant`: each row's logits do not depend on the other
+            rows, so cached decoding equals a full recomputation (:meth:`recompute_logits`) bit for bit, and a
+            prompt's response does not depend on its batch. Slower (GEMMs in 64-row chunks, attention query by
+            query); off by default.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -283,6 +310,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         *,
         fast_path: bool | None = None,
         fuse_projections: bool = True,
+        batch_invariant: bool = False,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -302,12 +330,20 @@ class HFRolloutEngine(CachedRolloutEngine):
             raise ValueError(
                 f"fast_path=True but {type(model).__name__} is not a supported Llama-family model"
             )
+        if batch_invariant and not self.fast_path:
+            raise ValueError(
+                "batch_invariant=True needs the Llama-family fused path (fast_path); "
+                f"{type(model).__name__} runs through its own forward"
+            )
+        self.batch_invariant = bool(batch_invariant)
         self._forward = (
-            _LlamaFamilyForward(model, fuse_projections) if self.fast_path else _GenericForward(model)
+            _LlamaFamilyForward(model, fuse_projections, self.batch_invariant)
+            if self.fast_path
+            else _GenericForward(model)
         )
         heads = cfg.num_attention_heads
         param = next(model.parameters())
-        spec = ModelSpec(
+        spec = self._spec = ModelSpec(
             layers=cfg.num_hidden_layers,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
@@ -331,6 +367,45 @@ class HFRolloutEngine(CachedRolloutEngine):
             yield
         finally:
             if not self.decoder.keep_cache:
+                self._forward.free()
+
+    @torch.no_grad()
+    def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits after each left-padded sequence, from a full forward of the whole sequence through
+        this engine's own forward (a prefill of all ``S`` columns; nothing cached is reused): the reference that
+        cached decoding is checked against (with ``batch_invariant`` it is equal bit for bit).
+
+        Args:
+            input_ids: ``[B, S]`` left-padded token ids (a prompt and the response so far).
+            attention_mask: ``[B, S]`` 1 on real tokens.
+
+        Returns:
+            ``[B, V]`` logits in the model dtype.
+        """
+        b, s = input_ids.shape
+        spec = self._spec
+        mask = attention_mask.bool()
+        cache = KVCache.allocate(
+            layers=spec.layers,
+            batch=b,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            length=s,
+            dtype=spec.dtype,
+            device=input_ids.device,
+        )
+        cache.key_valid.copy_(mask)
+        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
+        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        if isinstance(self._forward, _GenericForward):
+            with self._forward.attention_implementation():
+                return self._forward(input_ids, cache.positions, cache)
+        fused_before = self._forward._fused is not None
+        self._forward.refresh()
+        try:
+            return self._forward(input_ids, cache.positions, cache)
+        finally:
+            if not fused_before:
                 self._forward.free()
 
     def release(self) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ppo_core.rollout.batch_invariant import invariant_attention
 from ppo_core.rollout.decode_attention import decode_attention
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton, rotate_and_write_triton_available
 
@@ -72,6 +73,9 @@ class KVCache:
         mode: ``"prefill"`` or ``"decode"``.
         kv_len: slots the current decode step attends to (a multiple of the caller's bucket, ``<= L``).
         prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`).
+        batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
+            by the forward): each query alone over the slots up to its own, so that a prefill of the whole
+            sequence and the decode step of a token give its query the same bits.
     """
 
     keys: list[torch.Tensor]
@@ -82,6 +86,7 @@ class KVCache:
     mode: str = "prefill"
     kv_len: int = 0
     prefill_mask: torch.Tensor | None = None
+    batch_invariant: bool = False
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _filled: torch.Tensor | None = field(default=None, repr=False)
     _per_forward: dict = field(default_factory=dict, repr=False)
@@ -158,6 +163,8 @@ class KVCache:
         keys, values = self.keys[layer], self.values[layer]
         h, s = q.shape[1], q.shape[2]
         g = k.shape[1]
+        if self.batch_invariant:
+            return self._attend_invariant(layer, q, k, v, scale)
         if self.mode == "prefill":
             keys[:, :, :s] = k
             values[:, :, :s] = v
@@ -198,6 +205,7 @@ class KVCache:
         """
         if (
             self.mode == "decode"
+            and not self.batch_invariant  # the fused kernel rotates as the prefill's rotation does not
             and q.shape[2] == 1
             and rotate_and_write_triton_available(q)
             and all(t.stride(-1) == 1 for t in (q, k, v))
@@ -223,4 +231,25 @@ class KVCache:
         # nothing past this step's slot is filled yet: the kernel stops there within the bucket's kv_len
         return decode_attention(
             q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled
+        )
+
+    def _attend_invariant(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """:meth:`attend` with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes)."""
+        keys, values = self.keys[layer], self.values[layer]
+        s = q.shape[2]
+        if self.mode == "prefill":
+            keys[:, :, :s] = k
+            values[:, :, :s] = v
+            slots, length = torch.arange(s, device=q.device), s
+        else:
+            if s != 1:
+                raise ValueError(f"a decode step feeds one token per row, got {s}")
+            keys.index_copy_(2, self.slot.view(1), k)
+            values.index_copy_(2, self.slot.view(1), v)
+            slots, length = self.slot.view(1), self.kv_len
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return invariant_attention(
+            q, keys[:, :, :length], values[:, :, :length], self.key_valid[:, :length], slots, scale
         )

@@ -1,0 +1,300 @@
+"""Batch-invariant rollout numerics (``ppo_core.rollout.batch_invariant``, ``HFRolloutEngine(batch_invariant=True)``):
+each row's result does not depend on the other rows, so cached decoding equals full recomputation bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_core.rollout import SamplingConfig
+from ppo_core.rollout import batch_invariant as bi
+from ppo_core.rollout.batch_invariant import (
+    CHUNK_ROWS,
+    invariant_attention,
+    invariant_linear,
+    invariant_rows,
+)
+from ppo_core.rollout.eager_rounding import rms_norm_as_model
+
+transformers = pytest.importorskip("transformers")
+
+DTYPES = [torch.float32, torch.bfloat16]
+VOCAB = 97
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 2 * CHUNK_ROWS + 5),
+    k=st.integers(1, 40),
+    n=st.integers(1, 24),
+    bias=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_is_f_linear_and_each_row_is_its_own(m, k, n, bias, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = invariant_linear(x, w, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
+    # any row alone, or any other run of rows, gives the same bits
+    row = int(torch.randint(0, m, (1,), generator=gen))
+    assert torch.equal(invariant_linear(x[row : row + 1], w, b)[0], y[row])
+    assert torch.equal(invariant_linear(x[row:], w, b), y[row:])
+
+
+def test_linear_keeps_leading_dimensions():
+    x, w = torch.randn(3, 5, 8), torch.randn(4, 8)
+    assert torch.equal(invariant_linear(x, w), invariant_linear(x.reshape(15, 8), w).reshape(3, 5, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_the_function_row_by_row(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2 * CHUNK_ROWS + 7, 16, generator=gen)).to(dtype)
+    w = torch.randn(16, generator=gen).to(dtype)
+    out = invariant_rows(rms_norm_as_model, x, weight=w, eps=1e-6)
+    torch.testing.assert_close(out, rms_norm_as_model(x, w, 1e-6))
+    assert torch.equal(invariant_rows(rms_norm_as_model, x[5:6], weight=w, eps=1e-6), out[5:6])
+    pair = invariant_rows(lambda a, c: (a + c, a - c), x, x.flip(0))
+    assert torch.equal(pair[0], x + x.flip(0)) and torch.equal(pair[1], x - x.flip(0))
+
+
+def _qkv(b, h, g, length, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, length, d, generator=gen).to(dtype)
+    k = torch.randn(b, g, length, d, generator=gen).to(dtype)
+    v = torch.randn(b, g, length, d, generator=gen).to(dtype)
+    valid = torch.rand(b, length, generator=gen) < 0.8
+    valid[:, -1] = True
+    return q, k, v, valid
+
+
+def _sdpa_reference(q, k, v, valid, slots, scale):
+    """SDPA in float64 with the rule: key j is seen by the query at slot i when j <= i and (valid or j == i)."""
+    h, g = q.shape[1], k.shape[1]
+    kk, vv = (t.double().repeat_interleave(h // g, dim=1) for t in (k, v))
+    j = torch.arange(k.shape[2])
+    i = slots[:, None]
+    seen = (j[None] <= i) & (valid[:, None, :] | (j[None] == i))  # [B, S, L]
+    return F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=seen[:, None], scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_attention_is_attention_over_the_keys_up_to_each_slot(dtype, heads):
+    h, g = heads
+    q, k, v, valid = _qkv(3, h, g, 2 * bi.BLOCK_L + 9, 16, dtype, seed=1)
+    valid[0, :7] = False  # a row's left padding: its first queries see only themselves
+    slots = torch.arange(q.shape[2])
+    out = invariant_attention(q, k, v, valid, slots)
+    assert torch.isfinite(out).all()
+    ref = _sdpa_reference(q, k, v, valid, slots, 16**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_gives_the_same_bits_alone_in_any_batch_and_whatever_follows_its_slot(dtype):
+    q, k, v, valid = _qkv(4, 4, 2, bi.BLOCK_L + 20, 16, dtype, seed=2)
+    length = q.shape[2]
+    full = invariant_attention(q, k, v, valid, torch.arange(length))
+    for slot in (0, bi.BLOCK_L - 1, bi.BLOCK_L, length - 1):
+        # the decode step of that slot: one query per row, the cache cut at any length past it, other rows
+        for rows in (slice(None), slice(1, 3)):
+            cut = min(length, slot + 1 + 5)
+            alone = invariant_attention(
+                q[rows, :, slot : slot + 1],
+                k[rows, :, :cut],
+                v[rows, :, :cut],
+                valid[rows, :cut],
+                torch.tensor([slot]),
+            )
+            assert torch.equal(alone, full[rows, :, slot : slot + 1])
+    # keys and values after a query's slot are never used
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30:], v2[:, :, 30:] = 1e4, -1e4
+    again = invariant_attention(q, k2, v2, valid, torch.arange(length))
+    assert torch.equal(again[:, :, :30], full[:, :, :30])
+
+
+def _llama(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return model.to(dtype).eval()
+
+
+def _left_padded(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (batch,), generator=g)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    return torch.randint(1, VOCAB, (batch, width), generator=g) * mask, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype):
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    engine = HFRolloutEngine(_llama(kind, dtype), batch_invariant=True)
+    ids, mask = _left_padded(9, 11, seed=3)
+    seen: list[torch.Tensor] = []
+
+    def keep(t, logits):
+        seen.append(logits.clone())
+        return logits
+
+    new = 14
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0), step_hook=keep)
+    seq, seq_mask = ids, mask
+    for t in range(new):
+        logits = engine.recompute_logits(seq, seq_mask)
+        # the logits the cached step sampled from: the same bits as a forward of the whole sequence
+        assert torch.equal(seen[t], logits), f"step {t}"
+        token = out["responses"][:, t]
+        assert torch.equal(token, logits.float().argmax(-1))
+        seq = torch.cat([seq, token[:, None]], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompt_samples_the_same_response_in_any_batch(dtype):
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    engine = HFRolloutEngine(_llama("llama", dtype), batch_invariant=True)
+    ids, mask = _left_padded(8, 9, seed=4)
+    greedy = SamplingConfig(max_new_tokens=10, temperature=0.0)
+    full = engine.generate(ids, mask, greedy)
+    for rows in (slice(0, 1), slice(2, 7), slice(5, 8)):
+        part = engine.generate(ids[rows], mask[rows], greedy)
+        assert torch.equal(part["responses"], full["responses"][rows])
+        assert torch.equal(part["rollout_log_probs"], full["rollout_log_probs"][rows])
+
+
+def test_sampling_is_reproducible_and_agrees_with_the_default_engine_in_fp32():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _llama("llama", torch.float32)
+    ids, mask = _left_padded(6, 8, seed=5)
+    config = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    invariant = HFRolloutEngine(model, batch_invariant=True)
+    first = invariant.generate(ids, mask, config, generator=torch.Generator().manual_seed(7))
+    second = invariant.generate(ids, mask, config, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(first["responses"], second["responses"])
+    default = HFRolloutEngine(model).generate(ids, mask, config, generator=torch.Generator().manual_seed(7))
+    # in fp32 the two orders of summation differ by rounding only: the same draws, log-probs within 1e-4
+    assert torch.equal(first["responses"], default["responses"])
+    torch.testing.assert_close(first["rollout_log_probs"], default["rollout_log_probs"], rtol=0, atol=1e-4)
+
+
+def test_batch_invariance_needs_the_fused_path():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    with pytest.raises(ValueError, match="batch_invariant"):
+        HFRolloutEngine(_llama("llama", torch.float32), fast_path=False, batch_invariant=True)
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and bi.triton is not None
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="the Triton kernel on the CPU needs TRITON_INTERPRET=1 and triton")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_kernel_is_the_torch_steps_and_query_invariant(dtype):
+    q, k, v, valid = _qkv(2, 4, 2, bi.BLOCK_L + 6, 16, dtype, seed=6)
+    valid[1, :4] = False
+    slots = torch.arange(q.shape[2])
+    out = bi._attention_triton(q, k, v, valid, slots, 0.25)
+    ref = bi._attention_torch(q, k, v, valid, slots, 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    last = q.shape[2] - 1
+    alone = bi._attention_triton(q[:, :, last:], k, v, valid, torch.tensor([last]), 0.25)
+    assert torch.equal(alone, out[:, :, last:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cached_decoding_is_full_recomputation_bit_for_bit():
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 97, (48,), generator=g)
+    mask = (torch.arange(96)[None, :] >= 96 - lengths[:, None]).long()
+    ids = (torch.randint(1, 1024, (48, 96), generator=g) * mask).cuda()
+    mask = mask.cuda()
+    seen: list[torch.Tensor] = []
+
+    def keep(t, logits):
+        seen.append(logits.clone())
+        return logits
+
+    new = 24
+    greedy = SamplingConfig(max_new_tokens=new, temperature=0.0)
+    # eagerly, so that the hook sees every step's logits
+    eager = HFRolloutEngine(model, batch_invariant=True, cuda_graphs=False)
+    out = eager.generate(ids, mask, greedy, step_hook=keep)
+    seq, seq_mask = ids, mask
+    for t in range(new):
+        logits = eager.recompute_logits(seq, seq_mask)
+        assert torch.equal(seen[t], logits), f"step {t}"
+        token = out["responses"][:, t]
+        seq = torch.cat([seq, token[:, None]], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    # the captured decode step computes the same bits
+    graphs = HFRolloutEngine(model, batch_invariant=True)
+    replayed = graphs.generate(ids, mask, greedy)
+    assert graphs.stats.graphs_captured >= 1
+    assert torch.equal(replayed["responses"], out["responses"])
+    assert torch.equal(replayed["rollout_log_probs"], out["rollout_log_probs"])
+
+
+def test_the_sampling_config_asks_for_it_and_engines_that_cannot_refuse():
+    from ppo_core.models import TinyGPT, TinyGPTConfig
+    from ppo_core.rollout import generate
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _llama("llama", torch.bfloat16)
+    ids, mask = _left_padded(6, 7, seed=8)
+    config = SamplingConfig(max_new_tokens=6, temperature=0.0, batch_invariant=True)
+    out = generate(model, ids, mask, config)
+    alone = generate(model, ids[2:3], mask[2:3], config)
+    assert torch.equal(alone["responses"], out["responses"][2:3])
+    expected = HFRolloutEngine(model, batch_invariant=True).generate(ids, mask, config)
+    assert torch.equal(out["responses"], expected["responses"])
+    with pytest.raises(ValueError, match=r"sampling\.batch_invariant"):
+        HFRolloutEngine(model).generate(ids, mask, config)
+    tiny = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=16, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match=r"sampling\.batch_invariant"):
+        generate(tiny, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), config)
