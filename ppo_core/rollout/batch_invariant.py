@@ -71,11 +71,13 @@ def invariant_rows(
     lead = rows[0].shape[:-1]
     flat = [t.reshape(-1, t.shape[-1]) for t in rows]
     m = flat[0].shape[0]
+    if m == 0:  # nothing to chunk: the function itself on the empty rows
+        return fn(*rows, **kwargs)
     padded = _chunked(m)
     if padded != m:
         flat = [torch.cat([t, t.new_zeros(padded - m, t.shape[-1])]) for t in flat]
     chunks = [fn(*(t[i : i + CHUNK_ROWS] for t in flat), **kwargs) for i in range(0, padded, CHUNK_ROWS)]
-    single = isinstance(chunks[0], torch.Tensor) if chunks else True
+    single = isinstance(chunks[0], torch.Tensor)
     outs = [chunks] if single else list(zip(*chunks, strict=True))
     joined = tuple(torch.cat(list(parts))[:m].reshape(*lead, -1) for parts in outs)
     return joined[0] if single else joined
@@ -108,7 +110,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             torch.mm(flat[i : i + CHUNK_ROWS], wt, out=out[i : i + CHUNK_ROWS])
         else:
             torch.addmm(bias, flat[i : i + CHUNK_ROWS], wt, out=out[i : i + CHUNK_ROWS])
-    return out[:m].to(x.dtype).reshape(*lead, -1)
+    return out[:m].to(x.dtype).reshape(*lead, weight.shape[0])
 
 
 def _interpreting() -> bool:
@@ -308,6 +310,8 @@ def invariant_attention(
     """
     d = q.shape[-1]
     scale = float(scale if scale is not None else d**-0.5)
+    if q.numel() == 0:
+        return torch.empty_like(q)
     use_triton = triton is not None and (q.is_cuda or _interpreting()) and d >= 16 and not d & (d - 1)
     if use_triton:
         for name, t in (("q", q), ("k", k), ("v", v)):

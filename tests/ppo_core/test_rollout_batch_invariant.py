@@ -89,6 +89,38 @@ def _sdpa_reference(q, k, v, valid, slots, scale):
     return F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=seen[:, None], scale=scale)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(0, 3),
+    groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
+    length=st.integers(1, 2 * 64 + 3),
+    width=st.sampled_from([8, 12, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_matches_sdpa_over_the_visible_keys(batch, groups, length, width, dtype, seed):
+    h, g = groups
+    q, k, v, valid = _qkv(batch, h, g, length, width, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    valid &= (
+        torch.rand(batch, length, generator=gen) < 0.7
+    )  # rows may have no valid key: queries see themselves
+    slots = torch.arange(length)
+    out = invariant_attention(q, k, v, valid, slots)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    ref = _sdpa_reference(q, k, v, valid, slots, width**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_empty_inputs_give_empty_outputs():
+    q, k, v, valid = _qkv(0, 2, 1, 5, 16, torch.float32, seed=0)
+    assert invariant_attention(q, k, v, valid, torch.arange(5)).shape == (0, 2, 5, 16)
+    assert invariant_linear(torch.randn(0, 4), torch.randn(3, 4)).shape == (0, 3)
+    x = torch.randn(0, 4)
+    assert invariant_rows(rms_norm_as_model, x, weight=torch.ones(4), eps=1e-6).shape == (0, 4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
 def test_attention_is_attention_over_the_keys_up_to_each_slot(dtype, heads):
@@ -130,8 +162,8 @@ def test_a_query_gives_the_same_bits_alone_in_any_batch_and_whatever_follows_its
 def _llama(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     common = dict(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
+        hidden_size=64,  # a head width of 16: the Triton kernel's smallest (run under TRITON_INTERPRET=1)
+        intermediate_size=96,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -140,6 +172,10 @@ def _llama(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "qwen3":  # per-head RMSNorm of queries and keys
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.to(dtype).eval()
@@ -152,12 +188,22 @@ def _left_padded(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch
     return torch.randint(1, VOCAB, (batch, width), generator=g) * mask, mask
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype):
+@pytest.mark.parametrize(
+    ("kind", "dtype", "fuse"),
+    [
+        ("llama", torch.float32, True),
+        ("llama", torch.bfloat16, True),
+        ("llama", torch.bfloat16, False),
+        ("qwen2", torch.float32, True),
+        ("qwen2", torch.bfloat16, True),
+        ("qwen3", torch.bfloat16, True),
+        ("mistral", torch.bfloat16, False),
+    ],
+)
+def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype, fuse):
     from ppo_core.rollout.hf import HFRolloutEngine
 
-    engine = HFRolloutEngine(_llama(kind, dtype), batch_invariant=True)
+    engine = HFRolloutEngine(_llama(kind, dtype), fuse_projections=fuse, batch_invariant=True)
     ids, mask = _left_padded(9, 11, seed=3)
     seen: list[torch.Tensor] = []
 
