@@ -6,7 +6,11 @@
 - :func:`generate`: batched sampling from any causal LM ``nn.Module`` (:mod:`~ppo_core.rollout.generate`);
 - :func:`rollout_batch`: the output layout of every rollout engine (:mod:`~ppo_core.rollout.layout`);
 - :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
-  implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`).
+  implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`);
+- KV-cached, graph-captured decoding: :class:`~ppo_core.rollout.hf.HFRolloutEngine` (Hugging Face causal LMs) over
+  :mod:`~ppo_core.rollout.kv_cache` and :mod:`~ppo_core.rollout.decoding`, with batch-invariant numerics on request
+  (``batch_invariant=True``, :mod:`~ppo_core.rollout.batch_invariant`: a row's logits do not depend on its batch,
+  and cached decoding equals full recomputation bit for bit).
 
 Plugging in an external inference engine (vLLM, SGLang, a KV-cached CUDA-graph engine): write a class with
 
