@@ -25,8 +25,8 @@ Also checks exactness in bf16 (``exactness``): greedy tokens of the cached engin
 first difference), and ``rollout_log_probs`` against one forward over the finished sequences; for the HF engine also
 with the model's own modules through the cache (``hf_model_modules``) and with cuBLAS's split-K partial sums kept in
 fp32 (``hf_fp32_split_k``), to tell where the differences come from; and the engine with batch-invariant numerics
-(``ours_hf_batch_invariant``, ``exactness:hf_batch_invariant``: the reference is a full recomputation through the
-same functions, :meth:`~ppo_core.rollout.hf.HFRolloutEngine.recompute_logits`).
+(``ours_hf_batch_invariant``, ``exactness:hf_batch_invariant``, and the same for megatron: the reference is a full
+recomputation through the same functions, the engines' ``recompute_logits``).
 
 Usage: ``python benchmarks/rollout.py [--repeats 3] [--cases b64,b256,mixed] [--out FILE]`` (CUDA only).
 """
@@ -327,6 +327,14 @@ def _bench_megatron(cases: dict, args: argparse.Namespace, attempt) -> None:
         return model(seq, position_ids(seq_mask), megatron_attention_mask(seq_mask))[..., : cfg.vocab_size]
 
     attempt("exactness:megatron", lambda: _exactness(model, engine, meg_logits, args.exact_new))
+    invariant = MegatronRolloutEngine(model, cfg, batch_invariant=True)
+    attempt("ours_megatron_batch_invariant:b64", lambda: _engine_case(invariant, CASES["b64"], args.repeats))
+    attempt(
+        "exactness:megatron_batch_invariant",
+        lambda: _exactness(
+            model, invariant, meg_logits, args.exact_new, last_logits=invariant.recompute_logits
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -379,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ours_hf",
         "ours_hf_batch_invariant",
         "ours_megatron",
+        "ours_megatron_batch_invariant",
         "hf_static",
         "hf_dynamic",
         "recompute",

@@ -432,8 +432,9 @@ class CachedRolloutEngine:
         """
         if getattr(config, "batch_invariant", False) and not getattr(self, "batch_invariant", False):
             raise ValueError(
-                f"sampling.batch_invariant=True but this {type(self).__name__} does not compute batch-invariantly "
-                "(HFRolloutEngine(model, batch_invariant=True) does, for Llama-family models)"
+                f"batch_invariant=True (SamplingConfig; actor.rollout.batch_invariant in a worker config) but this "
+                f"{type(self).__name__} does not compute batch-invariantly "
+                "(HFRolloutEngine(model, batch_invariant=True) and MegatronRolloutEngine(..., batch_invariant=True) do)"
             )
         was_training = self.module.training
         self.module.eval()

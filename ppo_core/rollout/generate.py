@@ -74,7 +74,8 @@ def generate(
             return engine.generate(prompts, mask_BP, config, generator=generator)
     if config.batch_invariant:
         raise ValueError(
-            f"sampling.batch_invariant=True needs a Llama-family Hugging Face causal LM with use_cache=True; "
+            f"batch_invariant=True (SamplingConfig; actor.rollout.batch_invariant in a worker config) needs a "
+            f"Llama-family Hugging Face causal LM with use_cache=True; "
             f"{type(model).__name__} is sampled by the generic loop"
         )
     B, R = prompts.shape[0], config.max_new_tokens

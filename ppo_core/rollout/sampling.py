@@ -64,10 +64,10 @@ class SamplingConfig(ConfigBase):
     """Decode with a KV cache: the static-cache engine for Hugging Face causal LMs, the model's own
     ``new_cache()`` when it has one; False recomputes the whole sequence for every token."""
     batch_invariant: bool = False
-    """Sample with batch-invariant numerics (Llama-family Hugging Face models, through
-    :class:`~ppo_core.rollout.hf.HFRolloutEngine`): each row's logits are the same bits whatever else is in the
-    batch, so a prompt's response does not depend on its batch and cached decoding equals full recomputation bit
-    for bit. Slower; an engine that cannot do it raises ``ValueError``."""
+    """Sample with batch-invariant numerics (Llama-family Hugging Face models through
+    :class:`~ppo_core.rollout.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
+    are the same bits whatever else is in the batch, so a prompt's response does not depend on its batch and cached
+    decoding equals full recomputation bit for bit. Slower; an engine that cannot do it raises ``ValueError``."""
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)

@@ -339,8 +339,65 @@ def test_the_sampling_config_asks_for_it_and_engines_that_cannot_refuse():
     assert torch.equal(alone["responses"], out["responses"][2:3])
     expected = HFRolloutEngine(model, batch_invariant=True).generate(ids, mask, config)
     assert torch.equal(out["responses"], expected["responses"])
-    with pytest.raises(ValueError, match=r"sampling\.batch_invariant"):
+    with pytest.raises(ValueError, match="batch_invariant=True"):
         HFRolloutEngine(model).generate(ids, mask, config)
     tiny = TinyGPT(TinyGPTConfig(vocab_size=8, max_seq_len=16, d_model=16, n_layers=1, n_heads=2))
-    with pytest.raises(ValueError, match=r"sampling\.batch_invariant"):
+    with pytest.raises(ValueError, match="batch_invariant=True"):
         generate(tiny, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_cached_greedy_decoding_is_full_recomputation_bit_for_bit(cpu_megatron, dtype):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _megatron import tiny_config
+
+    from ppo_core.workers.megatron import ParallelConfig
+    from ppo_core.workers.megatron.model import build_gpt_model
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    cfg = tiny_config(dtype=dtype, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    ids, mask = _left_padded(7, 9, seed=9)
+    ids = ids % cfg.vocab_size
+    seen: list[torch.Tensor] = []
+
+    def keep(t, logits):
+        seen.append(logits.clone())
+        return logits
+
+    engine = MegatronRolloutEngine(model, cfg, batch_invariant=True)
+    new = 10
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0), step_hook=keep)
+    seq, seq_mask = ids, mask
+    for t in range(new):
+        logits = engine.recompute_logits(seq, seq_mask)
+        assert torch.equal(seen[t], logits), f"step {t}"
+        seq = torch.cat([seq, out["responses"][:, t : t + 1]], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    # a subset of the prompts: the same responses; the layers are megatron's own again afterwards
+    part = engine.generate(ids[2:5], mask[2:5], SamplingConfig(max_new_tokens=new, temperature=0.0))
+    assert torch.equal(part["responses"], out["responses"][2:5])
+    assert not any(
+        "_forward_impl" in m.__dict__ or "forward" in m.__dict__ for m in engine._linears + engine._norms
+    )
+    with pytest.raises(ValueError, match="tp_size = 1"):
+        MegatronRolloutEngine(model, cfg, tp_size=2, batch_invariant=True)
+
+
+def test_the_megatron_worker_refuses_batch_invariance_with_tensor_parallelism():
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    from ppo_core.workers.megatron.workers import _default_rollout
+
+    engine = SimpleNamespace(
+        module=SimpleNamespace(config=SimpleNamespace()), layout=SimpleNamespace(tp_size=2, pp_size=1)
+    )
+    config = SimpleNamespace(
+        rollout=SamplingConfig(batch_invariant=True), model=SimpleNamespace(attention="sdpa")
+    )
+    with pytest.raises(ValueError, match=r"actor\.rollout\.batch_invariant"):
+        _default_rollout(engine, config, view=None)

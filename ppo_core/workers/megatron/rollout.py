@@ -9,6 +9,14 @@ only the last position (``logits_window``), and with tensor parallelism the voca
 gathered so that every TP rank draws the same token from the same generator. Decode steps are captured as CUDA
 graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL collectives are captured with them).
 
+With ``batch_invariant=True`` (TP = 1) the engine computes with the batch-invariant functions of
+:mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of :meth:`MegatronRolloutEngine.recompute_logits`):
+every linear layer's product (megatron's ``_forward_impl``) in fixed 64-row chunks, every :class:`FusedNorm` on
+fixed 64-row chunks, attention query by query. A row's logits then do not depend on the other rows, and cached
+decoding equals a full recomputation through the same functions bit for bit. (With TP > 1 the all-reduce of a
+row-parallel layer sums the ranks' partial products in an order set by the message size, which differs between a
+decode step and a prefill: refused.)
+
 Limits: pipeline parallelism (a stage holds only some layers) and sequence parallelism (one token per row cannot be
 split over the TP ranks) are rejected with a ``ValueError``.
 """
@@ -16,6 +24,7 @@ split over the TP ranks) are rejected with a ``ValueError``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,9 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rows
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
-from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
 from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 
 __all__ = ["MegatronRolloutEngine"]
@@ -39,6 +50,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
         tp_group: the tensor-parallel process group (None when TP = 1).
         tp_size: tensor-parallel size.
+        batch_invariant: compute with batch-invariant numerics (see the module docstring; TP = 1 only).
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -50,6 +62,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         *,
         tp_group: Any = None,
         tp_size: int = 1,
+        batch_invariant: bool = False,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -70,6 +83,18 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             layer.kv_cache_layer = index
         if config.kv_heads % tp_size:
             raise ValueError(f"num_query_groups ({config.kv_heads}) must be divisible by tp_size ({tp_size})")
+        if batch_invariant and tp_size > 1:
+            raise ValueError(
+                f"batch_invariant=True needs tp_size = 1, got {tp_size}: a row-parallel all-reduce sums the ranks' "
+                "partial products in an order that depends on the message size"
+            )
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.batch_invariant = bool(batch_invariant)
+        self._linears = [
+            m for m in module.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        self._norms = [m for m in module.modules() if isinstance(m, FusedNorm)]
         self.config = config
         self.tp_group, self.tp_size = tp_group, tp_size
         device = next(module.parameters()).device
@@ -84,6 +109,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         self._init_decoder(module, self._forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.batch_invariant = self.batch_invariant
         for layer in self.attention:
             layer.kv_cache = cache
         s = input_ids.shape[1]
@@ -96,14 +122,74 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             last = torch.cat(parts, dim=-1)
         return last[:, : self.config.vocab_size]
 
+    def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
+        return self._cached_forwards(prompts.shape[1] + config.max_new_tokens)
+
     @contextlib.contextmanager
-    def _decoding(self, prompts: torch.Tensor, config: Any) -> Iterator[None]:
+    def _cached_forwards(self, length: int) -> Iterator[None]:
+        """Within the block: rotary tables for ``length`` positions, the batch-invariant layers if asked for; the
+        attention layers' cache pointers are cleared on exit."""
         # tables long enough for training batches too, so a later forward never swaps them under a kept graph
-        longest = max(prompts.shape[1] + config.max_new_tokens, self.config.max_position_embeddings)
+        longest = max(length, self.config.max_position_embeddings)
         for layer in self.attention:
             layer.prepare_rotary(longest, self.config.head_dim, self.decoder.spec.device)
         try:
-            yield
+            with self._invariant_layers():
+                yield
         finally:
             for layer in self.attention:
                 layer.kv_cache = None
+
+    @contextlib.contextmanager
+    def _invariant_layers(self) -> Iterator[None]:
+        """With ``batch_invariant``: every linear layer's product and every norm through the batch-invariant
+        functions (instance attributes over the class's methods, removed on exit)."""
+        if not self.batch_invariant:
+            yield
+            return
+        for linear in self._linears:
+            linear._forward_impl = _invariant_product
+        for norm in self._norms:
+            norm.forward = functools.partial(invariant_rows, type(norm).forward.__get__(norm))
+        try:
+            yield
+        finally:
+            for module in (*self._linears, *self._norms):
+                module.__dict__.pop("_forward_impl", None)
+                module.__dict__.pop("forward", None)
+
+    @torch.no_grad()
+    def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits after each left-padded sequence from a full forward of the whole sequence through
+        this engine's own forward (nothing cached is reused): the reference of cached decoding (equal bit for bit
+        with ``batch_invariant``). ``input_ids``/``attention_mask`` ``[B, S]``; returns ``[B, V]``."""
+        b, s = input_ids.shape
+        spec = self.decoder.spec
+        mask = attention_mask.bool()
+        cache = KVCache.allocate(
+            layers=spec.layers,
+            batch=b,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            length=s,
+            dtype=spec.dtype,
+            device=input_ids.device,
+        )
+        cache.key_valid.copy_(mask)
+        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
+        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self._cached_forwards(s):
+                return self._forward(input_ids, cache.positions, cache)
+        finally:
+            self.module.train(was_training)
+
+
+def _invariant_product(
+    input: torch.Tensor, weight: torch.Tensor, *args: Any, bias: torch.Tensor | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """A linear layer's local product (megatron's ``_forward_impl`` at TP = 1: no communication inside it) by
+    :func:`~ppo_core.rollout.batch_invariant.invariant_linear`."""
+    return invariant_linear(input, weight, bias)

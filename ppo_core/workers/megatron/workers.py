@@ -103,9 +103,18 @@ def _default_rollout(
     """The KV-cached, graph-captured engine where the model supports it (SDPA attention, no pipeline or sequence
     parallelism), else full recomputation through ``view``."""
     sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
+    if config.rollout.batch_invariant and engine.layout.tp_size > 1:
+        raise ValueError(
+            f"actor.rollout.batch_invariant=True needs tensor-parallel size 1, got {engine.layout.tp_size}: a "
+            "row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
+        )
     if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
         return MegatronRolloutEngine(
-            engine.module, config.model, tp_group=view._tp_group, tp_size=engine.layout.tp_size
+            engine.module,
+            config.model,
+            tp_group=view._tp_group,
+            tp_size=engine.layout.tp_size,
+            batch_invariant=config.rollout.batch_invariant,
         )
     return ModelRolloutEngine(view)
 
