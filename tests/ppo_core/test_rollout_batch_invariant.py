@@ -401,3 +401,18 @@ def test_the_megatron_worker_refuses_batch_invariance_with_tensor_parallelism():
     )
     with pytest.raises(ValueError, match=r"actor\.rollout\.batch_invariant"):
         _default_rollout(engine, config, view=None)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_recompute_logits_is_the_models_forward_at_the_last_position(fast_path):
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _llama("llama", torch.float32)
+    ids, mask = _left_padded(5, 8, seed=10)
+    engine = HFRolloutEngine(model, fast_path=fast_path)
+    logits = engine.recompute_logits(ids, mask)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert model.config._attn_implementation != "ppo_core_kv_cache"  # the model's own attention again
