@@ -74,7 +74,7 @@ def generate(
             return engine.generate(prompts, mask_BP, config, generator=generator)
     if config.batch_invariant:
         raise ValueError(
-            f"batch_invariant=True (SamplingConfig; actor.rollout.batch_invariant in a worker config) needs a "
+            f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) needs a "
             f"Llama-family Hugging Face causal LM with use_cache=True; "
             f"{type(model).__name__} is sampled by the generic loop"
         )

@@ -399,7 +399,7 @@ def test_the_megatron_worker_refuses_batch_invariance_with_tensor_parallelism():
     config = SimpleNamespace(
         rollout=SamplingConfig(batch_invariant=True), model=SimpleNamespace(attention="sdpa")
     )
-    with pytest.raises(ValueError, match=r"actor\.rollout\.batch_invariant"):
+    with pytest.raises(ValueError, match=r"actor\.worker\.rollout\.batch_invariant"):
         _default_rollout(engine, config, view=None)
 
 

@@ -105,7 +105,7 @@ def _default_rollout(
     sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
     if config.rollout.batch_invariant and engine.layout.tp_size > 1:
         raise ValueError(
-            f"actor.rollout.batch_invariant=True needs tensor-parallel size 1, got {engine.layout.tp_size}: a "
+            f"actor.worker.rollout.batch_invariant=True needs tensor-parallel size 1, got {engine.layout.tp_size}: a "
             "row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
         )
     if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
