@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
-from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
+from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.sampling import sample_tokens
 
@@ -138,6 +138,19 @@ class StaticCacheDecoder:
         self._stream: Any = None
 
     # ----- public --------------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        """A zeroed :class:`KVCache` of ``length`` slots for ``batch`` rows of this model."""
+        spec = self.spec
+        return KVCache.allocate(
+            layers=spec.layers,
+            batch=batch,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            length=length,
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+
     def release(self) -> None:
         """Free the cache and the captured graphs."""
         self._state = None
@@ -228,16 +241,8 @@ class StaticCacheDecoder:
             return self._state
         self.release()
         b, p, r = key[:3]
-        spec, device = self.spec, self.spec.device
-        cache = KVCache.allocate(
-            layers=spec.layers,
-            batch=b,
-            kv_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            length=p + r,
-            dtype=spec.dtype,
-            device=device,
-        )
+        device = self.spec.device
+        cache = self.new_cache(b, p + r)
         stochastic = key[3] > 0
         self._state = _State(
             key=key,
@@ -263,17 +268,13 @@ class StaticCacheDecoder:
         generator: torch.Generator | None,
     ) -> None:
         cache = state.cache
-        p = prompts.shape[1]
-        cache.key_valid.zero_()
-        cache.key_valid[:, :p] = mask
+        cache.begin_prefill(mask)
         state.prompt_len.copy_(mask.sum(-1))
         state.done.zero_()
         state.response_mask.zero_()
         state.log_probs.zero_()
         state.responses.fill_(sample.pad_token_id)
         state.t.fill_(0)
-        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
-        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         logits = self.forward(prompts, cache.positions, cache)
         cache.prefill_mask = None
         if sample.stochastic:
@@ -375,7 +376,7 @@ def _sync(device: torch.device) -> None:
 class CachedRolloutEngine:
     """The rollout-engine protocol over a :class:`StaticCacheDecoder` on a module that trains in place.
 
-    Subclasses build ``self.decoder`` (through :meth:`_init_decoder`) and may override :meth:`_decoding` to point
+    Subclasses build ``self.decoder`` (through :meth:`_init_decoder`) and may override :meth:`_forwarding` to point
     the module's attention at the cache; :meth:`generate` puts the module in eval mode for the generation and
     back afterwards.
     """
@@ -403,10 +404,38 @@ class CachedRolloutEngine:
         """Free the KV cache and graphs kept by ``keep_cache=True``."""
         self.decoder.release()
 
-    @contextlib.contextmanager
-    def _decoding(self, prompts: torch.Tensor, config: Any) -> Iterator[None]:
-        """What the module needs around one generation (nothing by default)."""
-        yield
+    def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
+        """What the module needs around one generation: :meth:`_forwarding` for its longest sequence."""
+        return self._forwarding(prompts.shape[1] + config.max_new_tokens)
+
+    def _forwarding(self, length: int) -> contextlib.AbstractContextManager:
+        """What the module needs around cached forwards of sequences of up to ``length`` tokens (nothing by
+        default)."""
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits after each left-padded sequence, from a full forward of the whole sequence through
+        this engine's own forward (a prefill of all ``S`` columns; nothing cached is reused): the reference that
+        cached decoding is checked against (with ``batch_invariant`` it is equal bit for bit).
+
+        Args:
+            input_ids: ``[B, S]`` left-padded token ids (a prompt and the response so far).
+            attention_mask: ``[B, S]`` 1 on real tokens.
+
+        Returns:
+            ``[B, V]`` logits in the model dtype.
+        """
+        b, s = input_ids.shape
+        cache = self.decoder.new_cache(b, s)
+        cache.begin_prefill(attention_mask)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self._forwarding(s):
+                return self.decoder.forward(input_ids, cache.positions, cache)
+        finally:
+            self.module.train(was_training)
 
     def generate(
         self,

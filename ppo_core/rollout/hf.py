@@ -46,7 +46,7 @@ from ppo_core.rollout.eager_rounding import (
     silu_mul_as_model,
 )
 from ppo_core.rollout.generate import _hf_causal_lm
-from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
+from ppo_core.rollout.kv_cache import KVCache
 
 __all__ = ["HFRolloutEngine", "supports_fast_path"]
 
@@ -343,7 +343,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         )
         heads = cfg.num_attention_heads
         param = next(model.parameters())
-        spec = self._spec = ModelSpec(
+        spec = ModelSpec(
             layers=cfg.num_hidden_layers,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
@@ -353,7 +353,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
         self._init_decoder(model, self._forward, spec, cfg.vocab_size, keep_cache=keep_cache, **options)
 
-    def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
+    def _forwarding(self, length: int) -> contextlib.AbstractContextManager:
         if isinstance(self._forward, _GenericForward):
             return self._forward.attention_implementation()
         return self._fused_weights()
@@ -367,45 +367,6 @@ class HFRolloutEngine(CachedRolloutEngine):
             yield
         finally:
             if not self.decoder.keep_cache:
-                self._forward.free()
-
-    @torch.no_grad()
-    def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The next-token logits after each left-padded sequence, from a full forward of the whole sequence through
-        this engine's own forward (a prefill of all ``S`` columns; nothing cached is reused): the reference that
-        cached decoding is checked against (with ``batch_invariant`` it is equal bit for bit).
-
-        Args:
-            input_ids: ``[B, S]`` left-padded token ids (a prompt and the response so far).
-            attention_mask: ``[B, S]`` 1 on real tokens.
-
-        Returns:
-            ``[B, V]`` logits in the model dtype.
-        """
-        b, s = input_ids.shape
-        spec = self._spec
-        mask = attention_mask.bool()
-        cache = KVCache.allocate(
-            layers=spec.layers,
-            batch=b,
-            kv_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            length=s,
-            dtype=spec.dtype,
-            device=input_ids.device,
-        )
-        cache.key_valid.copy_(mask)
-        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
-        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-        if isinstance(self._forward, _GenericForward):
-            with self._forward.attention_implementation():
-                return self._forward(input_ids, cache.positions, cache)
-        fused_before = self._forward._fused is not None
-        self._forward.refresh()
-        try:
-            return self._forward(input_ids, cache.positions, cache)
-        finally:
-            if not fused_before:
                 self._forward.free()
 
     def release(self) -> None:

@@ -137,6 +137,15 @@ class KVCache:
         """Bytes held by the key and value buffers."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def begin_prefill(self, prompt_mask: torch.Tensor) -> None:
+        """Prepare a prefill of ``P`` columns whose real tokens ``prompt_mask [B, P]`` marks: they are the valid slots
+        (none after them), their rotary positions count the real tokens before them."""
+        mask = prompt_mask.bool()
+        self.key_valid.zero_()
+        self.key_valid[:, : mask.shape[1]] = mask
+        self.mode, self.prefill_mask = "prefill", prefill_attention_mask(mask)
+        self.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+
     def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
         """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len

@@ -10,10 +10,10 @@ gathered so that every TP rank draws the same token from the same generator. Dec
 graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL collectives are captured with them).
 
 With ``batch_invariant=True`` (TP = 1) the engine computes with the batch-invariant functions of
-:mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of :meth:`MegatronRolloutEngine.recompute_logits`):
+:mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of ``recompute_logits``):
 every linear layer's product (megatron's ``_forward_impl``) in fixed 64-row chunks, every :class:`FusedNorm` on
 fixed 64-row chunks, attention query by query. A row's logits then do not depend on the other rows, and cached
-decoding equals a full recomputation through the same functions bit for bit. (With TP > 1 the all-reduce of a
+decoding equals a full recomputation through the same functions (``recompute_logits``) bit for bit. (With TP > 1 the all-reduce of a
 row-parallel layer sums the ranks' partial products in an order set by the message size, which differs between a
 decode step and a prefill: refused.)
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rows
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
-from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
+from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
 from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
@@ -122,11 +122,8 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             last = torch.cat(parts, dim=-1)
         return last[:, : self.config.vocab_size]
 
-    def _decoding(self, prompts: torch.Tensor, config: Any) -> contextlib.AbstractContextManager:
-        return self._cached_forwards(prompts.shape[1] + config.max_new_tokens)
-
     @contextlib.contextmanager
-    def _cached_forwards(self, length: int) -> Iterator[None]:
+    def _forwarding(self, length: int) -> Iterator[None]:
         """Within the block: rotary tables for ``length`` positions, the batch-invariant layers if asked for; the
         attention layers' cache pointers are cleared on exit."""
         # tables long enough for training batches too, so a later forward never swaps them under a kept graph
@@ -157,34 +154,6 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             for module in (*self._linears, *self._norms):
                 module.__dict__.pop("_forward_impl", None)
                 module.__dict__.pop("forward", None)
-
-    @torch.no_grad()
-    def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The next-token logits after each left-padded sequence from a full forward of the whole sequence through
-        this engine's own forward (nothing cached is reused): the reference of cached decoding (equal bit for bit
-        with ``batch_invariant``). ``input_ids``/``attention_mask`` ``[B, S]``; returns ``[B, V]``."""
-        b, s = input_ids.shape
-        spec = self.decoder.spec
-        mask = attention_mask.bool()
-        cache = KVCache.allocate(
-            layers=spec.layers,
-            batch=b,
-            kv_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            length=s,
-            dtype=spec.dtype,
-            device=input_ids.device,
-        )
-        cache.key_valid.copy_(mask)
-        cache.mode, cache.prefill_mask = "prefill", prefill_attention_mask(mask)
-        cache.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with self._cached_forwards(s):
-                return self._forward(input_ids, cache.positions, cache)
-        finally:
-            self.module.train(was_training)
 
 
 def _invariant_product(
