@@ -30,10 +30,11 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
+
+from ppo_core.kernels.triton_scan import _interpreting
 
 try:
     import triton
@@ -111,10 +112,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         else:
             torch.addmm(bias, flat[i : i + CHUNK_ROWS], wt, out=out[i : i + CHUNK_ROWS])
     return out[:m].to(x.dtype).reshape(*lead, weight.shape[0])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

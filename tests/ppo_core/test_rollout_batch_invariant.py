@@ -188,6 +188,27 @@ def _left_padded(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch
     return torch.randint(1, VOCAB, (batch, width), generator=g) * mask, mask
 
 
+def _cached_greedy_is_recomputation(engine, ids: torch.Tensor, mask: torch.Tensor, new: int):
+    """Greedy-decode ``new`` tokens with ``engine`` and check that the logits each cached step sampled from are a
+    full forward's of the whole sequence (``engine.recompute_logits``), bit for bit; the engine's output."""
+    seen: list[torch.Tensor] = []
+
+    def keep(t, logits):
+        seen.append(logits.clone())
+        return logits
+
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0), step_hook=keep)
+    seq, seq_mask = ids, mask
+    for t in range(new):
+        logits = engine.recompute_logits(seq, seq_mask)
+        assert torch.equal(seen[t], logits), f"step {t}"
+        token = out["responses"][:, t]
+        assert torch.equal(token, logits.float().argmax(-1))
+        seq = torch.cat([seq, token[:, None]], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    return out
+
+
 @pytest.mark.parametrize(
     ("kind", "dtype", "fuse"),
     [
@@ -205,23 +226,7 @@ def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype, f
 
     engine = HFRolloutEngine(_llama(kind, dtype), fuse_projections=fuse, batch_invariant=True)
     ids, mask = _left_padded(9, 11, seed=3)
-    seen: list[torch.Tensor] = []
-
-    def keep(t, logits):
-        seen.append(logits.clone())
-        return logits
-
-    new = 14
-    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0), step_hook=keep)
-    seq, seq_mask = ids, mask
-    for t in range(new):
-        logits = engine.recompute_logits(seq, seq_mask)
-        # the logits the cached step sampled from: the same bits as a forward of the whole sequence
-        assert torch.equal(seen[t], logits), f"step {t}"
-        token = out["responses"][:, t]
-        assert torch.equal(token, logits.float().argmax(-1))
-        seq = torch.cat([seq, token[:, None]], 1)
-        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    _cached_greedy_is_recomputation(engine, ids, mask, new=14)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -300,27 +305,13 @@ def test_cuda_cached_decoding_is_full_recomputation_bit_for_bit():
     mask = (torch.arange(96)[None, :] >= 96 - lengths[:, None]).long()
     ids = (torch.randint(1, 1024, (48, 96), generator=g) * mask).cuda()
     mask = mask.cuda()
-    seen: list[torch.Tensor] = []
-
-    def keep(t, logits):
-        seen.append(logits.clone())
-        return logits
-
     new = 24
-    greedy = SamplingConfig(max_new_tokens=new, temperature=0.0)
     # eagerly, so that the hook sees every step's logits
     eager = HFRolloutEngine(model, batch_invariant=True, cuda_graphs=False)
-    out = eager.generate(ids, mask, greedy, step_hook=keep)
-    seq, seq_mask = ids, mask
-    for t in range(new):
-        logits = eager.recompute_logits(seq, seq_mask)
-        assert torch.equal(seen[t], logits), f"step {t}"
-        token = out["responses"][:, t]
-        seq = torch.cat([seq, token[:, None]], 1)
-        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    out = _cached_greedy_is_recomputation(eager, ids, mask, new)
     # the captured decode step computes the same bits
     graphs = HFRolloutEngine(model, batch_invariant=True)
-    replayed = graphs.generate(ids, mask, greedy)
+    replayed = graphs.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0))
     assert graphs.stats.graphs_captured >= 1
     assert torch.equal(replayed["responses"], out["responses"])
     assert torch.equal(replayed["rollout_log_probs"], out["rollout_log_probs"])
@@ -362,21 +353,9 @@ def test_megatron_cached_greedy_decoding_is_full_recomputation_bit_for_bit(cpu_m
     model = build_gpt_model(cfg, ParallelConfig()).eval()
     ids, mask = _left_padded(7, 9, seed=9)
     ids = ids % cfg.vocab_size
-    seen: list[torch.Tensor] = []
-
-    def keep(t, logits):
-        seen.append(logits.clone())
-        return logits
-
     engine = MegatronRolloutEngine(model, cfg, batch_invariant=True)
     new = 10
-    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=new, temperature=0.0), step_hook=keep)
-    seq, seq_mask = ids, mask
-    for t in range(new):
-        logits = engine.recompute_logits(seq, seq_mask)
-        assert torch.equal(seen[t], logits), f"step {t}"
-        seq = torch.cat([seq, out["responses"][:, t : t + 1]], 1)
-        seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], 1)
+    out = _cached_greedy_is_recomputation(engine, ids, mask, new)
     # a subset of the prompts: the same responses; the layers are megatron's own again afterwards
     part = engine.generate(ids[2:5], mask[2:5], SamplingConfig(max_new_tokens=new, temperature=0.0))
     assert torch.equal(part["responses"], out["responses"][2:5])
