@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.masked import WHITEN_EPS
 
 try:
@@ -106,6 +107,16 @@ def _check_launch(launch: ScanLaunch) -> ScanLaunch:
 
 
 if triton is not None:
+    # The scan kernels are launched through DirectLauncher (their compiled kernels called directly after the first
+    # launch of a configuration), which needs every runtime parameter unspecialised: no kernel for a row count or
+    # length of 1 or a multiple of 16, none for 16-byte aligned pointers (the kernels mask every access and assume
+    # neither). Losing those hints may cost vectorised loads: benchmarks/advantages.py measures the kernels
+    # (kernel_ms) and the launch (estimator_layer_us) on the next GPU run.
+    _SCALARS = ("n_rows", "length", "gamma", "coef", "eps")
+    _POINTERS = tuple(
+        f"{name}_ptr" for name in ("r", "v", "m", "x", "adv", "ret", "out", "flag", "stats", "b")
+    )
+    _unspecialised = triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=_POINTERS)
 
     @triton.jit
     def _compose(a_later, b_later, a_earlier, b_earlier):
@@ -146,7 +157,7 @@ if triton is not None:
         m2 = tl.load(stats_ptr + idx * 3 + 2, mask=ok, other=0.0).to(tl.float64)
         return n, mu, m2
 
-    @triton.jit
+    @_unspecialised
     def _whiten_kernel(
         x_ptr,
         m_ptr,
@@ -189,7 +200,7 @@ if triton is not None:
                 y = tl.where(m, (x - mean_a) * rstd, 0.0)
                 tl.store(out_ptr + base + t, y.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @_unspecialised
     def _gae_kernel(
         r_ptr,
         v_ptr,
@@ -264,7 +275,7 @@ if triton is not None:
         if STATS:
             _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
 
-    @triton.jit
+    @_unspecialised
     def _return_kernel(
         r_ptr,
         m_ptr,
@@ -323,6 +334,10 @@ if triton is not None:
             tl.store(flag_ptr + tl.program_id(0), flags)
         if STATS:
             _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
+
+    _whiten_launcher = DirectLauncher(_whiten_kernel)
+    _gae_launcher = DirectLauncher(_gae_kernel)
+    _return_launcher = DirectLauncher(_return_kernel)
 
 
 def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
@@ -404,7 +419,8 @@ def _whiten(
     batch, length = values.shape
     if values.numel():
         block_t = min(2048, max(128, triton.next_power_of_2(length)))
-        _whiten_kernel[(min(batch, _whiten_programs(values.device)),)](
+        _whiten_launcher(
+            (min(batch, _whiten_programs(values.device)),),
             values,
             mask_u8,
             out,
@@ -444,7 +460,8 @@ def _gae(
     stats = _new_stats(batch, acc == tl.float64, r.device) if whiten else adv
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
-        _gae_kernel[_grid(batch, launch)](
+        _gae_launcher(
+            _grid(batch, launch),
             r,
             v,
             m,
@@ -593,7 +610,8 @@ def _discounted(
     b = _operand(baselines, r.dtype) if baselines is not None else out
     if r.numel():
         launch = _check_launch(launch) if launch else _default_launch(length)
-        _return_kernel[_grid(batch, launch)](
+        _return_launcher(
+            _grid(batch, launch),
             r,
             m,
             out,
