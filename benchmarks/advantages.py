@@ -9,7 +9,11 @@ lengths, an interior gap on every third row, verl's masked-token semantics):
   ``its_kernels_ms`` times the kernels the estimator launches as it calls them (the whitening and the
   baseline are fused into the scan on Triton, so the whitening estimators launch a normalising kernel too),
   ``public_over_its_kernels`` the cost of its checks and its one host sync, and ``unfused_ms`` the former
-  form (the checked scan followed by the whitening or the baseline in PyTorch ops);
+  form (the checked scan followed by the whitening or the baseline in PyTorch ops). Each call is timed by device
+  events around it, so a function that syncs inside pays for the host's return from the sync before the end event
+  is queued, while one that only queues kernels does not: on CUDA ``its_kernels_synced_ms`` (and
+  ``public_over_its_kernels_synced``) times its kernels followed by one stream sync, the sync the public
+  function makes and any caller needs before reading a result on the host, so that both sides end alike;
 - ``ours_ms``: the dispatched scans (``masked_gae_scan``, the fused ``masked_gae_returns_scan``,
   ``masked_discounted_return_scan``) and, per backend, the GAE scan alone;
 - ``oracle_loop_ms``: the per-timestep reference loop (what verl runs), float32, same inputs;
@@ -166,12 +170,15 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
     # Each estimator is timed in its own interleaved group (public, its kernels, the raw scan), so that the
     # allocation-heavy unfused forms, timed in a group of their own, do not disturb the ratios of the others.
     ms: dict[str, tuple[float, float]] = {}
+    cuda = r.device.type == "cuda"
     for name, (public, _, kernel) in pairs.items():
-        ms.update(
-            _time_interleaved(
-                {name: public, f"fused:{name}": fused[name], f"raw:{name}": kernel}, r.device.type, repeats
-            )
-        )
+        group = {name: public, f"fused:{name}": fused[name], f"raw:{name}": kernel}
+        if (
+            cuda
+        ):  # its kernels and the one stream sync a caller needs before using a result on the host, as the
+            # public function makes it: both sides then end alike (after the sync, the end event is recorded)
+            group[f"synced:{name}"] = lambda fn=fused[name]: (fn(), torch.cuda.current_stream().synchronize())
+        ms.update(_time_interleaved(group, r.device.type, repeats))
     others = dict(checked) | {f"unfused:{name}": fn for name, fn in unfused.items()}
     ms.update(_time_interleaved(others, r.device.type, repeats))
     report: dict = {}
@@ -187,6 +194,11 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
             "public_over_its_kernels": round(ms[name][0] / ms[f"fused:{name}"][0], 3),
             "public_over_its_kernels_of_minima": round(ms[name][1] / ms[f"fused:{name}"][1], 3),
         }
+        if cuda:
+            synced = ms[f"synced:{name}"]
+            entry["its_kernels_synced_ms"] = round(synced[0], 4)
+            entry["public_over_its_kernels_synced"] = round(ms[name][0] / synced[0], 3)
+            entry["public_over_its_kernels_synced_of_minima"] = round(ms[name][1] / synced[1], 3)
         if name in unfused:
             entry["unfused_ms"] = round(ms[f"unfused:{name}"][0], 4)
         report[name] = entry

@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--exact-new", type=int, default=32)
     ap.add_argument("--exact-fp32", action="store_true", help="also check exactness with the model in fp32")
     ap.add_argument(
-        "--skip", default="", help="comma-separated methods to skip (hf_static,hf_dynamic,megatron,...)"
+        "--skip",
+        default="",
+        help="comma-separated methods or entries to skip (hf_static, megatron, exactness:hf, ...)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
 
     def attempt(name: str, fn) -> None:
-        if name.split(":")[0] in skip:
+        if name.split(":")[0] in skip or name in skip:
             return
         try:
             result.setdefault(name.split(":")[0], {})[name.split(":")[1]] = fn()

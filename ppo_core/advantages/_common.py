@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -15,6 +17,26 @@ REWARDS = "rewards (token_level_rewards)"
 """How error messages name the reward tensor: ``rewards`` in the functions, ``token_level_rewards`` in the registry."""
 
 IndexLike = torch.Tensor | Sequence[Hashable]
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def no_grad(fn: _F) -> _F:
+    """``@torch.no_grad()`` for the estimators, at about half its cost a call: grad mode is switched only when it
+    is on, with one call each way (the decorator builds a context object at every call). On CUDA a public
+    estimator costs a few tens of microseconds beyond its kernels, so this shows."""
+
+    @functools.wraps(fn)
+    def run(*args: object, **kwargs: object) -> object:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        torch.set_grad_enabled(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_grad_enabled(True)
+
+    return run  # type: ignore[return-value]
 
 
 def check_rewards_and_mask(rewards: object, response_mask: object) -> tuple[torch.Tensor, torch.Tensor]:

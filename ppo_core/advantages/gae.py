@@ -11,13 +11,14 @@ from ppo_core.advantages._common import (
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
+    no_grad,
 )
 from ppo_core.kernels.dispatch import _gae_checked, flags_set
 
 __all__ = ["compute_gae"]
 
 
-@torch.no_grad()
+@no_grad
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,

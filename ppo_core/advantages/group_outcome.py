@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome
+from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, no_grad, prepare_outcome
 from ppo_core.advantages._groups import group_count, group_stats, group_weighted_mean
 from ppo_core.kernels.whiten import whiten_valid
 
@@ -25,7 +25,7 @@ def _keep_valid(per_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, per_row, torch.zeros_like(per_row))
 
 
-@torch.no_grad()
+@no_grad
 def compute_rloo_advantage(
     rewards: torch.Tensor, response_mask: torch.Tensor, index: IndexLike
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def compute_rloo_advantage(
     return advantages, advantages.clone()
 
 
-@torch.no_grad()
+@no_grad
 def compute_reinforce_pp_baseline_advantage(
     rewards: torch.Tensor, response_mask: torch.Tensor, index: IndexLike
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ def compute_reinforce_pp_baseline_advantage(
     return advantages, advantages.clone()
 
 
-@torch.no_grad()
+@no_grad
 def compute_opo_advantage(
     rewards: torch.Tensor, response_mask: torch.Tensor, index: IndexLike
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ def compute_opo_advantage(
     return advantages, advantages.clone()
 
 
-@torch.no_grad()
+@no_grad
 def compute_gpg_advantage(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,

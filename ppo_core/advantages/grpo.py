@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, prepare_outcome
+from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, no_grad, prepare_outcome
 from ppo_core.advantages._groups import group_count, group_stats
 
 __all__ = ["compute_grpo_advantage", "compute_grpo_passk_advantage"]
 
 
-@torch.no_grad()
+@no_grad
 def compute_grpo_advantage(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -68,7 +68,7 @@ def compute_grpo_advantage(
     return advantages, advantages.clone()
 
 
-@torch.no_grad()
+@no_grad
 def compute_grpo_passk_advantage(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -11,13 +11,14 @@ from ppo_core.advantages._common import (
     check_rewards_and_mask,
     check_rewards_and_mask_unsynced,
     check_scalar,
+    no_grad,
 )
 from ppo_core.kernels.dispatch import _return_advantages_checked, flags_set
 
 __all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
 
 
-@torch.no_grad()
+@no_grad
 def compute_reinforce_pp_advantage(
     rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +55,7 @@ def compute_reinforce_pp_advantage(
     return advantages, returns
 
 
-@torch.no_grad()
+@no_grad
 def compute_remax_advantage(
     rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

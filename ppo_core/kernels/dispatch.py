@@ -270,23 +270,35 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
     Flags in pinned host memory were written by the device directly (:func:`~triton_scan.host_flag_words`): a
     stream sync makes them readable, with no copy back.
     """
-    written: list[torch.Tensor] = []  # words the device wrote to pinned host memory
+    views: list = []  # NumPy views of words the device wrote to pinned host memory
+    devices: set[int | None] = set()
     others: list[torch.Tensor] = []
     for flag in flags:
-        if flag is not None:
-            (written if flag.device.type == "cpu" and flag.is_pinned() else others).append(flag)
+        if flag is None:
+            continue
+        host = triton_scan.host_words_array(flag)  # this thread's words: known without asking the driver
+        if host is not None:
+            views.append(host[0])
+            devices.add(host[1])
+        elif flag.device.type == "cpu" and flag.is_pinned():
+            views.append(flag.numpy())  # made before the sync, so that little is left to do after it
+            devices.add(None)
+        else:
+            others.append(flag)
     if others:
         combined = others[0] if len(others) == 1 else torch.stack([flag.any() for flag in others])
         if bool(
             combined.any()
         ):  # on CUDA the one sync: the device's writes to host words are complete after it
             return True
-    if not written:
+    if not views:
         return False
-    views = [flag.numpy() for flag in written]  # made before the sync, so that little is left to do after it
-    if not any(flag.is_cuda for flag in others):
-        torch.cuda.current_stream().synchronize()  # the one sync
-    return any(bool(view.any()) for view in views)  # no copy back
+    if not any(flag.is_cuda for flag in others):  # the one sync
+        if len(devices) == 1 and None not in devices:
+            triton_scan.sync_current_stream(devices.pop())
+        else:
+            torch.cuda.current_stream().synchronize()
+    return any(view.any() for view in views)  # no copy back
 
 
 def _host_words(rewards: torch.Tensor, flags_on_host: bool) -> torch.Tensor | None:

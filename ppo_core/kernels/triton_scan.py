@@ -88,11 +88,21 @@ def is_available(device: torch.device | str | None = None) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv / next_power_of_2 are ConstexprFunctions: ~1.5 us a call on the host, a noticeable share of a
+    # public estimator's few tens of microseconds beyond its kernels
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=256)
 def _default_launch(length: int) -> ScanLaunch:
     # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep on an
     # H100 at 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
-    block_t = min(512, max(128, triton.next_power_of_2(length)))
+    block_t = min(512, max(128, _next_pow2(length)))
     return ScanLaunch(block_b=1, block_t=block_t, num_warps=block_t // 128, num_stages=3)
 
 
@@ -345,7 +355,7 @@ def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
 
 
 def _grid(batch: int, launch: ScanLaunch) -> tuple[int]:
-    return (triton.cdiv(batch, launch.block_b),)
+    return (_cdiv(batch, launch.block_b),)
 
 
 def _flag_words(
@@ -356,6 +366,11 @@ def _flag_words(
     programs = _grid(batch, launch or _default_launch(length))[0] if batch * length else 0
     if out is None:
         return torch.empty(programs, dtype=torch.int32, device=device)
+    host = _HOST.__dict__.get("owners", {}).get(id(out))
+    if (
+        host is not None and host[0] is out
+    ):  # this thread's pinned words: the same view object for the same count
+        return _host_view(out, host[1], programs)
     if out.dtype != torch.int32 or out.dim() != 1 or out.numel() < programs:
         raise ValueError(
             f"flags must be int32 with at least {programs} entries, got {out.dtype} {tuple(out.shape)}"
@@ -371,11 +386,70 @@ def host_flag_words(device: torch.device, programs: int) -> torch.Tensor:
     back, no zeroing launch), reused by every call of this thread: read them only after the stream has finished.
     (A plain CPU tensor off CUDA, for the interpreter.)"""
     cache = _HOST.__dict__.setdefault("words", {})
-    words = cache.get(device)
+    words = old = cache.get(device)
     if words is None or words.numel() < programs:
-        words = torch.empty(max(programs, 4096), dtype=torch.int32, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        words = torch.empty(max(programs, 4096), dtype=torch.int32, pin_memory=pinned)
         cache[device] = words
+        if pinned:  # known to _flag_words and host_words_array without asking the driver
+            owners = _HOST.__dict__.setdefault("owners", {})
+            views = _HOST.__dict__.setdefault("views", {})
+            if old is not None:  # the views of a replaced buffer go with it
+                owners.pop(id(old), None)
+                for key in [key for key, entry in views.items() if entry[3] is old]:
+                    _drop_view(views, key)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            owners[id(words)] = (words, index)
     return words
+
+
+def _host_view(words: torch.Tensor, device_index: int, programs: int) -> torch.Tensor:
+    """``words[:programs]`` of this thread's pinned words, made once per buffer and count, with its NumPy view
+    registered for :func:`host_words_array`."""
+    views = _HOST.__dict__.setdefault("views", {})
+    key = (id(words), programs)
+    entry = views.get(key)
+    if entry is None or entry[3] is not words:
+        if entry is not None:
+            _drop_view(views, key)
+        view = words[:programs]
+        entry = views[key] = (view, view.numpy(), device_index, words)
+        _HOST.__dict__.setdefault("by_view", {})[id(view)] = entry
+        if len(views) > 64:  # many batch sizes: keep the newest
+            _drop_view(views, next(iter(views)))
+    return entry[0]
+
+
+def _drop_view(views: dict, key: tuple[int, int]) -> None:
+    entry = views.pop(key)
+    _HOST.__dict__.get("by_view", {}).pop(id(entry[0]), None)
+
+
+def host_words_array(flags: torch.Tensor) -> tuple[object, int] | None:
+    """``(NumPy view, CUDA device index)`` of flag words made by :func:`_flag_words` from this thread's pinned
+    words (readable without a copy once that device's current stream has finished), None for any other tensor."""
+    entry = _HOST.__dict__.get("by_view", {}).get(id(flags))
+    return (entry[1], entry[2]) if entry is not None and entry[0] is flags else None
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def sync_current_stream(device_index: int) -> None:
+    """Wait for the current CUDA stream of ``device_index``: its ``torch.cuda.Stream`` object looked up by the raw
+    stream (cheaper than ``torch.cuda.current_stream()``, which builds a new one at every call)."""
+    if _RAW_STREAM is None:
+        torch.cuda.current_stream(device_index).synchronize()
+        return
+    streams = _HOST.__dict__.setdefault("streams", {})
+    raw = _RAW_STREAM(device_index)
+    stream = streams.get((device_index, raw))
+    if stream is None:
+        stream = torch.cuda.current_stream(device_index)
+        if len(streams) >= 64:
+            streams.clear()
+        streams[(device_index, raw)] = stream
+    stream.synchronize()
 
 
 def flag_bits(flags: torch.Tensor) -> int:
@@ -418,7 +492,7 @@ def _whiten(
     """``out = (values - mean) * rsqrt(var + eps)`` at valid positions, 0 elsewhere, from a scan's row moments."""
     batch, length = values.shape
     if values.numel():
-        block_t = min(2048, max(128, triton.next_power_of_2(length)))
+        block_t = min(2048, max(128, _next_pow2(length)))
         _whiten_launcher(
             (min(batch, _whiten_programs(values.device)),),
             values,
@@ -429,7 +503,7 @@ def _whiten(
             length,
             WHITEN_EPS,
             ACC=acc,
-            BLOCK_S=min(1024, max(16, triton.next_power_of_2(batch))),
+            BLOCK_S=min(1024, max(16, _next_pow2(batch))),
             BLOCK_T=block_t,
             num_warps=4,
         )

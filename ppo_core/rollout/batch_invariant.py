@@ -10,9 +10,11 @@ through the same functions (and a prompt's response does not depend on the batch
 - :func:`invariant_rows` applies a row-wise function to fixed-size chunks of ``CHUNK_ROWS`` rows (the last one
   padded with zeros): every kernel call then has the same shape, so the same kernel with the same order of sums
   runs for every row. :func:`invariant_linear` is ``y = x W^T + b`` that way (one ``addmm`` per chunk, written in
-  place; on the CPU in float64, rounded once, because CPU GEMMs may treat a row by its position in the tile);
-  RMSNorm goes through :func:`invariant_rows` too. (Element-wise steps need nothing: each element is computed
-  alone.)
+  place; on the CPU in float64, rounded once, because CPU GEMMs may treat a row by its position in the tile).
+  :func:`invariant_rms_norm` is RMSNorm (with an optional residual add before it) with one Triton program per row
+  on CUDA, its sum of squares over the row in a fixed order whatever the number of rows (one launch, where
+  :func:`invariant_rows` would call a compiled kernel per chunk); elsewhere it goes through :func:`invariant_rows`.
+  (Element-wise steps need nothing: each element is computed alone.)
 - :func:`invariant_attention` computes each query on its own: it walks the keys from slot 0 in blocks of
   ``BLOCK_L`` slots up to its own slot with an online softmax (fp32 statistics and accumulator, the weights
   rounded to the value dtype before their product with the values), so that the query of slot ``i`` gives the same
@@ -34,7 +36,9 @@ from collections.abc import Callable
 
 import torch
 
+from ppo_core.kernels.fused import add_rms_norm, rms_norm
 from ppo_core.kernels.triton_scan import _interpreting
+from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
 try:
     import triton
@@ -43,7 +47,14 @@ except ImportError:  # optional: CPU-only installs lack it
     triton = None
     tl = None
 
-__all__ = ["BLOCK_L", "CHUNK_ROWS", "invariant_attention", "invariant_linear", "invariant_rows"]
+__all__ = [
+    "BLOCK_L",
+    "CHUNK_ROWS",
+    "invariant_attention",
+    "invariant_linear",
+    "invariant_rms_norm",
+    "invariant_rows",
+]
 
 CHUNK_ROWS = 64
 """Rows per call of a row-wise kernel (a decode step of up to 64 rows is one chunk)."""
@@ -106,11 +117,14 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias = None if bias is None else bias.double()
     out = torch.empty(padded, weight.shape[0], dtype=flat.dtype, device=x.device)
     wt = weight.t()
-    for i in range(0, padded, CHUNK_ROWS):
-        if bias is None:
-            torch.mm(flat[i : i + CHUNK_ROWS], wt, out=out[i : i + CHUNK_ROWS])
-        else:
-            torch.addmm(bias, flat[i : i + CHUNK_ROWS], wt, out=out[i : i + CHUNK_ROWS])
+    # the chunk views made in one call each (a prefill has hundreds of chunks a layer: the loop is host-bound)
+    pairs = zip(flat.split(CHUNK_ROWS), out.split(CHUNK_ROWS), strict=True)
+    if bias is None:
+        for rows, into in pairs:
+            torch.mm(rows, wt, out=into)
+    else:
+        for rows, into in pairs:
+            torch.addmm(bias, rows, wt, out=into)
     return out[:m].to(x.dtype).reshape(*lead, weight.shape[0])
 
 
@@ -195,6 +209,133 @@ if triton is not None:
             out.to(Out.dtype.element_ty),
             mask=r[:, None] < REP,
         )
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_cols"])
+    def _rms_norm_kernel(
+        X,
+        Delta,
+        W,
+        Sum,
+        Out,
+        sx,
+        sd,
+        ssum,
+        so,
+        n_cols,
+        eps,
+        ADD: tl.constexpr,
+        MODEL_ROUNDING: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        inside = cols < n_cols
+        x = tl.load(X + row * sx + cols, mask=inside, other=0.0)
+        if ADD:  # the residual stream: rounded to its dtype, stored, then normalised
+            x = (
+                x.to(tl.float32) + tl.load(Delta + row * sd + cols, mask=inside, other=0.0).to(tl.float32)
+            ).to(X.dtype.element_ty)
+            tl.store(Sum + row * ssum + cols, x, mask=inside)
+        xf = x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)  # one row, one fixed reduction tree
+        w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+        if MODEL_ROUNDING:  # noqa: SIM108 (the model's: the normalised row rounded to the input dtype, then the weight)
+            y = (xf * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w
+        else:  # one rounding at the end
+            y = xf * inv_rms * w
+        tl.store(Out + row * so + cols, y.to(Out.dtype.element_ty), mask=inside)
+
+
+def _norm_functions(model_rounding: bool) -> tuple[Callable, Callable]:
+    """The PyTorch forms of :func:`invariant_rms_norm`'s arithmetic: ``(norm, add + norm)``."""
+    if model_rounding:
+        return rms_norm_as_model, add_rms_norm_as_model
+    return rms_norm, add_rms_norm
+
+
+def invariant_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    delta: torch.Tensor | None = None,
+    model_rounding: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each row of ``x`` (after the residual add ``x + delta`` if ``delta`` is given), a row's result
+    independent of the other rows and of how many there are.
+
+    ``model_rounding``: the Hugging Face models' arithmetic (the normalised row rounded to ``x``'s dtype, then
+    multiplied by the weight: the output in the promoted dtype of the two;
+    :func:`~ppo_core.rollout.eager_rounding.rms_norm_as_model`); otherwise one rounding at the end
+    (``torch.nn.RMSNorm``'s, and megatron's fused norm: the output in ``x``'s dtype;
+    :func:`~ppo_core.kernels.fused.rms_norm`). The sum ``x + delta`` is
+    rounded to ``x``'s dtype before it is normalised. On CUDA (and under Triton's interpreter) one Triton program
+    normalises one row (fp32 statistics; half and single precision); elsewhere the same arithmetic runs in PyTorch
+    through :func:`invariant_rows`.
+
+    Args:
+        x: ``[..., D]`` activations. weight: ``[D]``. eps: added to the mean square.
+        delta: ``[..., D]`` residual branch to add first, or None.
+        model_rounding: see above.
+
+    Returns:
+        ``[..., D]`` normalised rows, or ``(x + delta, normalised rows)`` when ``delta`` is given.
+
+    Example:
+        >>> x, w = torch.randn(5, 8), torch.rand(8)
+        >>> torch.equal(invariant_rms_norm(x, w, 1e-6)[3], invariant_rms_norm(x[3:4], w, 1e-6)[0])
+        True
+    """
+    use_triton = (
+        triton is not None
+        and (x.is_cuda or _interpreting())
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and weight.dim() == 1
+        and weight.shape[0] == x.shape[-1]
+        and x.numel() > 0
+    )
+    if not use_triton:
+        norm, add_norm = _norm_functions(model_rounding)
+        if delta is None:
+            return invariant_rows(norm, x, weight=weight, eps=eps)
+        return invariant_rows(add_norm, x, delta, weight=weight, eps=eps)
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if model_rounding else x.dtype
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if delta is not None:
+        if delta.shape != x.shape:
+            raise ValueError(f"delta has shape {tuple(delta.shape)}, x has {tuple(x.shape)}: they must match")
+        branch = delta.to(x.dtype).reshape(-1, d)
+        if branch.stride(-1) != 1:
+            branch = branch.contiguous()
+        summed = torch.empty_like(rows)
+    else:
+        branch = summed = rows  # unused pointers
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        branch,
+        weight.contiguous(),
+        summed,
+        out,
+        rows.stride(0),
+        branch.stride(0),
+        summed.stride(0),
+        out.stride(0),
+        d,
+        float(eps),
+        ADD=delta is not None,
+        MODEL_ROUNDING=model_rounding,
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4 if d <= 4096 else 8,
+    )
+    normed = out.reshape(x.shape)
+    return normed if delta is None else (summed.reshape(x.shape), normed)
 
 
 def _attention_triton(

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rows
+from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -145,16 +145,14 @@ class _LlamaFamilyForward:
 
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.batch_invariant:
-            return invariant_rows(rms_norm_as_model, x, weight=norm.weight, eps=norm.variance_epsilon)
+            return invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
         return rms_norm_as_model(x, norm.weight, norm.variance_epsilon)
 
     def _add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
-            return invariant_rows(
-                add_rms_norm_as_model, h, delta, weight=norm.weight, eps=norm.variance_epsilon
-            )
+            return invariant_rms_norm(h, norm.weight, norm.variance_epsilon, delta=delta)
         return add_rms_norm_as_model(h, delta, norm.weight, norm.variance_epsilon)
 
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

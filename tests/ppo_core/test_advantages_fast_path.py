@@ -499,3 +499,69 @@ def test_host_flag_words_are_per_thread_reused_and_grow() -> None:
     thread.start()
     thread.join()
     assert other[0] is not bigger  # another thread never shares this one's words
+
+
+@pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_estimators_leave_grad_mode_as_they_found_it(name: str, grad: bool) -> None:
+    """The estimators run without autograd (outputs that do not require grad, even from inputs that do) and
+    restore the caller's grad mode, also when they raise."""
+    r, v, m = _case(batch=4, length=16)
+    r, v = r.requires_grad_(), v.requires_grad_()
+    with torch.set_grad_enabled(grad):
+        adv, ret = _estimators(r, v, m)[name]()
+        assert torch.is_grad_enabled() is grad
+        assert not adv.requires_grad and not ret.requires_grad
+        bad = r.detach().masked_fill(m, float("nan"))
+        with pytest.raises(ValueError, match="NaN"):
+            _estimators(bad, v.detach(), m)[name]()
+        assert torch.is_grad_enabled() is grad
+
+
+@given(a=st.integers(0, 10**9), b=st.integers(1, 10**6), n=st.integers(0, 2**40))
+def test_host_cdiv_and_next_power_of_two(a: int, b: int, n: int) -> None:
+    assert triton_scan._cdiv(a, b) == (a + b - 1) // b
+    p = triton_scan._next_pow2(n)
+    assert p >= max(n, 1) and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+
+
+def test_host_words_array_knows_only_this_threads_pinned_views() -> None:
+    assert triton_scan.host_words_array(torch.zeros(4, dtype=torch.int32)) is None
+    assert not kernels.dispatch.flags_set(torch.zeros(4, dtype=torch.int32)[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_flag_views_are_registered_reused_and_replaced_with_their_buffer() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    words = triton_scan.host_flag_words(device, 10)
+    view = triton_scan._flag_words(10, 64, None, device, words)
+    assert triton_scan._flag_words(10, 64, None, device, words) is view  # one view object per count
+    array, index = triton_scan.host_words_array(view)
+    assert index == device.index and array.shape == (view.numel(),)
+    view.fill_(0)
+    array[3] = 1  # the NumPy view is the pinned memory itself
+    assert int(view[3]) == 1 and kernels.dispatch.flags_set(view)
+    view.fill_(0)
+    bigger = triton_scan.host_flag_words(device, words.numel() + 1)
+    assert triton_scan.host_words_array(view) is None  # the replaced buffer's views are forgotten
+    assert triton_scan._flag_words(10, 64, None, device, bigger) is not view
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["gae", "gae_whiten", "reinforce_pp", "remax"])
+def test_cuda_estimators_on_a_side_stream_read_their_own_streams_flags(name: str) -> None:
+    """The flag read waits for the caller's current stream (a side stream here), not the default one."""
+    r, v, m = (t.cuda() for t in _case(batch=256, length=2048))
+    want = _estimators(r, v, m)[name]()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)  # keep the side stream busy: a read that does not wait sees stale words
+        bad = r.masked_fill(m, float("nan"))
+        with pytest.raises(ValueError, match="NaN"):
+            _estimators(bad, v, m)[name]()
+        got = _estimators(r, v, m)[name]()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

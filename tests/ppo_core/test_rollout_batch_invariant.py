@@ -17,13 +17,15 @@ from ppo_core.rollout.batch_invariant import (
     CHUNK_ROWS,
     invariant_attention,
     invariant_linear,
+    invariant_rms_norm,
     invariant_rows,
 )
-from ppo_core.rollout.eager_rounding import rms_norm_as_model
+from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
 transformers = pytest.importorskip("transformers")
 
 DTYPES = [torch.float32, torch.bfloat16]
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and bi.triton is not None
 VOCAB = 97
 
 
@@ -67,6 +69,62 @@ def test_rows_are_the_function_row_by_row(dtype):
     assert torch.equal(invariant_rows(rms_norm_as_model, x[5:6], weight=w, eps=1e-6), out[5:6])
     pair = invariant_rows(lambda a, c: (a + c, a - c), x, x.flip(0))
     assert torch.equal(pair[0], x + x.flip(0)) and torch.equal(pair[1], x - x.flip(0))
+
+
+def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, except under Triton's interpreter, whose casts to half precision truncate (a GPU's round to
+    nearest even): there within one unit of the last place."""
+    if _INTERPRET and got.dtype != torch.float32:
+        ulp = 2.0 ** -(7 if got.dtype == torch.bfloat16 else 10)
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 2 * CHUNK_ROWS + 5),
+    d=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    add=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_is_the_models_and_each_row_is_its_own(m, d, dtype, add, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(m, d, generator=gen)).to(dtype)
+    delta = torch.randn(m, d, generator=gen).to(dtype)
+    w = torch.rand(d, generator=gen).to(dtype)
+    from ppo_core.kernels.fused import add_rms_norm, rms_norm
+
+    if add:
+        h, y = invariant_rms_norm(x, w, 1e-6, delta=delta)
+        h_ref, y_ref = add_rms_norm_as_model(x, delta, w, 1e-6)
+        _assert_rounded_alike(h, h_ref)
+        h1, y1 = invariant_rms_norm(x, w, 1e-6, delta=delta, model_rounding=False)
+        assert torch.equal(h1, h)
+        once, once_ref = y1, add_rms_norm(x, delta, w, 1e-6)[1]
+    else:
+        y, y_ref = invariant_rms_norm(x, w, 1e-6), rms_norm_as_model(x, w, 1e-6)
+        once, once_ref = invariant_rms_norm(x, w, 1e-6, model_rounding=False), rms_norm(x, w, 1e-6)
+    assert once.dtype == once_ref.dtype == dtype
+    if not _INTERPRET:
+        assert torch.equal(once, once_ref)
+    if _INTERPRET:  # the Triton kernel: its sum of squares in another order (and the interpreter's casts)
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol)
+    else:  # on the CPU: the model's own arithmetic, bit for bit
+        assert torch.equal(y, y_ref)
+    row = int(torch.randint(0, m, (1,), generator=gen))
+    alone = invariant_rms_norm(x[row : row + 1], w, 1e-6, delta=delta[row : row + 1] if add else None)
+    assert torch.equal(alone[1] if add else alone, y[row : row + 1])
+
+
+def test_rms_norm_keeps_leading_dimensions_and_checks_delta():
+    x, w = torch.randn(3, 5, 8), torch.rand(8)
+    assert torch.equal(
+        invariant_rms_norm(x, w, 1e-5), invariant_rms_norm(x.reshape(15, 8), w, 1e-5).reshape(3, 5, 8)
+    )
+    assert invariant_rms_norm(torch.randn(0, 8), w, 1e-5).shape == (0, 8)
 
 
 def _qkv(b, h, g, length, d, dtype, seed):
@@ -266,9 +324,6 @@ def test_batch_invariance_needs_the_fused_path():
         HFRolloutEngine(_llama("llama", torch.float32), fast_path=False, batch_invariant=True)
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and bi.triton is not None
-
-
 @pytest.mark.skipif(not _INTERPRET, reason="the Triton kernel on the CPU needs TRITON_INTERPRET=1 and triton")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_kernel_is_the_torch_steps_and_query_invariant(dtype):
@@ -282,6 +337,27 @@ def test_triton_kernel_is_the_torch_steps_and_query_invariant(dtype):
     last = q.shape[2] - 1
     alone = bi._attention_triton(q[:, :, last:], k, v, valid, torch.tensor([last]), 0.25)
     assert torch.equal(alone, out[:, :, last:])
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="the Triton kernel on the CPU needs TRITON_INTERPRET=1 and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_rounding", [True, False])
+@pytest.mark.parametrize("d", [24, 64])
+def test_triton_rms_norm_is_the_torch_steps_and_row_invariant(dtype, model_rounding, d):
+    gen = torch.Generator().manual_seed(d)
+    x = (3 * torch.randn(CHUNK_ROWS + 9, d, generator=gen)).to(dtype)
+    delta = torch.randn(x.shape, generator=gen).to(dtype)
+    w = torch.rand(d, generator=gen).to(dtype)
+    h, y = invariant_rms_norm(x, w, 1e-6, delta=delta, model_rounding=model_rounding)
+    h_ref, y_ref = bi._norm_functions(model_rounding)[1](x, delta, w, 1e-6)
+    _assert_rounded_alike(h, h_ref)
+    assert y.dtype == y_ref.dtype
+    # the sum of squares in another order (and the interpreter's casts truncate)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol)
+    alone = invariant_rms_norm(h[7:8], w, 1e-6, model_rounding=model_rounding)
+    assert torch.equal(alone, y[7:8])
+    assert torch.equal(invariant_rms_norm(h, w, 1e-6, model_rounding=model_rounding), y)
 
 
 @pytest.mark.gpu

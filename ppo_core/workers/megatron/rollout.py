@@ -11,8 +11,8 @@ graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL collectiv
 
 With ``batch_invariant=True`` (TP = 1) the engine computes with the batch-invariant functions of
 :mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of ``recompute_logits``):
-every linear layer's product (megatron's ``_forward_impl``) in fixed 64-row chunks, every :class:`FusedNorm` on
-fixed 64-row chunks, attention query by query. A row's logits then do not depend on the other rows, and cached
+every linear layer's product (megatron's ``_forward_impl``) in fixed 64-row chunks, every :class:`FusedNorm` row by
+row (RMSNorm; LayerNorm on fixed 64-row chunks), attention query by query. A row's logits then do not depend on the other rows, and cached
 decoding equals a full recomputation through the same functions (``recompute_logits``) bit for bit. (With TP > 1 the all-reduce of a
 row-parallel layer sums the ranks' partial products in an order set by the message size, which differs between a
 decode step and a prefill: refused.)
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rows
+from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm, invariant_rows
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
@@ -147,7 +147,12 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         for linear in self._linears:
             linear._forward_impl = _invariant_product
         for norm in self._norms:
-            norm.forward = functools.partial(invariant_rows, type(norm).forward.__get__(norm))
+            if norm.rms:  # megatron's fused RMSNorm arithmetic (one rounding), one program per row on CUDA
+                norm.forward = functools.partial(
+                    invariant_rms_norm, weight=norm.weight, eps=norm.eps, model_rounding=False
+                )
+            else:
+                norm.forward = functools.partial(invariant_rows, type(norm).forward.__get__(norm))
         try:
             yield
         finally:
