@@ -90,7 +90,10 @@ def compute_remax_advantage(
     dtype = torch.promote_types(rewards.dtype, baselines.dtype)
     # the scan subtracts the baselines and flags a non-finite one of a row with a valid token (the others are unused)
     advantages, returns, maybe_nonfinite = _return_advantages_checked(
-        rewards.to(dtype), mask, 1.0, baselines=baselines.to(dtype)
+        rewards if rewards.dtype == dtype else rewards.to(dtype),
+        mask,
+        1.0,
+        baselines=baselines if baselines.dtype == dtype else baselines.to(dtype),
     )
     if flags_set(maybe_nonfinite, mask_flag):
         check_rewards_and_mask(rewards, response_mask)
