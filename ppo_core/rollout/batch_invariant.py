@@ -278,7 +278,7 @@ def invariant_rms_norm(
 
     Args:
         x: ``[..., D]`` activations. weight: ``[D]``. eps: added to the mean square.
-        delta: ``[..., D]`` residual branch to add first, or None.
+        delta: ``[..., D]`` residual branch to add first (``x``'s shape and dtype), or None.
         model_rounding: see above.
 
     Returns:
@@ -289,6 +289,10 @@ def invariant_rms_norm(
         >>> torch.equal(invariant_rms_norm(x, w, 1e-6)[3], invariant_rms_norm(x[3:4], w, 1e-6)[0])
         True
     """
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(
+            f"delta is {delta.dtype} {tuple(delta.shape)} but x is {x.dtype} {tuple(x.shape)}: they must match"
+        )
     use_triton = (
         triton is not None
         and (x.is_cuda or _interpreting())
@@ -309,9 +313,7 @@ def invariant_rms_norm(
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if model_rounding else x.dtype
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if delta is not None:
-        if delta.shape != x.shape:
-            raise ValueError(f"delta has shape {tuple(delta.shape)}, x has {tuple(x.shape)}: they must match")
-        branch = delta.to(x.dtype).reshape(-1, d)
+        branch = delta.reshape(-1, d)
         if branch.stride(-1) != 1:
             branch = branch.contiguous()
         summed = torch.empty_like(rows)

@@ -125,6 +125,10 @@ def test_rms_norm_keeps_leading_dimensions_and_checks_delta():
         invariant_rms_norm(x, w, 1e-5), invariant_rms_norm(x.reshape(15, 8), w, 1e-5).reshape(3, 5, 8)
     )
     assert invariant_rms_norm(torch.randn(0, 8), w, 1e-5).shape == (0, 8)
+    with pytest.raises(ValueError, match=r"delta is torch\.float64"):
+        invariant_rms_norm(x, w, 1e-5, delta=x.double())
+    with pytest.raises(ValueError, match=r"delta is torch\.float32 \(15, 8\)"):
+        invariant_rms_norm(x, w, 1e-5, delta=x.reshape(15, 8))
 
 
 def _qkv(b, h, g, length, d, dtype, seed):
