@@ -271,18 +271,15 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
     stream sync makes them readable, with no copy back.
     """
     views: list = []  # NumPy views of words the device wrote to pinned host memory
-    devices: set[int | None] = set()
     others: list[torch.Tensor] = []
     for flag in flags:
         if flag is None:
             continue
-        host = triton_scan.host_words_array(flag)  # this thread's words: known without asking the driver
-        if host is not None:
-            views.append(host[0])
-            devices.add(host[1])
+        view = triton_scan.host_words_array(flag)  # this thread's words: known without asking the driver
+        if view is not None:
+            views.append(view)
         elif flag.device.type == "cpu" and flag.is_pinned():
             views.append(flag.numpy())  # made before the sync, so that little is left to do after it
-            devices.add(None)
         else:
             others.append(flag)
     if others:
@@ -293,11 +290,8 @@ def flags_set(*flags: torch.Tensor | None) -> bool:
             return True
     if not views:
         return False
-    if not any(flag.is_cuda for flag in others):  # the one sync
-        if len(devices) == 1 and None not in devices:
-            triton_scan.sync_current_stream(devices.pop())
-        else:
-            torch.cuda.current_stream().synchronize()
+    if not any(flag.is_cuda for flag in others):  # the one sync: the stream the scans were launched on
+        triton_scan.sync_current_stream()
     return any(view.any() for view in views)  # no copy back
 
 

@@ -366,11 +366,8 @@ def _flag_words(
     programs = _grid(batch, launch or _default_launch(length))[0] if batch * length else 0
     if out is None:
         return torch.empty(programs, dtype=torch.int32, device=device)
-    host = _HOST.__dict__.get("owners", {}).get(id(out))
-    if (
-        host is not None and host[0] is out
-    ):  # this thread's pinned words: the same view object for the same count
-        return _host_view(out, host[1], programs)
+    if _HOST.__dict__.get("owners", {}).get(id(out)) is out:  # this thread's pinned words: one view per count
+        return _host_view(out, programs)
     if out.dtype != torch.int32 or out.dim() != 1 or out.numel() < programs:
         raise ValueError(
             f"flags must be int32 with at least {programs} entries, got {out.dtype} {tuple(out.shape)}"
@@ -396,24 +393,23 @@ def host_flag_words(device: torch.device, programs: int) -> torch.Tensor:
             views = _HOST.__dict__.setdefault("views", {})
             if old is not None:  # the views of a replaced buffer go with it
                 owners.pop(id(old), None)
-                for key in [key for key, entry in views.items() if entry[3] is old]:
+                for key in [key for key, entry in views.items() if entry[2] is old]:
                     _drop_view(views, key)
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            owners[id(words)] = (words, index)
+            owners[id(words)] = words
     return words
 
 
-def _host_view(words: torch.Tensor, device_index: int, programs: int) -> torch.Tensor:
+def _host_view(words: torch.Tensor, programs: int) -> torch.Tensor:
     """``words[:programs]`` of this thread's pinned words, made once per buffer and count, with its NumPy view
     registered for :func:`host_words_array`."""
     views = _HOST.__dict__.setdefault("views", {})
     key = (id(words), programs)
     entry = views.get(key)
-    if entry is None or entry[3] is not words:
+    if entry is None or entry[2] is not words:
         if entry is not None:
             _drop_view(views, key)
         view = words[:programs]
-        entry = views[key] = (view, view.numpy(), device_index, words)
+        entry = views[key] = (view, view.numpy(), words)
         _HOST.__dict__.setdefault("by_view", {})[id(view)] = entry
         if len(views) > 64:  # many batch sizes: keep the newest
             _drop_view(views, next(iter(views)))
@@ -425,19 +421,21 @@ def _drop_view(views: dict, key: tuple[int, int]) -> None:
     _HOST.__dict__.get("by_view", {}).pop(id(entry[0]), None)
 
 
-def host_words_array(flags: torch.Tensor) -> tuple[object, int] | None:
-    """``(NumPy view, CUDA device index)`` of flag words made by :func:`_flag_words` from this thread's pinned
-    words (readable without a copy once that device's current stream has finished), None for any other tensor."""
+def host_words_array(flags: torch.Tensor) -> object | None:
+    """The NumPy view of flag words made by :func:`_flag_words` from this thread's pinned words (readable without
+    a copy once the stream that launched the scan has finished), None for any other tensor."""
     entry = _HOST.__dict__.get("by_view", {}).get(id(flags))
-    return (entry[1], entry[2]) if entry is not None and entry[0] is flags else None
+    return entry[1] if entry is not None and entry[0] is flags else None
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def sync_current_stream(device_index: int) -> None:
-    """Wait for the current CUDA stream of ``device_index``: its ``torch.cuda.Stream`` object looked up by the raw
-    stream (cheaper than ``torch.cuda.current_stream()``, which builds a new one at every call)."""
+def sync_current_stream() -> None:
+    """Wait for the current CUDA stream of the current device (where the scans launch): its ``torch.cuda.Stream``
+    object looked up by the raw stream (cheaper than ``torch.cuda.current_stream()``, which builds a new one at
+    every call)."""
+    device_index = torch.cuda.current_device()
     if _RAW_STREAM is None:
         torch.cuda.current_stream(device_index).synchronize()
         return
