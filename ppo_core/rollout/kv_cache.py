@@ -169,22 +169,29 @@ class KVCache:
         Returns:
             ``[B, H, S, d]`` attention outputs.
         """
-        keys, values = self.keys[layer], self.values[layer]
-        h, s = q.shape[1], q.shape[2]
-        g = k.shape[1]
+        self._write(layer, k, v)
         if self.batch_invariant:
-            return self._attend_invariant(layer, q, k, v, scale)
+            return self._attend_invariant(layer, q, scale)
         if self.mode == "prefill":
-            keys[:, :, :s] = k
-            values[:, :, :s] = v
+            h, g = q.shape[1], k.shape[1]
             if g != h:  # the padded-mask kernels take one key head per query head
                 k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.prefill_mask, scale=scale)
+        return self._decode_attention(layer, q, scale)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this forward's keys and values of ``layer``: the first ``S`` slots in prefill, the step's slot in
+        decode (one token per row)."""
+        keys, values = self.keys[layer], self.values[layer]
+        s = k.shape[2]
+        if self.mode == "prefill":
+            keys[:, :, :s] = k
+            values[:, :, :s] = v
+            return
         if s != 1:
             raise ValueError(f"a decode step feeds one token per row, got {s}")
         keys.index_copy_(2, self.slot.view(1), k)
         values.index_copy_(2, self.slot.view(1), v)
-        return self._decode_attention(layer, q, scale)
 
     def attend_rotated(
         self,
@@ -242,21 +249,14 @@ class KVCache:
             q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled
         )
 
-    def _attend_invariant(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
-    ) -> torch.Tensor:
-        """:meth:`attend` with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes)."""
+    def _attend_invariant(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """:meth:`attend`'s attention, once the keys and values are written, by
+        :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes)."""
         keys, values = self.keys[layer], self.values[layer]
-        s = q.shape[2]
         if self.mode == "prefill":
-            keys[:, :, :s] = k
-            values[:, :, :s] = v
+            s = q.shape[2]
             slots, length = torch.arange(s, device=q.device), s
         else:
-            if s != 1:
-                raise ValueError(f"a decode step feeds one token per row, got {s}")
-            keys.index_copy_(2, self.slot.view(1), k)
-            values.index_copy_(2, self.slot.view(1), v)
             slots, length = self.slot.view(1), self.kv_len
         q = q if q.stride(-1) == 1 else q.contiguous()
         return invariant_attention(
