@@ -366,8 +366,8 @@ def _flag_words(
     programs = _grid(batch, launch or _default_launch(length))[0] if batch * length else 0
     if out is None:
         return torch.empty(programs, dtype=torch.int32, device=device)
-    if _HOST.__dict__.get("owners", {}).get(id(out)) is out:  # this thread's pinned words: one view per count
-        return _host_view(out, programs)
+    if device.type == "cuda" and _HOST.__dict__.get("words", {}).get(device) is out:
+        return _host_view(out, device, programs)  # this thread's pinned words: one view per count
     if out.dtype != torch.int32 or out.dim() != 1 or out.numel() < programs:
         raise ValueError(
             f"flags must be int32 with at least {programs} entries, got {out.dtype} {tuple(out.shape)}"
@@ -385,47 +385,41 @@ def host_flag_words(device: torch.device, programs: int) -> torch.Tensor:
     cache = _HOST.__dict__.setdefault("words", {})
     words = old = cache.get(device)
     if words is None or words.numel() < programs:
-        pinned = device.type == "cuda"
-        words = torch.empty(max(programs, 4096), dtype=torch.int32, pin_memory=pinned)
+        words = torch.empty(max(programs, 4096), dtype=torch.int32, pin_memory=device.type == "cuda")
         cache[device] = words
-        if pinned:  # known to _flag_words and host_words_array without asking the driver
-            owners = _HOST.__dict__.setdefault("owners", {})
-            views = _HOST.__dict__.setdefault("views", {})
-            if old is not None:  # the views of a replaced buffer go with it
-                owners.pop(id(old), None)
-                for key in [key for key, entry in views.items() if entry[2] is old]:
-                    _drop_view(views, key)
-            owners[id(words)] = words
+        views = _HOST.__dict__.get("views", {})
+        for key in [key for key, (base, _) in views.items() if base is old]:  # the replaced buffer's views go
+            _forget(views, key)
     return words
 
 
-def _host_view(words: torch.Tensor, programs: int) -> torch.Tensor:
-    """``words[:programs]`` of this thread's pinned words, made once per buffer and count, with its NumPy view
-    registered for :func:`host_words_array`."""
+_HOST_ARRAY = "_ppo_core_host_array"
+"""The attribute of a pinned flag-word view that holds its NumPy view (see :func:`host_words_array`)."""
+
+
+def _host_view(words: torch.Tensor, device: torch.device, programs: int) -> torch.Tensor:
+    """``words[:programs]`` of this thread's pinned words of ``device``, made once per buffer and count, carrying
+    its NumPy view for :func:`host_words_array`."""
     views = _HOST.__dict__.setdefault("views", {})
-    key = (id(words), programs)
-    entry = views.get(key)
-    if entry is None or entry[2] is not words:
-        if entry is not None:
-            _drop_view(views, key)
+    entry = views.get((device, programs))
+    if entry is None:
         view = words[:programs]
-        entry = views[key] = (view, view.numpy(), words)
-        _HOST.__dict__.setdefault("by_view", {})[id(view)] = entry
+        setattr(view, _HOST_ARRAY, view.numpy())
+        entry = views[(device, programs)] = (words, view)
         if len(views) > 64:  # many batch sizes: keep the newest
-            _drop_view(views, next(iter(views)))
-    return entry[0]
+            _forget(views, next(iter(views)))
+    return entry[1]
 
 
-def _drop_view(views: dict, key: tuple[int, int]) -> None:
-    entry = views.pop(key)
-    _HOST.__dict__.get("by_view", {}).pop(id(entry[0]), None)
+def _forget(views: dict, key: tuple[torch.device, int]) -> None:
+    """Drop a view of :func:`_host_view`: :func:`host_words_array` no longer knows it."""
+    delattr(views.pop(key)[1], _HOST_ARRAY)
 
 
 def host_words_array(flags: torch.Tensor) -> object | None:
     """The NumPy view of flag words made by :func:`_flag_words` from this thread's pinned words (readable without
     a copy once the stream that launched the scan has finished), None for any other tensor."""
-    entry = _HOST.__dict__.get("by_view", {}).get(id(flags))
-    return entry[1] if entry is not None and entry[0] is flags else None
+    return getattr(flags, _HOST_ARRAY, None)
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
