@@ -173,10 +173,9 @@ def _public_report(r: torch.Tensor, v: torch.Tensor, m: torch.Tensor, repeats: i
     cuda = r.device.type == "cuda"
     for name, (public, _, kernel) in pairs.items():
         group = {name: public, f"fused:{name}": fused[name], f"raw:{name}": kernel}
-        if (
-            cuda
-        ):  # its kernels and the one stream sync a caller needs before using a result on the host, as the
-            # public function makes it: both sides then end alike (after the sync, the end event is recorded)
+        # its kernels and the one stream sync a caller needs before using a result on the host, as the public
+        # function makes it: both sides then end alike (after the sync, the end event is recorded)
+        if cuda:
             group[f"synced:{name}"] = lambda fn=fused[name]: (fn(), torch.cuda.current_stream().synchronize())
         ms.update(_time_interleaved(group, r.device.type, repeats))
     others = dict(checked) | {f"unfused:{name}": fn for name, fn in unfused.items()}

@@ -41,6 +41,11 @@ from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 
 __all__ = ["MegatronRolloutEngine"]
 
+TP_NOT_INVARIANT = (
+    "a row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
+)
+"""Why batch-invariant decoding needs tensor-parallel size 1 (the engine's and the worker's errors say it)."""
+
 
 class MegatronRolloutEngine(CachedRolloutEngine):
     """Rollout engine over this rank's megatron ``GPTModel`` (see the module docstring).
@@ -84,10 +89,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         if config.kv_heads % tp_size:
             raise ValueError(f"num_query_groups ({config.kv_heads}) must be divisible by tp_size ({tp_size})")
         if batch_invariant and tp_size > 1:
-            raise ValueError(
-                f"batch_invariant=True needs tp_size = 1, got {tp_size}: a row-parallel all-reduce sums the ranks' "
-                "partial products in an order that depends on the message size"
-            )
+            raise ValueError(f"batch_invariant=True needs tp_size = 1, got {tp_size}: {TP_NOT_INVARIANT}")
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         self.batch_invariant = bool(batch_invariant)

@@ -34,7 +34,7 @@ from ppo_core.workers.megatron.parallel import (
     destroy_megatron_parallel,
     init_megatron_parallel,
 )
-from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+from ppo_core.workers.megatron.rollout import TP_NOT_INVARIANT, MegatronRolloutEngine
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 
 __all__ = ["MegatronActorWorker", "MegatronCriticWorker", "megatron_attention_mask", "position_ids"]
@@ -105,8 +105,8 @@ def _default_rollout(
     sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
     if config.rollout.batch_invariant and engine.layout.tp_size > 1:
         raise ValueError(
-            f"actor.worker.rollout.batch_invariant=True needs tensor-parallel size 1, got {engine.layout.tp_size}: a "
-            "row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
+            "actor.worker.rollout.batch_invariant=True needs tensor-parallel size 1, got "
+            f"{engine.layout.tp_size}: {TP_NOT_INVARIANT}"
         )
     if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
         return MegatronRolloutEngine(
