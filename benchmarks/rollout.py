@@ -11,6 +11,8 @@ warm-up call (compilation, graph capture), and the peak GPU memory of a call.
 
 - ``ours_hf``: :class:`ppo_core.rollout.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` (the fused
   Llama-family path);
+- ``ours_hf_fused_decode``: the same with ``fused_decode=True`` (decode-step projections through
+  :func:`ppo_core.rollout.decode_linear.decode_linear`, norms and SwiGLU fused into them);
 - ``ours_megatron``: :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on a megatron-core
   ``GPTModel`` of the same shape (SDPA attention, fused kernels);
 - ``hf_generate_static`` / ``hf_generate_dynamic``: ``model.generate(..., do_sample=True)`` with
@@ -280,12 +282,16 @@ def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> N
     engine = HFRolloutEngine(model)
     for case in cases:
         attempt(f"ours_hf:{case}", lambda c=cases[case]: _engine_case(engine, c, args.repeats))
+    fused = HFRolloutEngine(model, fused_decode=True)
+    for case in cases:
+        attempt(f"ours_hf_fused_decode:{case}", lambda c=cases[case]: _engine_case(fused, c, args.repeats))
 
     def hf_logits(seq: torch.Tensor, seq_mask: torch.Tensor) -> torch.Tensor:
         pos = (seq_mask.cumsum(-1) - 1).clamp(min=0)
         return model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits
 
     attempt("exactness:hf", lambda: _exactness(model, engine, hf_logits, args.exact_new))
+    attempt("exactness:hf_fused_decode", lambda: _exactness(model, fused, hf_logits, args.exact_new))
     # where the bf16 differences come from: the model's own modules through the cache (its element-wise roundings,
     # our attention and decode-sized GEMMs), and split-K GEMM partial sums kept in fp32 by cuBLAS
     modules = HFRolloutEngine(model, fast_path=False)
@@ -387,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {}
     for method in (
         "ours_hf",
+        "ours_hf_fused_decode",
         "ours_hf_batch_invariant",
         "ours_megatron",
         "ours_megatron_batch_invariant",
@@ -399,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
                 summary[f"{method}:{case}"] = rep["new_tokens_per_s"]
     result["summary_new_tokens_per_s"] = summary
     static = result.get("hf_static", {}).get("b64", {}).get("new_tokens_per_s")
-    for method in ("ours_hf", "ours_megatron"):
+    for method in ("ours_hf", "ours_hf_fused_decode", "ours_megatron"):
         ours = result.get(method, {}).get("b64", {}).get("new_tokens_per_s")
         if ours and static:
             result[f"{method}_over_hf_static_b64"] = round(ours / static, 2)

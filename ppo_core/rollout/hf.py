@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -107,23 +108,31 @@ class _LlamaFamilyForward:
     """
 
     def __init__(
-        self, model: nn.Module, fuse_projections: bool = True, batch_invariant: bool = False
+        self,
+        model: nn.Module,
+        fuse_projections: bool = True,
+        batch_invariant: bool = False,
+        fused_decode: bool = False,
     ) -> None:
         self.body, self.lm_head, cfg = model.model, model.lm_head, model.config
         self.batch_invariant = batch_invariant
+        self.fused_decode = fused_decode
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.fuse_projections = fuse_projections
         # per layer: q/k/v weight and bias, gate/up weight and bias (a bias None when the model has none)
         self._fused: list[list[torch.Tensor | None]] | None = None
+        # per layer, with fused_decode: the q/k/v and gate/up weights with their norm's weight folded in
+        self._folded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def refresh(self) -> None:
         """(Re)build the concatenated weights from the model's current ones, in place when they exist (a kept
-        CUDA graph reads them at fixed addresses)."""
+        CUDA graph reads them at fixed addresses); with ``fused_decode`` also the q/k/v and gate/up weights with
+        the norm before each folded in (:func:`~ppo_core.rollout.decode_linear.fold_norm_weight`)."""
         if not self.fuse_projections:
             return
-        layers = []
+        layers, folded = [], []
         with torch.no_grad():
             for i, layer in enumerate(self.body.layers):
                 tensors: list[torch.Tensor | None] = []
@@ -131,11 +140,19 @@ class _LlamaFamilyForward:
                     out = None if self._fused is None else self._fused[i][2 * j : 2 * j + 2]
                     tensors.extend(_concatenated(group, out=out))
                 layers.append(tensors)
+                if self.fused_decode:
+                    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                    outs = self._folded[i] if self._folded is not None else (None, None)
+                    folded.append(
+                        tuple(fold_norm_weight(tensors[2 * j], norms[j], out=outs[j]) for j in range(2))
+                    )
         self._fused = layers
+        self._folded = folded if self.fused_decode else None
 
     def free(self) -> None:
         """Drop the concatenated weights."""
         self._fused = None
+        self._folded = None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return invariant_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
@@ -179,6 +196,13 @@ class _LlamaFamilyForward:
         b, s = input_ids.shape
         cache.batch_invariant = self.batch_invariant
         h = body.embed_tokens(input_ids)  # [B, S, D]
+        if (
+            self.fused_decode
+            and s == 1
+            and self._folded is not None
+            and decode_linear_available(h.view(b, -1), self._folded[0][0])
+        ):
+            return self._decode_step(h.view(b, -1), positions, cache)
         # the model's own rotary tables, in its dtype as its forward uses them (the module reads only the device and
         # dtype of its first input)
         cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
@@ -214,6 +238,47 @@ class _LlamaFamilyForward:
         if self.batch_invariant:
             return self._layer(last, self.lm_head)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
+
+    def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A decode step (``h [B, D]``, one token per row) through :func:`decode_linear`: each residual add in the
+        epilogue of the product before it, each RMSNorm's row scale in the epilogue of the product after it (its
+        weight folded into that product's weight by :meth:`refresh`), SiLU x up in the epilogue of gate/up: six
+        launches a layer with the rotation and attention."""
+        body, b = self.body, h.shape[0]
+        cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)  # [B, 1, d]
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
+        for i, layer in enumerate(body.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, gate_up_w = self._folded[i]
+            qkv, _ = decode_linear(
+                h, qkv_w, self._fused[i][1], sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon
+            )
+            q, k, v = (t.view(b, 1, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], -1))
+            if hasattr(attn, "q_norm"):
+                q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
+            out = cache.attend_rotated(
+                i,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                lambda q, k: rotary_as_model(q, k, cos[:, None], sin[:, None]),
+                lambda: (cos[:, 0], sin[:, 0]),
+                attn.scaling,
+                model_rounding=True,
+            )
+            h, sumsq = decode_linear(out.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+            act, _ = decode_linear(
+                h,
+                gate_up_w,
+                self._fused[i][3],
+                sumsq=sumsq,
+                eps=layer.post_attention_layernorm.variance_epsilon,
+                swiglu=True,
+            )
+            h, sumsq = decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        head = self.lm_head
+        return decode_linear(self._rms_norm(h, body.norm), head.weight, head.bias)[0]
 
 
 class _GenericForward:
@@ -298,6 +363,11 @@ class HFRolloutEngine(CachedRolloutEngine):
             rows, so cached decoding equals a full recomputation (:meth:`recompute_logits`) bit for bit, and a
             prompt's response does not depend on its batch. Slower (GEMMs in 64-row chunks, attention query by
             query); off by default.
+        fused_decode: on the fused path, run the projections of decode steps of up to
+            :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
+            :func:`~ppo_core.rollout.decode_linear.decode_linear`: residual adds, RMSNorms and SiLU x up in the
+            products' epilogues (its roundings: see that module). It keeps a second copy of the q/k/v and gate/up
+            weights (with the norms' weights folded in) while sampling.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -309,6 +379,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         fast_path: bool | None = None,
         fuse_projections: bool = True,
         batch_invariant: bool = False,
+        fused_decode: bool = False,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -333,9 +404,14 @@ class HFRolloutEngine(CachedRolloutEngine):
                 "batch_invariant=True needs the Llama-family fused path (fast_path); "
                 f"{type(model).__name__} runs through its own forward"
             )
+        if fused_decode and (not self.fast_path or not fuse_projections or batch_invariant):
+            raise ValueError(
+                "fused_decode=True needs the Llama-family fused path with fuse_projections=True and "
+                "batch_invariant=False"
+            )
         self.batch_invariant = bool(batch_invariant)
         self._forward = (
-            _LlamaFamilyForward(model, fuse_projections, self.batch_invariant)
+            _LlamaFamilyForward(model, fuse_projections, self.batch_invariant, bool(fused_decode))
             if self.fast_path
             else _GenericForward(model)
         )

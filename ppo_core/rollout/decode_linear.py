@@ -1,0 +1,476 @@
+"""The projections of a decode step as weight-streaming Triton GEMMs with the layer's element-wise steps fused in.
+
+A decode step multiplies a few rows (one token per sequence, ``M <= 64``) by every weight matrix of the model, so
+each projection is bound by reading its weight once, and at this size a kernel's launch, ramp-up and tail cost as
+much as the read of a small matrix. Unfused, a Llama-family layer spends five more kernels around its four
+products: the residual add + RMSNorm before the q/k/v and the gate/up products (twice), SiLU x up after gate/up,
+and the split-K reduction of the down product. :func:`decode_linear` folds them into the products' epilogues and
+keeps the main loop a plain product (an element-wise prologue on the rows measured 3-4x slower on an H200: it keeps
+the rows from feeding the tensor cores straight from shared memory):
+
+- **residual epilogue** (``residual``): the product, rounded to the model dtype, is added to the residual stream as
+  the models add it, and the new residual ``h`` is the output; each program also writes the sum of squares of its
+  block of ``h``'s columns per row (``[P, M]`` partial sums over ``P`` column blocks), for the norm that follows;
+- **norm epilogue** (``sumsq``): RMSNorm of a row is a per-row scale, ``rmsnorm(h) W^T = rstd * (h (W diag w)^T)``
+  with ``rstd = 1 / sqrt(mean(h^2) + eps)``: the caller folds the norm weight ``w`` into the weight once per
+  generation (:func:`fold_norm_weight`), and each program sums the partial sums of squares in a fixed order and
+  scales its accumulator;
+- **SwiGLU epilogue** (``swiglu``): the weight is ``[gate; up]`` (``[2F, K]``); a program accumulates a block of
+  gate columns and the matching up columns and writes ``silu(gate) * up`` ``[M, F]`` only;
+- **split-K in one launch**: a product with few column blocks splits its ``K`` range over several programs; each
+  writes its fp32 partial to a workspace, and the program that finishes last for a column block (an atomic
+  counter, reset by that program for the next call) sums the partials in a fixed order and runs the epilogue. The
+  result is deterministic.
+
+Roundings: the residual add and the SwiGLU steps round as the models' eager forwards do (the product rounded to the
+model dtype, then the add in it; the gate and up products, SiLU and their product each rounded). The norm does not:
+the models round the normalised row and its product with ``w``; here ``W diag w`` is rounded once per generation and
+``rstd`` scales the fp32 accumulator. A decode step through these kernels therefore differs from the model's own
+forward by roundings of the size bf16 carries, like any change of GEMM kernel (the greedy tokens of the default
+engines differ from a full recomputation on near-ties already); the batch-invariant engines never use them.
+
+:func:`decode_linear_reference` is the contract in PyTorch (any device): the tests compare the kernel with it.
+``TRITON_INTERPRET=1`` runs the kernel on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional
+    triton = None
+    tl = None
+
+__all__ = [
+    "MAX_ROWS",
+    "DecodeLinearConfig",
+    "decode_linear",
+    "decode_linear_available",
+    "decode_linear_reference",
+    "fold_norm_weight",
+]
+
+MAX_ROWS = 64
+"""Most rows a call multiplies (one block of rows: every program reads the weight once for all of them)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeLinearConfig:
+    """Launch shape of :func:`decode_linear` (None: chosen from the shapes by :func:`_default_config`)."""
+
+    block_n: int = 32
+    """Output columns per program (for ``swiglu``: gate columns, and as many up columns)."""
+    block_k: int = 128
+    """Reduction columns per loop iteration."""
+    split_k: int = 1
+    """Programs sharing one column block's ``K`` range (a power of two; partials summed in a fixed order)."""
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def decode_linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`decode_linear` runs its kernel for ``x [M, K]`` and ``weight [N, K]``: Triton on CUDA (or
+    the interpreter), bf16 or fp16, ``1 <= M <= MAX_ROWS``, a contiguous weight."""
+    return (
+        triton is not None
+        and (x.is_cuda or _interpreting())
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and weight.shape[1] == x.shape[1]
+    )
+
+
+def fold_norm_weight(
+    weight: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``W diag w``: the weight ``[N, K]`` of a product that follows an RMSNorm with weight ``w [K]``, each column
+    scaled by the norm's weight and rounded to the weight's dtype (written into ``out`` when given)."""
+    return torch.mul(weight, norm_weight.to(weight.dtype), out=out)
+
+
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`decode_linear`'s contract in PyTorch, with its roundings (see the module docstring).
+
+    Returns:
+        ``(y, sumsq_out)``: ``y`` in the dtype of ``x``, and with ``residual`` the per-row sum of squares of ``y``
+        ``[M]`` (fp32), else None.
+    """
+    acc = x.float() @ weight.float().T
+    if sumsq is not None:
+        total = sumsq.float().sum(0) if sumsq.dim() == 2 else sumsq.float()
+        acc = acc * torch.rsqrt(total / x.shape[1] + eps)[:, None]
+    if bias is not None:
+        acc = acc + bias.float()
+    if swiglu:
+        gate, up = acc.to(x.dtype).chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    else:
+        y = acc.to(x.dtype)
+    if residual is None:
+        return y, None
+    y = residual + y
+    return y, y.float().pow(2).sum(-1)
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    config: DecodeLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``y = x W^T + b`` for a few rows in one launch, with RMSNorm's row scale, SwiGLU or the residual add fused
+    into its epilogue (see the module docstring).
+
+    Args:
+        x: ``[M, K]`` rows (``M <= MAX_ROWS``; the residual stream itself when ``sumsq`` is given).
+        weight: ``[N, K]`` contiguous (``[gate; up]``, ``N = 2F``, with ``swiglu``; the norm weight folded in by
+            :func:`fold_norm_weight` with ``sumsq``).
+        bias: ``[N]`` or None.
+        sumsq: ``[P, M]`` fp32 partial sums of squares of ``x``'s rows (the second output of the call that produced
+            ``x``, or ``x.float().pow(2).sum(-1)[None]``): scale each row by ``1 / sqrt(mean(x^2) + eps)``.
+        eps: the norm's epsilon.
+        residual: ``[M, N]``: return ``residual + y`` (the new residual stream) and its partial sums of squares.
+        swiglu: return ``silu(gate) * up`` ``[M, N / 2]`` instead of ``[M, N]``.
+        config: launch shape; None: chosen from the shapes.
+
+    Returns:
+        ``(y, sumsq_out)``: ``y`` in the dtype of ``x``; with ``residual``, ``[P', M]`` fp32 partial sums of squares
+        of ``y``'s rows (one per block of its columns), else None.
+
+    Example:
+        >>> x, w = torch.ones(2, 4), torch.eye(4)
+        >>> y, sq = decode_linear_reference(x, 2 * w, sumsq=torch.full((2,), 4.0), eps=0.0, residual=x)
+        >>> y[0].tolist(), sq.tolist()
+        ([3.0, 3.0, 3.0, 3.0], [36.0, 36.0])
+    """
+    if not decode_linear_available(x, weight):
+        raise ValueError(
+            f"decode_linear needs Triton on CUDA, x [M <= {MAX_ROWS}, K] and a contiguous weight [N, K] of its "
+            f"dtype; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu needs an even number of weight rows ([gate; up]), got {n}")
+    width = n // 2 if swiglu else n
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    if residual is not None and (
+        tuple(residual.shape) != (m, width) or residual.device != x.device or residual.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"residual must be [{m}, {width}] {x.dtype} on {x.device}, got {tuple(residual.shape)} "
+            f"{residual.dtype} on {residual.device}"
+        )
+    if sumsq is not None and (
+        sumsq.dim() != 2 or sumsq.shape[1] != m or sumsq.dtype != torch.float32 or sumsq.device != x.device
+    ):
+        raise ValueError(
+            f"sumsq must be [P, {m}] float32 on {x.device}, got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
+        )
+    cfg = config or _default_config(width, k, x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    if sumsq is not None and not sumsq.is_contiguous():
+        sumsq = sumsq.contiguous()
+    y = torch.empty(m, width, dtype=x.dtype, device=x.device)
+    n_blocks = triton.cdiv(width, cfg.block_n)
+    sumsq_out = torch.empty(n_blocks, m, device=x.device) if residual is not None else None
+    split = cfg.split_k
+    if split > 1:
+        parts = torch.empty(split, 2 if swiglu else 1, block_m, n_blocks * cfg.block_n, device=x.device)
+        counters = _counters(x.device, n_blocks)
+    else:
+        parts = counters = y  # unused
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    p_in = sumsq.shape[0] if sumsq is not None else 1
+    _decode_linear_kernel[(n_blocks, split)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        y,
+        residual if residual is not None else x,
+        sumsq if sumsq is not None else y,
+        sumsq_out if sumsq_out is not None else y,
+        parts,
+        counters,
+        m,
+        width,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        p_in,
+        float(eps),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_P=triton.next_power_of_2(p_in),
+        SPLIT=split,
+        NORM=sumsq is not None,
+        RESIDUAL=residual is not None,
+        SWIGLU=swiglu,
+        HAS_BIAS=bias is not None,
+        UPCAST=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y, sumsq_out
+
+
+def _default_config(width: int, k: int, device: torch.device) -> DecodeLinearConfig:
+    """From a sweep on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
+    products, 64 for wide or deep ones, 128 for a vocabulary; ``K`` split while there are fewer programs than half
+    the SMs (each split keeping at least four ``block_k`` iterations)."""
+    block_n = 128 if width >= 65536 else 64 if width > 4096 or k >= 4096 else 32
+    block_k = 128
+    n_blocks = -(-width // block_n)
+    want = _sm_count(device) // 2
+    split = 1
+    while n_blocks * split < want and k // (2 * split) >= 4 * block_k:
+        split *= 2
+    return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: choose as an H100/H200 would
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per column block, kept per device: the last program of a block resets
+    its counter, so they are zero between calls (and a captured CUDA graph reads the same buffer every replay).
+    Calls on one device must not run concurrently on two streams."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_linear_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        Res,
+        SqIn,
+        SqOut,
+        Parts,
+        Counters,
+        M,
+        N,
+        K,
+        K_PER_SPLIT,
+        stride_x,
+        stride_w,
+        stride_r,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        SPLIT: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_in = rows < M
+        col_in = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_in = ks < k_end
+            x = tl.load(
+                X + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
+            )
+            w_mask = col_in[:, None] & k_in[None, :]
+            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+            acc = _dot(acc, x, w, UPCAST)
+            if SWIGLU:
+                w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = _dot(acc_up, x, w_up, UPCAST)
+        if SPLIT > 1:
+            # publish this split's partials; the last program of the column block to arrive sums them in order
+            width = tl.num_programs(0) * BLOCK_N
+            part = Parts + pid_k * (1 + SWIGLU) * BLOCK_M * width + rows[:, None] * width + cols[None, :]
+            tl.store(part, acc)
+            if SWIGLU:
+                tl.store(part + BLOCK_M * width, acc_up)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT):
+                    base = Parts + s * (1 + SWIGLU) * BLOCK_M * width + rows[:, None] * width + cols[None, :]
+                    acc += tl.load(base, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(base + BLOCK_M * width, cache_modifier=".cg")
+                tl.store(Counters + pid_n, 0)
+                _epilogue(
+                    acc,
+                    acc_up,
+                    pid_n,
+                    rows,
+                    cols,
+                    row_in,
+                    col_in,
+                    Bias,
+                    Y,
+                    Res,
+                    SqIn,
+                    SqOut,
+                    M,
+                    N,
+                    K,
+                    stride_r,
+                    P_IN,
+                    eps,
+                    BLOCK_M,
+                    BLOCK_P,
+                    NORM,
+                    RESIDUAL,
+                    SWIGLU,
+                    HAS_BIAS,
+                )
+        else:
+            _epilogue(
+                acc,
+                acc_up,
+                pid_n,
+                rows,
+                cols,
+                row_in,
+                col_in,
+                Bias,
+                Y,
+                Res,
+                SqIn,
+                SqOut,
+                M,
+                N,
+                K,
+                stride_r,
+                P_IN,
+                eps,
+                BLOCK_M,
+                BLOCK_P,
+                NORM,
+                RESIDUAL,
+                SWIGLU,
+                HAS_BIAS,
+            )
+
+    @triton.jit
+    def _dot(acc, x, w, UPCAST: tl.constexpr):
+        """``acc + x w^T``. ``UPCAST`` (the interpreter, whose bf16 products are wrong): in fp32, exact for half
+        precision inputs as the tensor cores' products are."""
+        if UPCAST:
+            return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _epilogue(
+        acc,
+        acc_up,
+        pid_n,
+        rows,
+        cols,
+        row_in,
+        col_in,
+        Bias,
+        Y,
+        Res,
+        SqIn,
+        SqOut,
+        M,
+        N,
+        K,
+        stride_r,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        """The norm's row scale, the bias, SwiGLU or the residual add in the models' roundings; store ``[M, N]``."""
+        if NORM:
+            p = tl.arange(0, BLOCK_P)
+            parts = tl.load(
+                SqIn + p[:, None] * M + rows[None, :], mask=(p[:, None] < P_IN) & row_in[None, :], other=0.0
+            )
+            rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
+            acc = acc * rstd[:, None]
+            acc_up = acc_up * rstd[:, None]
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc_up += tl.load(Bias + N + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+        dtype = Y.dtype.element_ty
+        if SWIGLU:
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            out = acc.to(dtype)
+        tile = row_in[:, None] & col_in[None, :]
+        if RESIDUAL:
+            res = tl.load(Res + rows[:, None] * stride_r + cols[None, :], mask=tile, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(dtype)
+            out32 = tl.where(tile, out.to(tl.float32), 0.0)
+            tl.store(SqOut + pid_n * M + rows, tl.sum(out32 * out32, axis=1), mask=row_in)
+        tl.store(Y + rows[:, None] * N + cols[None, :], out, mask=tile)

@@ -1,0 +1,215 @@
+"""The decode-step GEMM with its fused prologue and epilogue (:mod:`ppo_core.rollout.decode_linear`) equals its
+PyTorch contract, and the contract equals the models' own steps (``TRITON_INTERPRET=1`` on CPU where Triton is
+installed, and on CUDA under the ``gpu`` marker; the contract's own tests always run)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_core.rollout import decode_linear as dl
+from ppo_core.rollout.decode_linear import (
+    MAX_ROWS,
+    DecodeLinearConfig,
+    decode_linear,
+    decode_linear_reference,
+    fold_norm_weight,
+)
+from ppo_core.rollout.eager_rounding import rms_norm_as_model, silu_mul_as_model
+
+INTERPRET = dl.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and dl.triton is not None
+DEVICES = (["cpu"] if INTERPRET else []) + (["cuda"] if CUDA else [])
+kernel = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
+
+
+def _inputs(m, n, k, dtype, device, seed, *, norm=False, residual=False, bias=False, swiglu=False):
+    """Rows, weight, bias, partial sums of squares of the rows (three blocks, as a producer writes them) and a
+    residual stream of the output's width."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    sq = None
+    if norm:
+        squares = x.float().square()
+        sq = torch.stack([part.sum(-1) for part in squares.tensor_split(3, dim=-1)])  # [3, M]
+    r = torch.randn(m, n // 2 if swiglu else n, generator=gen).to(dtype) if residual else None
+    return [None if t is None else t.to(device) for t in (x, w, b, sq, r)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, device: str) -> None:
+    """Both sides round to ``dtype`` from fp32 sums in different orders: a step of ``dtype`` at the value's size,
+    a few steps through SwiGLU's three roundings. Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to
+    nearest), one more step each."""
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    steps = 8 if dtype == torch.bfloat16 and device == "cpu" else 4
+    torch.testing.assert_close(got.float(), want.float(), atol=steps * step, rtol=steps * step)
+
+
+# ----- the contract against the models' own arithmetic (always runs) -----------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contract_norm_epilogue_is_the_models_norm_then_the_product(dtype) -> None:
+    x, w, b, sq, _ = _inputs(5, 24, 40, dtype, "cpu", 0, norm=True, bias=True)
+    nw = (1 + 0.2 * torch.randn(40, generator=torch.Generator().manual_seed(9))).to(dtype)
+    y, none = decode_linear_reference(x, fold_norm_weight(w, nw), b, sumsq=sq, eps=1e-5)
+    assert none is None
+    want = F.linear(rms_norm_as_model(x, nw, 1e-5).float(), w.float(), b.float())
+    tol = 1e-5 if dtype == torch.float32 else 4 * 2.0**-7
+    torch.testing.assert_close(y.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_contract_residual_epilogue_is_the_models_add_and_its_statistics() -> None:
+    x, w, b, _, r = _inputs(4, 16, 24, torch.bfloat16, "cpu", 1, residual=True, bias=True)
+    y, sq = decode_linear_reference(x, w, b, residual=r)
+    assert torch.equal(y, r + F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+    assert torch.equal(sq, y.float().square().sum(-1))
+
+
+def test_contract_swiglu_rounds_as_the_model() -> None:
+    x, w, b, _, _ = _inputs(4, 32, 16, torch.bfloat16, "cpu", 1, bias=True)
+    y, _ = decode_linear_reference(x, w, b, swiglu=True)
+    gate, up = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16).chunk(2, dim=-1)
+    assert torch.equal(y, silu_mul_as_model(gate, up))
+
+
+def test_unavailable_inputs_are_refused_with_their_shapes() -> None:
+    x, w, *_ = _inputs(MAX_ROWS + 1, 16, 16, torch.bfloat16, "cpu", 2)
+    with pytest.raises(ValueError, match=r"M <= 64.*\(65, 16\)"):
+        decode_linear(x, w)
+
+
+# ----- the kernel against the contract ------------------------------------------------------------------------
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, MAX_ROWS),
+    n=st.integers(1, 90),
+    k=st.integers(1, 300),
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+    split=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_the_contract(device, m, n, k, flags, split, dtype, seed) -> None:
+    norm, residual, bias, swiglu = flags
+    n = 2 * n if swiglu else n
+    x, w, b, sq, r = _inputs(
+        m, n, k, dtype, device, seed, norm=norm, residual=residual, bias=bias, swiglu=swiglu
+    )
+    cfg = DecodeLinearConfig(block_n=16, block_k=32, split_k=split)
+    y, sq_out = decode_linear(x, w, b, sumsq=sq, eps=1e-5, residual=r, swiglu=swiglu, config=cfg)
+    want_y, _ = decode_linear_reference(x, w, b, sumsq=sq, eps=1e-5, residual=r, swiglu=swiglu)
+    assert y.shape == want_y.shape and y.dtype == dtype
+    _close(y, want_y, dtype, device)
+    if residual:  # the statistics of the output the kernel wrote, one partial sum per column block
+        assert sq_out.shape == (-(-y.shape[1] // 16), m)
+        torch.testing.assert_close(sq_out.sum(0), y.float().square().sum(-1), rtol=1e-5, atol=1e-5)
+    else:
+        assert sq_out is None
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_is_deterministic_and_resets_its_counters(device) -> None:
+    x, w, b, sq, r = _inputs(9, 48, 256, torch.float16, device, 3, norm=True, residual=True, bias=True)
+    cfg = DecodeLinearConfig(block_n=16, block_k=32, split_k=4)
+    first = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+    for _ in range(3):
+        again = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not dl._COUNTERS[x.device].any()
+    single = decode_linear(x, w, b, sumsq=sq, residual=r, config=DecodeLinearConfig(block_n=16, block_k=32))
+    _close(first[0], single[0], torch.float16, device)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_refused_arguments(device) -> None:
+    x, w, _, sq, r = _inputs(6, 32, 64, torch.bfloat16, device, 4, norm=True, residual=True)
+    wide = torch.zeros(6, 80, dtype=x.dtype, device=device)
+    wide[:, :64] = x
+    y, _ = decode_linear(wide[:, :64], w, sumsq=sq, residual=r)
+    want_y, _ = decode_linear_reference(x, w, sumsq=sq, residual=r)
+    _close(y, want_y, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="even number"):
+        decode_linear(x, w[:31], swiglu=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        decode_linear(x, w, residual=r[:, :3])
+    with pytest.raises(ValueError, match="sumsq must be"):
+        decode_linear(x, w, sumsq=sq.double())
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_fused_decode_matches_the_default_engine(device) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core.rollout.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    lm = LlamaForCausalLM(config).to(torch.float16).to(device).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, 64, (3, 6), generator=gen).to(device)
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    want = HFRolloutEngine(lm).generate(prompts, mask, sampling)
+    got = HFRolloutEngine(lm, fused_decode=True).generate(prompts, mask, sampling)
+    assert torch.equal(got["responses"], want["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=2e-3, rtol=0)
+
+
+def test_engine_refuses_fused_decode_with_batch_invariance() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    lm = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with pytest.raises(ValueError, match="fused_decode=True needs"):
+        HFRolloutEngine(lm, fused_decode=True, batch_invariant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+def test_cuda_graph_replays_split_k_with_fresh_inputs() -> None:
+    shapes = (64, 2048, 2048, torch.bfloat16, "cuda")
+    x, w, b, sq, r = _inputs(*shapes, 5, norm=True, residual=True, bias=True)
+    cfg = DecodeLinearConfig(split_k=4)
+    decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, sq_out = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+    for seed in range(3):
+        fresh = _inputs(*shapes, 10 + seed, norm=True, residual=True, bias=True)
+        for buf, new in zip((x, sq, r), (fresh[0], fresh[3], fresh[4]), strict=True):
+            buf.copy_(new)
+        graph.replay()
+        want_y, want_sq = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+        assert torch.equal(y, want_y) and torch.equal(sq_out, want_sq)
+        ref_y, _ = decode_linear_reference(x, w, b, sumsq=sq, residual=r)
+        _close(y, ref_y, torch.bfloat16, "cuda")
