@@ -13,8 +13,16 @@ A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positi
    the cache: one graph per ``kv_bucket`` slots of cache length,
 4. stops early, checking every ``check_every`` steps, once every row has emitted EOS.
 
-Sampling uses :func:`ppo_core.rollout.sampling.sample_tokens` with noise drawn from the caller's generator before
-each step (outside the graph), so a seeded generator reproduces the tokens exactly, with or without graphs.
+Sampling follows :func:`ppo_core.rollout.sampling.sample_tokens`. Where its fused Triton rule applies (CUDA logits,
+no top-k/top-p truncation) a step draws and records its token in two launches
+(:func:`ppo_core.rollout.fused_sampling.fused_sample_record`) and, when sampling, the uniform noise is made inside the
+first one: Philox keyed by a seed drawn once per :meth:`StaticCacheDecoder.generate` from the caller's generator,
+with the step (read from the device tensor ``t``, so a replayed graph draws the next step's noise), the row and the
+column as counter. No ``[B, V]`` noise is stored and nothing is launched outside the graph. Elsewhere (CPU, top-k,
+top-p) the noise buffer is filled from the caller's generator before each step (outside the graph) and
+``sample_tokens`` and a few PyTorch operations record the token. Either way a seeded generator reproduces the tokens
+exactly, with or without graphs (the eager and the captured step run the same kernels); the two modes draw different
+noise, so they draw different tokens from the same generator.
 
 Output (verl's layout): ``prompts [B, P]``, ``responses [B, R]`` (right-padded with ``pad_token_id``),
 ``input_ids [B, P + R]``, ``attention_mask [B, P + R]``, ``response_mask [B, R]`` (1 up to and including the
@@ -39,6 +47,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
+from ppo_core.rollout.fused_sampling import fused_sample_record, fused_sampling_available
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.sampling import sample_tokens
@@ -95,7 +104,9 @@ class _State:
     responses: torch.Tensor  # [B, R]
     response_mask: torch.Tensor  # [B, R] bool
     log_probs: torch.Tensor  # [B, R] fp32
-    noise: torch.Tensor | None  # [B, V] uniform noise (None when decoding greedily)
+    noise: torch.Tensor | None = None  # [B, V] uniform noise (PyTorch rule while sampling)
+    seed: torch.Tensor | None = None  # [] int64, key of the in-kernel noise (fused rule while sampling)
+    fused: bool | None = None  # the fused Triton rule draws and records (decided on the first logits)
     graphs: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -215,7 +226,7 @@ class StaticCacheDecoder:
         for t in range(1, r):
             if eos_token_id is not None and t % self.check_every == 0 and bool(state.done.all()):
                 break
-            if sample.stochastic:
+            if state.noise is not None:
                 state.noise.uniform_(generator=generator)
             kv_len = min(-(-(p + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
             self._decode(state, kv_len, sample, eager=t == 1)
@@ -243,7 +254,6 @@ class StaticCacheDecoder:
         b, p, r = key[:3]
         device = self.spec.device
         cache = self.new_cache(b, p + r)
-        stochastic = key[3] > 0
         self._state = _State(
             key=key,
             cache=cache,
@@ -255,7 +265,6 @@ class StaticCacheDecoder:
             responses=torch.zeros(b, r, dtype=torch.long, device=device),
             response_mask=torch.zeros(b, r, dtype=torch.bool, device=device),
             log_probs=torch.zeros(b, r, dtype=torch.float32, device=device),
-            noise=torch.empty(b, self.vocab_size, device=device) if stochastic else None,
         )
         return self._state
 
@@ -277,9 +286,7 @@ class StaticCacheDecoder:
         state.t.fill_(0)
         logits = self.forward(prompts, cache.positions, cache)
         cache.prefill_mask = None
-        if sample.stochastic:
-            state.noise.uniform_(generator=generator)
-        self._record(state, logits, sample)
+        self._record(state, logits, sample, generator)
 
     def _decode(self, state: _State, kv_len: int, sample: _Sampler, eager: bool) -> None:
         if not self.cuda_graphs:
@@ -334,11 +341,39 @@ class StaticCacheDecoder:
         logits = self.forward(state.last_tok.view(b, 1), cache.positions, cache)
         self._record(state, logits, sample)
 
-    def _record(self, state: _State, logits: torch.Tensor, sample: _Sampler) -> None:
-        """Draw token ``t`` from ``logits [B, V]``, write it and its log-prob, advance ``t``."""
-        b = logits.shape[0]
+    def _record(
+        self, state: _State, logits: torch.Tensor, sample: _Sampler, generator: torch.Generator | None = None
+    ) -> None:
+        """Draw token ``t`` from ``logits [B, V]``, write it and its log-prob, advance ``t``.
+
+        ``generator`` (the prefill's call) first draws this generation's noise: its seed, or the first step's
+        ``[B, V]`` noise.
+        """
         if sample.hook is not None:
             logits = sample.hook(state.t, logits)
+        if state.fused is None:
+            self._choose_rule(state, logits, sample)
+        if generator is not None and state.seed is not None:
+            state.seed.random_(generator=generator)
+        elif generator is not None and state.noise is not None:
+            state.noise.uniform_(generator=generator)
+        if state.fused:
+            fused_sample_record(
+                logits,
+                sample.temperature,
+                step=state.t,
+                responses=state.responses,
+                response_mask=state.response_mask,
+                log_probs=state.log_probs,
+                done=state.done,
+                last_tok=state.last_tok,
+                last_valid=state.last_valid,
+                eos_token_id=sample.eos_token_id,
+                pad_token_id=sample.pad_token_id,
+                seed=state.seed,
+            )
+            return
+        b = logits.shape[0]
         tok, logp = sample_tokens(
             logits, state.noise, temperature=sample.temperature, top_k=sample.top_k, top_p=sample.top_p
         )
@@ -352,6 +387,18 @@ class StaticCacheDecoder:
         state.last_tok.copy_(torch.where(running, tok, sample.pad_token_id))
         state.last_valid.copy_(running)
         state.t += 1
+
+    def _choose_rule(self, state: _State, logits: torch.Tensor, sample: _Sampler) -> None:
+        """Fix, for the life of ``state``, which rule draws (the logits of a model keep their device and dtype) and
+        allocate what its noise needs."""
+        state.fused = fused_sampling_available(logits, sample.top_k, sample.top_p)
+        if not sample.stochastic:
+            return
+        device = state.t.device
+        if state.fused:
+            state.seed = torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            state.noise = torch.empty(logits.shape[0], self.vocab_size, device=device)
 
 
 @dataclasses.dataclass(frozen=True)

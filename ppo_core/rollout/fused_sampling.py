@@ -3,15 +3,29 @@
 The rule of :func:`ppo_core.rollout.sampling.sample_tokens` without truncation (``top_k = 0``, ``top_p = 1``, the
 usual setting of RL rollouts): with ``x = logits / T``,
 
-- the token is ``argmax(x - log(-log u))`` (``x`` computed as ``logits * (1 / T)``) (Gumbel-max with the caller's uniform noise ``u``; greedy:
-  ``argmax(logits)``; ties go to the lowest index, as ``torch.argmax``),
+- the token is ``argmax(x - log(-log u))`` (``x`` computed as ``logits * (1 / T)``) (Gumbel-max with uniform noise
+  ``u``; greedy: ``argmax(logits)``; ties go to the lowest index, as ``torch.argmax``),
 - its log-probability is ``x[token] - logsumexp(x)`` (greedy: at ``T = 1``).
 
 Unfused, PyTorch reads the ``[B, V]`` logits and noise several times (log-softmax, noise transform, argmax,
 gather: about 110 us per decode step of a 128k vocabulary at ``B = 64`` on an H200). Here the first kernel splits
-every row into blocks of ``BLOCK_V`` entries, reads each logit and noise value once and keeps per block the
+every row into blocks of ``BLOCK_V`` entries, reads each logit (and noise value) once and keeps per block the
 ``(max, sum of exp)`` of ``x`` and the best Gumbel score with its index; the second combines the blocks of a row.
 Both are plain launches with fixed shapes, so a decode step that samples with them is captured in its CUDA graph.
+
+Where the noise comes from:
+
+- a ``[B, V]`` tensor the caller filled from its generator (:func:`fused_sample` with ``noise``), or
+- in-kernel (``seed`` and ``step``: two device scalars): Philox-4x32-10 keyed by ``seed``, counter
+  ``(col // 4, row, step, 0)``, output word ``col % 4``; its top 23 bits give ``u = (2k + 1) / 2**24`` in
+  ``(0, 1)`` (never 0 or 1, so no Gumbel score is infinite). Every ``(step, row, token)`` has its own counter, so
+  no noise is reused within a generation, and none is stored: the ``[B, V]`` fp32 write and read (32 MB at
+  ``B = 64``, ``V = 128256``) and the launch that made them are gone. The step is read from device memory, so a
+  captured CUDA graph replays the next step's noise. :func:`fused_sampling_noise` materialises the same noise.
+
+:func:`fused_sample_record` is the decoder's step (:mod:`ppo_core.rollout.decoding`): the second kernel also writes
+the token, its response-mask bit and log-prob at column ``step`` and advances ``done``, the fed token and ``step``,
+so that drawing and recording a token is two launches.
 
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (the tests).
 """
@@ -27,10 +41,12 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
-__all__ = ["fused_sample", "fused_sampling_available"]
+__all__ = ["fused_sample", "fused_sample_record", "fused_sampling_available", "fused_sampling_noise"]
 
 BLOCK_V = 4096
-"""Vocabulary entries per program of the first kernel."""
+"""Vocabulary entries per program of the first kernel (a multiple of 4: one Philox call gives 4 columns)."""
+
+_NO_NOISE, _TENSOR_NOISE, _KERNEL_NOISE = 0, 1, 2
 
 
 def fused_sampling_available(logits: torch.Tensor, top_k: int, top_p: float) -> bool:
@@ -48,9 +64,31 @@ def fused_sampling_available(logits: torch.Tensor, top_k: int, top_p: float) -> 
 if triton is not None:
 
     @triton.jit
+    def _kernel_uniform(seed, step, row, start, N: tl.constexpr):
+        """``[N]`` uniform noise of columns ``start .. start + N`` of ``row`` (``start`` and ``N`` multiples of 4)."""
+        c0 = (start // 4 + tl.arange(0, N // 4)).to(tl.uint32)
+        zero = c0 * 0
+        r0, r1, r2, r3 = tl.philox(seed, c0, zero + row.to(tl.uint32), zero + step.to(tl.uint32), zero)
+        # column 4 * i + j takes word j of counter i
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (N,))
+        # (2k + 1) / 2**24 is exact in fp32 and inside (0, 1): -log(-log u) stays finite
+        return (r >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+
+    @triton.jit
+    def _noise_blocks(seed_ptr, step_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        u = _kernel_uniform(tl.load(seed_ptr), tl.load(step_ptr), row, blk * BLOCK, BLOCK)
+        tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, u, mask=offs < vocab)
+
+    @triton.jit
     def _sample_blocks(
         logits_ptr,
         noise_ptr,
+        seed_ptr,
+        step_ptr,
+        step_copy_ptr,
         part_ptr,
         index_ptr,
         vocab,
@@ -58,7 +96,8 @@ if triton is not None:
         stride_n,
         n_blocks,
         inv_temperature,
-        STOCHASTIC: tl.constexpr,
+        NOISE: tl.constexpr,
+        RECORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -68,13 +107,16 @@ if triton is not None:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs, mask=ok, other=float("-inf")).to(
             tl.float32
         )
-        if STOCHASTIC:
+        if NOISE != 0:
             x = x * inv_temperature
         m = tl.max(x, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         s = tl.sum(tl.exp(x - m_safe), axis=0)
-        if STOCHASTIC:
+        if NOISE == 1:
             u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + offs, mask=ok, other=0.5).to(tl.float32)
+            score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
+        elif NOISE == 2:
+            u = _kernel_uniform(tl.load(seed_ptr), tl.load(step_ptr), row, blk * BLOCK, BLOCK)
             score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
         else:
             score = x
@@ -86,6 +128,9 @@ if triton is not None:
         tl.store(part_ptr + base + 1, s)
         tl.store(part_ptr + base + 2, best)
         tl.store(index_ptr + row * n_blocks + blk, index)
+        if RECORD:
+            # the combine kernel advances the step: its programs read this copy, so none reads what another wrote
+            tl.store(step_copy_ptr, tl.load(step_ptr), mask=(row == 0) & (blk == 0))
 
     @triton.jit
     def _sample_combine(
@@ -94,11 +139,25 @@ if triton is not None:
         index_ptr,
         token_ptr,
         logp_ptr,
+        mask_ptr,
+        done_ptr,
+        last_tok_ptr,
+        last_valid_ptr,
+        step_ptr,
+        step_copy_ptr,
         vocab,
         stride_l,
+        stride_t,
+        stride_m,
+        stride_p,
+        n_cols,
         n_blocks,
         inv_temperature,
+        eos,
+        pad,
         STOCHASTIC: tl.constexpr,
+        RECORD: tl.constexpr,
+        HAS_EOS: tl.constexpr,
         BLOCKS: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -118,19 +177,113 @@ if triton is not None:
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + token).to(tl.float32)
         if STOCHASTIC:
             x = x * inv_temperature
-        tl.store(token_ptr + row, token.to(tl.int64))
-        tl.store(logp_ptr + row, x - lse)
+        if RECORD:
+            col = tl.load(step_copy_ptr)
+            in_range = (col >= 0) & (
+                col < n_cols
+            )  # an out-of-range step writes nothing rather than elsewhere
+            running = tl.load(done_ptr + row) == 0
+            fed = tl.where(running, token.to(tl.int64), pad)
+            tl.store(token_ptr + row.to(tl.int64) * stride_t + col, fed, mask=in_range)
+            tl.store(mask_ptr + row.to(tl.int64) * stride_m + col, running, mask=in_range)
+            tl.store(
+                logp_ptr + row.to(tl.int64) * stride_p + col, tl.where(running, x - lse, 0.0), mask=in_range
+            )
+            if HAS_EOS:
+                # done | (running & eos) == done | eos: a finished row stays finished
+                tl.store(done_ptr + row, (running == 0) | (token == eos))
+            tl.store(last_tok_ptr + row, fed)
+            tl.store(last_valid_ptr + row, running)
+            tl.store(step_ptr, col + 1, mask=row == 0)
+        else:
+            tl.store(token_ptr + row, token.to(tl.int64))
+            tl.store(logp_ptr + row, x - lse)
+
+
+def _check_scalar(name: str, value: torch.Tensor, device: torch.device) -> None:
+    if value.dtype != torch.int64 or value.numel() != 1 or value.device != device:
+        raise ValueError(
+            f"{name} must be a one-element int64 tensor on {device}, got {tuple(value.shape)} {value.dtype} on "
+            f"{value.device}"
+        )
+
+
+def _noise_mode(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    step: torch.Tensor | None,
+    temperature: float,
+) -> int:
+    if temperature <= 0:
+        return _NO_NOISE
+    if seed is not None:
+        if noise is not None:
+            raise ValueError("pass noise or seed, not both: seed draws the noise in the kernel")
+        _check_scalar("seed", seed, logits.device)
+        if step is None:
+            raise ValueError("step is required with seed (it keys the in-kernel noise)")
+        return _KERNEL_NOISE
+    if noise is None or noise.shape != logits.shape or noise.stride(-1) != 1:
+        got = None if noise is None else tuple(noise.shape)
+        raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling, got {got}")
+    return _TENSOR_NOISE
+
+
+def _launch_blocks(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    step: torch.Tensor | None,
+    mode: int,
+    inv_t: float,
+    record: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first kernel: per-block partials ``[B, n_blocks, 3]``, indices ``[B, n_blocks]`` and the step's copy."""
+    rows, vocab = logits.shape
+    n_blocks = triton.cdiv(vocab, BLOCK_V)
+    parts = torch.empty(rows, n_blocks, 3, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
+    step_copy = torch.empty(1, dtype=torch.int64, device=logits.device)
+    noise_arg = noise if mode == _TENSOR_NOISE else logits
+    _sample_blocks[(rows, n_blocks)](
+        logits,
+        noise_arg,
+        seed if seed is not None else step_copy,
+        step if step is not None else step_copy,
+        step_copy,
+        parts,
+        index,
+        vocab,
+        logits.stride(0),
+        noise_arg.stride(0),
+        n_blocks,
+        inv_t,
+        NOISE=mode,
+        RECORD=record,
+        BLOCK=BLOCK_V,
+        num_warps=8,
+    )
+    return parts, index, step_copy
 
 
 def fused_sample(
-    logits: torch.Tensor, noise: torch.Tensor | None, temperature: float
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: float,
+    *,
+    seed: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their log-probabilities by the rule of the module docstring.
 
     Args:
         logits: ``[B, V]`` next-token logits (fp32, bf16 or fp16; read in fp32), last dimension contiguous.
-        noise: ``[B, V]`` uniform noise in ``[0, 1)``, last dimension contiguous; unused when ``temperature == 0``.
+        noise: ``[B, V]`` uniform noise in ``[0, 1)``, last dimension contiguous; unused when ``temperature == 0``;
+            None with ``seed``.
         temperature: > 0 samples, 0 decodes greedily.
+        seed: ``[]`` (or ``[1]``) int64 device tensor: draw the noise in the kernel (module docstring).
+        step: ``[]`` (or ``[1]``) int64 device tensor, required with ``seed``: the decode step the noise is for.
 
     Returns:
         ``(tokens [B] int64, log_probs [B] fp32)``.
@@ -142,47 +295,162 @@ def fused_sample(
     """
     if triton is None:
         raise RuntimeError("fused_sample needs Triton")
-    stochastic = temperature > 0
-    if stochastic and (noise is None or noise.shape != logits.shape or noise.stride(-1) != 1):
-        raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling")
+    mode = _noise_mode(logits, noise, seed, step, temperature)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
-    n_blocks = triton.cdiv(vocab, BLOCK_V)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return tokens, log_probs
-    parts = torch.empty(rows, n_blocks, 3, dtype=torch.float32, device=logits.device)
-    index = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
-    inv_t = 1.0 / temperature if stochastic else 1.0
-    noise_arg = noise if stochastic else logits
-    _sample_blocks[(rows, n_blocks)](
-        logits,
-        noise_arg,
-        parts,
-        index,
-        vocab,
-        logits.stride(0),
-        noise_arg.stride(0),
-        n_blocks,
-        inv_t,
-        STOCHASTIC=stochastic,
-        BLOCK=BLOCK_V,
-        num_warps=8,
-    )
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=False)
+    n_blocks = index.shape[1]
     _sample_combine[(rows,)](
         logits,
         parts,
         index,
         tokens,
         log_probs,
+        tokens,  # mask, done, last token, last valid, step: unused without RECORD
+        tokens,
+        tokens,
+        tokens,
+        step_copy,
+        step_copy,
         vocab,
         logits.stride(0),
+        0,
+        0,
+        0,
+        0,
         n_blocks,
         inv_t,
-        STOCHASTIC=stochastic,
+        0,
+        0,
+        STOCHASTIC=temperature > 0,
+        RECORD=False,
+        HAS_EOS=False,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
         num_warps=1,
     )
     return tokens, log_probs
+
+
+def fused_sample_record(
+    logits: torch.Tensor,
+    temperature: float,
+    *,
+    step: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    log_probs: torch.Tensor,
+    done: torch.Tensor,
+    last_tok: torch.Tensor,
+    last_valid: torch.Tensor,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    seed: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> None:
+    """Draw token ``t = step`` of every row (module docstring) and record it in place, in two launches.
+
+    With ``running = ~done``: ``responses[:, t]`` gets the token where running, else ``pad_token_id``;
+    ``response_mask[:, t] = running``; ``log_probs[:, t]`` the log-prob where running, else 0; ``done |= token ==
+    eos_token_id`` (unchanged when it is None); ``last_tok`` gets what ``responses[:, t]`` got; ``last_valid =
+    running``; ``step += 1``. A step outside ``[0, R)`` writes no column.
+
+    Args:
+        logits: ``[B, V]`` next-token logits (fp32, bf16 or fp16), last dimension contiguous.
+        temperature: > 0 samples, 0 decodes greedily (and needs neither ``seed`` nor ``noise``).
+        step: ``[]`` int64 device tensor, the column ``t`` (and the in-kernel noise's step).
+        responses: ``[B, R]`` int64. response_mask: ``[B, R]`` bool. log_probs: ``[B, R]`` fp32 (last dimensions
+            contiguous).
+        done: ``[B]`` bool. last_tok: ``[B]`` int64. last_valid: ``[B]`` bool (contiguous).
+        eos_token_id: ends a row; None: rows never finish.
+        pad_token_id: written where a row has finished.
+        seed: ``[]`` int64 device tensor: in-kernel noise (the decoder's mode).
+        noise: ``[B, V]`` uniform noise instead of ``seed`` (the tests compare the two rules with it).
+    """
+    if triton is None:
+        raise RuntimeError("fused_sample_record needs Triton")
+    mode = _noise_mode(logits, noise, seed, step, temperature)
+    _check_scalar("step", step, logits.device)
+    rows, vocab = logits.shape
+    for name, buf, dtype, shape in (
+        ("responses", responses, torch.int64, None),
+        ("response_mask", response_mask, torch.bool, None),
+        ("log_probs", log_probs, torch.float32, None),
+        ("done", done, torch.bool, (rows,)),
+        ("last_tok", last_tok, torch.int64, (rows,)),
+        ("last_valid", last_valid, torch.bool, (rows,)),
+    ):
+        want = shape or (rows, responses.shape[-1])
+        if (
+            buf.dtype != dtype
+            or tuple(buf.shape) != want
+            or buf.stride(-1) != 1
+            or buf.device != logits.device
+        ):
+            raise ValueError(
+                f"{name} must be a {list(want)} {dtype} tensor on {logits.device} with a contiguous last dimension, "
+                f"got {list(buf.shape)} {buf.dtype} on {buf.device}"
+            )
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if rows == 0:
+        step += 1
+        return
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=True)
+    n_blocks = index.shape[1]
+    _sample_combine[(rows,)](
+        logits,
+        parts,
+        index,
+        responses,
+        log_probs,
+        response_mask,
+        done,
+        last_tok,
+        last_valid,
+        step,
+        step_copy,
+        vocab,
+        logits.stride(0),
+        responses.stride(0),
+        response_mask.stride(0),
+        log_probs.stride(0),
+        responses.shape[1],
+        n_blocks,
+        inv_t,
+        0 if eos_token_id is None else int(eos_token_id),
+        int(pad_token_id),
+        STOCHASTIC=temperature > 0,
+        RECORD=True,
+        HAS_EOS=eos_token_id is not None,
+        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
+        num_warps=1,
+    )
+
+
+def fused_sampling_noise(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    """The ``[rows, vocab]`` fp32 uniform noise that :func:`fused_sample` draws in the kernel for ``seed`` and
+    ``step`` (module docstring): for tests and debugging; sampling never stores it.
+
+    Example:
+        >>> seed, step = torch.tensor(7, device="cuda"), torch.tensor(0, device="cuda")
+        >>> u = fused_sampling_noise(seed, step, 2, 5)
+        >>> bool(((u > 0) & (u < 1)).all())
+        True
+    """
+    if triton is None:
+        raise RuntimeError("fused_sampling_noise needs Triton")
+    _check_scalar("seed", seed, seed.device)
+    _check_scalar("step", step, seed.device)
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=seed.device)
+    if rows and vocab:
+        _noise_blocks[(rows, triton.cdiv(vocab, BLOCK_V))](
+            seed, step, out, vocab, out.stride(0), BLOCK=BLOCK_V
+        )
+    return out

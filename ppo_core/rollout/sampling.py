@@ -8,7 +8,10 @@ vocabulary entry is an exact draw from ``softmax(filtered_logits / T)``. The noi
 - the same function runs inside a captured CUDA graph (no RNG state in the graph: the noise buffer is refilled
   before each replay),
 - every decoding path (full recomputation, the model's own cache, the static-cache engines of
-  :mod:`ppo_core.rollout.decoding`) draws the same tokens from the same logits and the same generator.
+  :mod:`ppo_core.rollout.decoding`) draws the same tokens from the same logits and the same generator, except
+  the static-cache engines' CUDA temperature sampling without top-k/top-p: there the fused kernels of
+  :mod:`ppo_core.rollout.fused_sampling` make the noise themselves from a seed drawn from the generator (same
+  generator, same tokens, with or without CUDA graphs, but not the tokens of the other paths).
 
 The log-probability returned with each token (``rollout_log_probs``) is ``log_softmax(logits / T)`` at the drawn
 token, *before* top-k/top-p truncation: what ``compute_log_prob`` computes for the same token, so comparing the

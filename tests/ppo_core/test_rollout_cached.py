@@ -242,6 +242,17 @@ def test_hf_sampling_is_reproducible_from_the_generator_and_matches_the_recomput
     assert torch.equal(slow["responses"], a["responses"])
 
 
+def test_cpu_sampling_fills_a_noise_buffer_from_the_generator():
+    """Without the fused Triton rule (CPU logits) the noise is ``[B, V]`` from the generator, refilled each step."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    ids, mask = _left_padded(2, 3, seed=4)
+    engine = HFRolloutEngine(_hf("llama"), keep_cache=True)
+    engine.generate(ids, mask, SamplingConfig(max_new_tokens=3), generator=torch.Generator().manual_seed(0))
+    state = engine.decoder._state
+    assert state.fused is False and state.seed is None and state.noise.shape == (2, VOCAB)
+
+
 def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
     from ppo_core.rollout.hf import HFRolloutEngine
 

@@ -56,6 +56,33 @@ def test_graph_replay_equals_eager_decoding(temperature):
     assert engine.stats.decode_steps == 299
 
 
+@pytest.mark.parametrize("eos", [None, 7])
+def test_kernel_noise_sampling_is_the_same_with_and_without_graphs(eos):
+    """Temperature sampling without truncation draws its noise in the sampling kernel: the same generator state gives
+    the same tokens eagerly and through replayed graphs, a ``[B, V]`` noise buffer is never allocated, and another
+    seed gives other tokens."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _model(torch.float32)
+    ids, mask = _prompts(8, 40)
+    cfg = SamplingConfig(max_new_tokens=200, temperature=1.0, eos_token_id=eos)
+    outs = []
+    for graphs, seed in ((True, 3), (False, 3), (True, 4)):
+        engine = HFRolloutEngine(model, cuda_graphs=graphs, kv_bucket=64, keep_cache=True)
+        outs.append(engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(seed)))
+        state = engine.decoder._state
+        assert state.fused is True and state.noise is None and state.seed is not None
+        assert engine.stats.cuda_graphs is graphs and (engine.stats.graphs_captured >= 1) is graphs
+        engine.release()
+    graphed, eager, other = outs
+    assert torch.equal(graphed["responses"], eager["responses"])
+    assert torch.equal(graphed["response_mask"], eager["response_mask"])
+    torch.testing.assert_close(graphed["rollout_log_probs"], eager["rollout_log_probs"])
+    assert not torch.equal(graphed["responses"], other["responses"])
+    # every step drew its own noise: the responses are not one token repeated
+    assert len(set(graphed["responses"][0, :20].tolist())) > 1
+
+
 def test_graphs_stop_early_once_every_row_has_finished():
     from ppo_core.rollout.hf import HFRolloutEngine
 
