@@ -14,7 +14,8 @@ warm-up call (compilation, graph capture), and the peak GPU memory of a call.
 - ``ours_hf_fused_decode``: the same with ``fused_decode=True`` (decode-step projections through
   :func:`ppo_core.rollout.decode_linear.decode_linear`, norms and SwiGLU fused into them);
 - ``ours_megatron``: :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on a megatron-core
-  ``GPTModel`` of the same shape (SDPA attention, fused kernels);
+  ``GPTModel`` of the same shape (SDPA attention, fused kernels), decoding with its own forward; and
+  ``ours_megatron_gpt_forward``: the same engine through megatron's ``GPTModel.forward`` (``own_forward=False``);
 - ``hf_generate_static`` / ``hf_generate_dynamic``: ``model.generate(..., do_sample=True)`` with
   ``cache_implementation="static"`` (which ``transformers`` compiles) and the default dynamic cache;
 - ``recompute``: the full sequence recomputed for every new token (``use_cache=False``), timed on ``recompute_new``
@@ -333,6 +334,12 @@ def _bench_megatron(cases: dict, args: argparse.Namespace, attempt) -> None:
         return model(seq, position_ids(seq_mask), megatron_attention_mask(seq_mask))[..., : cfg.vocab_size]
 
     attempt("exactness:megatron", lambda: _exactness(model, engine, meg_logits, args.exact_new))
+    # the engine's former path, megatron's GPTModel.forward through the cache: the reference of its own forward
+    gpt_forward = MegatronRolloutEngine(model, cfg, own_forward=False)
+    attempt("ours_megatron_gpt_forward:b64", lambda: _engine_case(gpt_forward, CASES["b64"], args.repeats))
+    attempt(
+        "exactness:megatron_gpt_forward", lambda: _exactness(model, gpt_forward, meg_logits, args.exact_new)
+    )
     invariant = MegatronRolloutEngine(model, cfg, batch_invariant=True)
     attempt("ours_megatron_batch_invariant:b64", lambda: _engine_case(invariant, CASES["b64"], args.repeats))
     attempt(

@@ -2,7 +2,8 @@
 
 Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for variants (eager, graphs, graphs
 over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
-time of each GEMM shape of a decode step alone.
+time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
+and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``).
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ def main() -> None:
         mengine = MegatronRolloutEngine(mmodel, mcfg)
         result["megatron_graphs"] = _ms_per_step(mengine, ids, mask, cfg, gen)
         result["megatron_profile_top"] = _profile_top(mengine, ids, mask, cfg, gen)
+        # the former path (GPTModel.forward through the cache) against the engine's own forward, in the same run
+        gpt_forward = MegatronRolloutEngine(mmodel, mcfg, own_forward=False)
+        result["megatron_gpt_forward_graphs"] = _ms_per_step(gpt_forward, ids, mask, cfg, gen)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

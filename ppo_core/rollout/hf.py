@@ -39,6 +39,7 @@ from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -98,7 +99,7 @@ def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[n
     return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
 
 
-class _LlamaFamilyForward:
+class _LlamaFamilyForward(DecoderLayerLoop):
     """The fused cached forward of a Llama-family model (see the module docstring).
 
     With ``fuse_projections`` each layer's query/key/value projections run as one GEMM, and its gate/up projections
@@ -184,7 +185,8 @@ class _LlamaFamilyForward:
         shape = (b, s, -1, self.head_dim)
         return q.view(shape), k.view(shape), v.view(shape)
 
-    def _mlp(self, i: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
         if self._fused is not None:
             gate, up = self._linear(x, self._fused[i][2], self._fused[i][3]).chunk(2, dim=-1)
         else:
@@ -192,30 +194,35 @@ class _LlamaFamilyForward:
         return self._layer(silu_mul_as_model(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        body = self.body
         b, s = input_ids.shape
-        cache.batch_invariant = self.batch_invariant
-        h = body.embed_tokens(input_ids)  # [B, S, D]
-        if (
-            self.fused_decode
-            and s == 1
-            and self._folded is not None
-            and decode_linear_available(h.view(b, -1), self._folded[0][0])
-        ):
-            return self._decode_step(h.view(b, -1), positions, cache)
+        if self.fused_decode and s == 1 and self._folded is not None:
+            h = self._embed(input_ids).view(b, -1)
+            if decode_linear_available(h, self._folded[0][0]):
+                cache.batch_invariant = False
+                return self._decode_step(h, positions, cache)
+        return super().__call__(input_ids, positions, cache)
+
+    def _layers(self) -> nn.ModuleList:
+        return self.body.layers
+
+    def _norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        return layer.input_layernorm, layer.post_attention_layernorm
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(input_ids)
+
+    def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
+        b, s = positions.shape
         # the model's own rotary tables, in its dtype as its forward uses them (the module reads only the device and
         # dtype of its first input)
-        cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
+        cos, sin = self.body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
         cos_bhsd, sin_bhsd = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, 1, S, d], against [B, H, S, d]
-        mlp_out = None
-        for i, layer in enumerate(body.layers):
-            attn, norm1 = layer.self_attn, layer.input_layernorm
-            if mlp_out is None:
-                x = self._rms_norm(h, norm1)
-            else:  # the previous layer's residual add fused with this layer's norm
-                h, x = self._add_rms_norm(h, mlp_out, norm1)
-            q, k, v = self._projections(i, layer, x)
+
+        def attend(
+            i: int, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            attn = layer.self_attn
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
                 q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
             # the rotation (and, decoding on CUDA, the cache write with it in one kernel) in the model's rounding
@@ -229,12 +236,15 @@ class _LlamaFamilyForward:
                 attn.scaling,
                 model_rounding=True,
             )
-            norm2 = layer.post_attention_layernorm
-            attn_out = self._layer(out.transpose(1, 2).reshape(b, s, -1), attn.o_proj)
-            h, x = self._add_rms_norm(h, attn_out, norm2)
-            mlp_out = self._mlp(i, layer.mlp, x)
-        h_last = h[:, -1] + mlp_out[:, -1]
-        last = self._rms_norm(h_last, body.norm)
+            return out.transpose(1, 2).reshape(b, s, -1)
+
+        return attend
+
+    def _attention_output(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        return self._layer(out, layer.self_attn.o_proj)
+
+    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
+        last = self._rms_norm(h_last + delta_last, self.body.norm)
         if self.batch_invariant:
             return self._layer(last, self.lm_head)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)

@@ -1,6 +1,8 @@
 """The megatron rollout engine with tensor parallelism (TP = 2 over gloo on CPU, fp32): every rank holds half the
 attention heads, half the MLP and half the vocabulary, and the gathered logits make both ranks draw the same
-tokens; greedy and sampled responses and their log-probs equal one rank's with the same weights."""
+tokens; greedy and sampled responses and their log-probs equal one rank's with the same weights. So with the
+engine's own forward (all-reduces after linear_proj and linear_fc2 of its own, this rank's q/k/v rows re-laid
+out) as with megatron's: with one query group per rank (no re-layout) and with two (and a q/k/v bias)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
+from _megatron import cpu_tensor_parallel, random_hf_state, spawn_ranks, tiny_config
 
 from ppo_core.rollout import SamplingConfig
 
@@ -25,7 +27,9 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, hf: dict | None, own_forward: bool, shape: dict, out: dict
+) -> None:
     from megatron.core import parallel_state
 
     from ppo_core.workers.megatron import build_gpt_model
@@ -33,7 +37,7 @@ def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> 
     from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 
     with cpu_tensor_parallel(rank, world, port) as parallel:
-        cfg = tiny_config()
+        cfg = tiny_config(**shape)
         model = build_gpt_model(cfg, parallel).eval()
         if hf is not None:
             model.load_state_dict(hf_to_megatron(hf, cfg, tp_rank=rank, tp_size=world), strict=False)
@@ -42,7 +46,9 @@ def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> 
             cfg,
             tp_group=parallel_state.get_tensor_model_parallel_group() if world > 1 else None,
             tp_size=world,
+            own_forward=own_forward,
         )
+        assert engine.own_forward == own_forward
         ids, mask = _prompts()
         greedy = engine.generate(ids, mask, SamplingConfig(max_new_tokens=6, temperature=0.0))
         sampled = engine.generate(
@@ -62,9 +68,16 @@ def _rank_main(rank: int, world: int, port: int, hf: dict | None, out: dict) -> 
 
 
 @pytest.mark.slow
-def test_tensor_parallel_rollout_equals_one_rank() -> None:
-    one = spawn_ranks(_rank_main, 1, None)[0]
-    two = spawn_ranks(_rank_main, 2, one["hf"])
+@pytest.mark.parametrize(
+    ("own_forward", "shape"),
+    [(False, {}), (True, {}), (True, {"num_query_groups": 4, "qkv_bias": True})],
+    ids=["megatron_forward", "own_forward", "own_forward_relaid_qkv_bias"],
+)
+def test_tensor_parallel_rollout_equals_one_rank(own_forward: bool, shape: dict) -> None:
+    # megatron's random initialisation has a zero q/k/v bias: random Hugging Face weights give it one
+    hf = random_hf_state(tiny_config(**shape), seed=7) if shape.get("qkv_bias") else None
+    one = spawn_ranks(_rank_main, 1, hf, own_forward, shape)[0]
+    two = spawn_ranks(_rank_main, 2, hf or one["hf"], own_forward, shape)
     for rank in range(2):
         got = two[rank]
         assert torch.equal(got["greedy"], one["greedy"]), rank

@@ -168,18 +168,16 @@ class SDPACoreAttention(nn.Module):
         """Attention through ``self.kv_cache`` (:class:`ppo_core.rollout.kv_cache.KVCache`): ``query [s, b, h, d]``,
         ``key``/``value [s, b, g, d]`` of the tokens being decoded, rotated by the cache's per-row positions."""
         s, b, h, d = query.shape
-        cache = self.kv_cache
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d] views
-        if self.rotary_base is None:
-            out = cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
-        else:
-            out = self._attend_rotated(q, k, v)
+        out = self.attend_cache(self.kv_cache, q, k, v)
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
-    def _attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q [b, h, s, d]``, ``k``/``v [b, g, s, d]`` rotated at the cache's per-row positions, then attended (one
-        kernel for the rotation and the cache write when decoding on CUDA)."""
-        cache = self.kv_cache
+    def attend_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [b, h, s, d]``, ``k``/``v [b, g, s, d]`` (any strides) of the tokens being decoded, rotated (with
+        ``rotary_base``) at ``cache``'s per-row positions and attended through it as its layer ``kv_cache_layer``
+        (one kernel for the rotation and the cache write when decoding on CUDA) -> ``[b, h, s, d]``."""
+        if self.rotary_base is None:
+            return cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
         cos, sin = self._rotary
 
         def gathered() -> tuple[torch.Tensor, torch.Tensor]:

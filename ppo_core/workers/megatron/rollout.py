@@ -1,13 +1,21 @@
 """KV-cached, graph-captured decoding of the actor's megatron-core ``GPTModel`` (the megatron rollout engine).
 
-The model decodes with its own modules and weights (the actor's, no copy: verl's "hybrid engine"): every
-:class:`~ppo_core.workers.megatron.model.SDPACoreAttention` is pointed at a
-:class:`~ppo_core.rollout.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
-per-row positions and attends through the cache; everything else (embedding, fused norms, projections and their
-tensor-parallel reductions, SwiGLU, residual adds, output layer) is megatron's forward. The output layer projects
-only the last position (``logits_window``), and with tensor parallelism the vocabulary shards ``[B, V/TP]`` are
-gathered so that every TP rank draws the same token from the same generator. Decode steps are captured as CUDA
-graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL collectives are captured with them).
+The model decodes with its own weights (the actor's, no copy: verl's "hybrid engine"), in one of two ways:
+
+- **its own forward** (the default where :func:`~ppo_core.workers.megatron.decode.own_forward_unsupported` finds
+  nothing, without ``batch_invariant``): :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward`
+  evaluates megatron's layers from their weights in place, residual adds fused with the norms after them and the
+  query a view of the q/k/v GEMM's output (about three kernels per layer fewer than megatron's forward, the same
+  numbers);
+- **megatron's forward**: every :class:`~ppo_core.workers.megatron.model.SDPACoreAttention` is pointed at a
+  :class:`~ppo_core.rollout.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
+  per-row positions and attends through the cache; everything else (embedding, fused norms, projections and their
+  tensor-parallel reductions, SwiGLU, residual adds, output layer) is ``GPTModel.forward``.
+
+Both project only the last position onto the vocabulary (``logits_window``), and with tensor parallelism the
+vocabulary shards ``[B, V/TP]`` are gathered so that every TP rank draws the same token from the same generator.
+Decode steps are captured as CUDA graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL
+collectives are captured with them).
 
 With ``batch_invariant=True`` (TP = 1) the engine computes with the batch-invariant functions of
 :mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of ``recompute_logits``):
@@ -29,13 +37,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm, invariant_rows
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.decode import MegatronDecodeForward, gather_vocabulary, own_forward_unsupported
 from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 
@@ -55,7 +63,11 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
         tp_group: the tensor-parallel process group (None when TP = 1).
         tp_size: tensor-parallel size.
-        batch_invariant: compute with batch-invariant numerics (see the module docstring; TP = 1 only).
+        batch_invariant: compute with batch-invariant numerics (see the module docstring; TP = 1 only), through
+            megatron's forward.
+        own_forward: decode with :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward` (True), or with
+            megatron's ``GPTModel.forward`` (False); None: the former unless ``batch_invariant`` or the model is
+            one it does not evaluate (:func:`~ppo_core.workers.megatron.decode.own_forward_unsupported`).
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -68,6 +80,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         tp_group: Any = None,
         tp_size: int = 1,
         batch_invariant: bool = False,
+        own_forward: bool | None = None,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -99,6 +112,19 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         self._norms = [m for m in module.modules() if isinstance(m, FusedNorm)]
         self.config = config
         self.tp_group, self.tp_size = tp_group, tp_size
+        unsupported = own_forward_unsupported(module, config)
+        if own_forward is None:
+            own_forward = not self.batch_invariant and unsupported is None
+        elif own_forward and self.batch_invariant:
+            raise ValueError("own_forward=True computes without batch invariance; pass batch_invariant=False")
+        elif own_forward and unsupported is not None:
+            raise ValueError(
+                f"own_forward=True but MegatronDecodeForward cannot evaluate this model: {unsupported}"
+            )
+        self.own_forward = bool(own_forward)
+        self._own = (
+            MegatronDecodeForward(module, config, tp_group=tp_group, tp_size=tp_size) if own_forward else None
+        )
         device = next(module.parameters()).device
         spec = ModelSpec(
             layers=config.num_layers,
@@ -108,7 +134,8 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             device=device,
         )
         options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
-        self._init_decoder(module, self._forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
+        forward = self._own if self._own is not None else self._forward
+        self._init_decoder(module, forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.batch_invariant = self.batch_invariant
@@ -118,26 +145,33 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         with logits_window(self.module, s - 1, s):
             out = self.module(input_ids, positions, None)
         last = out[:, -1]  # [B, V_padded / TP], model dtype (sampling reads it in fp32)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(last) for _ in range(self.tp_size)]
-            dist.all_gather(parts, last.contiguous(), group=self.tp_group)
-            last = torch.cat(parts, dim=-1)
-        return last[:, : self.config.vocab_size]
+        return gather_vocabulary(last, self.config.vocab_size, self.tp_group, self.tp_size)
 
     @contextlib.contextmanager
     def _forwarding(self, length: int) -> Iterator[None]:
-        """Within the block: rotary tables for ``length`` positions, the batch-invariant layers if asked for; the
-        attention layers' cache pointers are cleared on exit."""
+        """Within the block: rotary tables for ``length`` positions, the own forward's q/k/v weights of this
+        generation (dropped on exit unless the decoder keeps its cache: its graphs read them), the batch-invariant
+        layers if asked for; the attention layers' cache pointers are cleared on exit."""
         # tables long enough for training batches too, so a later forward never swaps them under a kept graph
         longest = max(length, self.config.max_position_embeddings)
         for layer in self.attention:
             layer.prepare_rotary(longest, self.config.head_dim, self.decoder.spec.device)
+        if self._own is not None:
+            self._own.refresh()
         try:
             with self._invariant_layers():
                 yield
         finally:
             for layer in self.attention:
                 layer.kv_cache = None
+            if self._own is not None and not self.decoder.keep_cache:
+                self._own.free()
+
+    def release(self) -> None:
+        """Free the KV cache, graphs and re-laid out q/k/v weights kept by ``keep_cache=True``."""
+        super().release()
+        if self._own is not None:
+            self._own.free()
 
     @contextlib.contextmanager
     def _invariant_layers(self) -> Iterator[None]:

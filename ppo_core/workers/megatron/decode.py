@@ -1,0 +1,264 @@
+"""The megatron rollout engine's own cached forward of a ``GPTModel``: megatron's layers evaluated from their weights
+in place, with fewer kernels per decode step than megatron's ``forward``.
+
+:class:`MegatronDecodeForward` is the counterpart of the Hugging Face engine's Llama-family path
+(:class:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop` is their shared layer loop). Per layer of a decode step:
+
+- every residual add is fused with the RMSNorm after it (megatron adds, then normalises: two kernels);
+- ``linear_qkv``'s rows, which megatron interleaves per query group (``q_0 .. q_{h/g-1} k v`` for each group),
+  are re-laid out as ``[q; k; v]`` once per generation (:meth:`MegatronDecodeForward.refresh`), so that the query
+  is a view of the GEMM's output: megatron gathers it out of the interleaved output with a strided copy every
+  step. With one query group per rank the layout already is ``[q; k; v]`` and nothing is copied;
+- rotation, cache write and attention as :class:`~ppo_core.workers.megatron.model.SDPACoreAttention` does them
+  (megatron's fp32 rotary tables, one rounding), through
+  :meth:`~ppo_core.workers.megatron.model.SDPACoreAttention.attend_cache`.
+
+So a decode step's layer is about nine kernels (with TP > 1 two all-reduces more; with a q/k/v bias one bias add
+more): add + norm, q/k/v GEMM, rotation + cache write, attention, output GEMM, add + norm, gate/up GEMM, SwiGLU,
+down GEMM. The numbers are megatron's: the same roundings as its own forward (bit for bit on the CPU).
+
+Tensor parallelism: this rank's shards of every weight; the row-parallel outputs (``linear_proj``,
+``linear_fc2``) are summed over the TP group with ``torch.distributed.all_reduce`` (captured with the CUDA graph,
+as megatron's own reduction is); the embedding is megatron's vocabulary-parallel module itself; the logits'
+vocabulary shards are gathered (:func:`gather_vocabulary`).
+
+Configurations: :func:`own_forward_unsupported` names what this forward does not evaluate (LayerNorm, biases on
+the other linear layers, learned absolute positions, a critic's value head and megatron options our configs do
+not set); the engine then keeps megatron's own forward.
+
+Shapes: ``B`` rows, ``S`` tokens per row in this forward, ``D`` model width, ``H``/``G`` query/key-value heads of
+this rank, ``d`` head width, ``V`` vocabulary (``V_p``: padded, ``/TP``: this rank's shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop
+from ppo_core.rollout.eager_rounding import silu_mul_as_model
+from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.fused import FusedNorm
+from ppo_core.workers.megatron.model import SDPACoreAttention
+
+__all__ = ["MegatronDecodeForward", "gather_vocabulary", "own_forward_unsupported"]
+
+
+def own_forward_unsupported(module: nn.Module, config: MegatronModelConfig) -> str | None:
+    """Why :class:`MegatronDecodeForward` cannot evaluate ``module`` (a ``GPTModel`` of ``config``), or None when it
+    can.
+
+    It evaluates pre-norm RMSNorm decoders with a SwiGLU MLP, no biases except an optional one on ``linear_qkv``,
+    rotary positions applied by :class:`SDPACoreAttention` (or none), and an output layer (an actor). Not
+    supported: ``model.norm="LayerNorm"`` (no fused residual add + LayerNorm kernel here), a critic's value head
+    (it decodes nothing), and megatron options the configs of ppo-core do not set (MoE, q/k norms, fp32 or
+    post-norm residuals, learned absolute positions, biases on the other linear layers, clamped or offset GLU).
+    """
+    tc = module.config
+    if config.norm != "RMSNorm":
+        return f"model.norm={config.norm!r}: the fused residual add + norm is RMSNorm's only"
+    options = {
+        "num_moe_experts": None,
+        "qk_layernorm": False,
+        "fp32_residual_connection": False,
+        "apply_residual_connection_post_layernorm": False,
+        "add_bias_linear": False,
+        "multi_latent_attention": False,
+        "use_te_activation_func": False,
+        "activation_func_clamp_value": None,
+    }
+    for name, supported in options.items():
+        if getattr(tc, name, supported) != supported:
+            return f"the transformer config sets {name}={getattr(tc, name)!r}"
+    if not tc.gated_linear_unit or tc.activation_func is not F.silu or getattr(tc, "glu_linear_offset", 0.0):
+        return "the MLP is not SwiGLU (gated_linear_unit with F.silu and no offset)"
+    embedding = getattr(module, "embedding", None)
+    if embedding is None or getattr(embedding, "add_position_embedding", False):
+        return "the model has no embedding, or learned absolute position embeddings"
+    output = getattr(module, "output_layer", None)
+    if output is None or not hasattr(output, "logits_window"):
+        return "the model has no vocabulary output layer (a critic, or sequence parallelism)"
+    decoder = getattr(module, "decoder", None)
+    if decoder is None or not isinstance(getattr(decoder, "final_layernorm", None), FusedNorm):
+        return "the decoder has no FusedNorm final norm"
+    for layer in decoder.layers:
+        norms = (layer.input_layernorm, layer.pre_mlp_layernorm)
+        if not all(isinstance(norm, FusedNorm) for norm in norms):
+            return "a layer's norms are not FusedNorm"
+        if not isinstance(layer.self_attention.core_attention, SDPACoreAttention):
+            return "a layer's core attention is not SDPACoreAttention (model.attention='sdpa')"
+    return None
+
+
+def gather_vocabulary(
+    logits: torch.Tensor, vocab_size: int, tp_group: Any = None, tp_size: int = 1
+) -> torch.Tensor:
+    """This rank's vocabulary shard of the last position's logits ``[B, V_p / TP]`` -> the full unpadded ``[B, V]``
+    on every rank (all-gathered over ``tp_group``), so that every rank draws the same token."""
+    if tp_size > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp_size)]
+        dist.all_gather(parts, logits.contiguous(), group=tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[:, :vocab_size]
+
+
+def qkv_row_order(heads: int, groups: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """The rows of megatron's interleaved ``linear_qkv`` weight (per group: its ``H / G`` query heads, its key, its
+    value) in ``[q; k; v]`` order: ``[(H + 2G) d]`` indices.
+
+    Example:
+        >>> qkv_row_order(heads=2, groups=2, head_dim=1, device=torch.device("cpu"))
+        tensor([0, 3, 1, 4, 2, 5])
+    """
+    per_group = heads // groups
+    rows = torch.arange((heads + 2 * groups) * head_dim, device=device).view(groups, per_group + 2, head_dim)
+    q, k, v = rows[:, :per_group], rows[:, per_group], rows[:, per_group + 1]
+    return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+
+
+class MegatronDecodeForward(DecoderLayerLoop):
+    """The cached forward of this rank's ``GPTModel`` from its weights in place (see the module docstring).
+
+    Args:
+        module: the ``GPTModel`` (supported: :func:`own_forward_unsupported` is None), its attention layers'
+            ``kv_cache_layer`` set to their index.
+        config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
+        tp_group: the tensor-parallel process group (None when TP = 1).
+        tp_size: tensor-parallel size.
+
+    Call :meth:`refresh` before the forwards of a generation (the re-laid out q/k/v weights follow the training
+    updates) and :meth:`free` after it.
+    """
+
+    def __init__(
+        self, module: nn.Module, config: MegatronModelConfig, *, tp_group: Any = None, tp_size: int = 1
+    ) -> None:
+        reason = own_forward_unsupported(module, config)
+        if reason is not None:
+            raise ValueError(f"MegatronDecodeForward cannot evaluate this model: {reason}")
+        tc = module.config
+        self.module = module
+        self.layers = list(module.decoder.layers)
+        self.vocab_size = config.vocab_size
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.heads = tc.num_attention_heads // tp_size
+        self.groups = tc.num_query_groups // tp_size
+        self.head_dim = tc.kv_channels
+        # megatron's SwiGLU: torch.compile'd (one rounding) with bias_activation_fusion, else eager (SiLU rounded
+        # to the model dtype before the product)
+        self._swiglu = silu_mul if tc.bias_activation_fusion else silu_mul_as_model
+        # per layer: q/k/v weight [(H + 2G) d, D] and bias (None without) in [q; k; v] row order
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    def refresh(self) -> None:
+        """(Re)lay out every layer's q/k/v weight and bias from the current ones as ``[q; k; v]`` rows, in place
+        when they exist (a kept CUDA graph reads them at fixed addresses). With one query group per rank megatron's
+        layout is that already: the parameters themselves are used."""
+        if self.groups == 1:
+            self._qkv = [self._qkv_parameters(layer) for layer in self.layers]
+            return
+        weight = self._qkv_parameters(self.layers[0])[0]
+        rows = qkv_row_order(self.heads, self.groups, self.head_dim, weight.device)
+        previous = self._qkv
+        laid_out = []
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                tensors = []
+                for j, tensor in enumerate(self._qkv_parameters(layer)):
+                    out = None if previous is None else previous[i][j]
+                    tensors.append(None if tensor is None else torch.index_select(tensor, 0, rows, out=out))
+                laid_out.append((tensors[0], tensors[1]))
+        self._qkv = laid_out
+
+    def free(self) -> None:
+        """Drop the re-laid out q/k/v weights."""
+        self._qkv = None
+
+    @staticmethod
+    def _qkv_parameters(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        linear = layer.self_attention.linear_qkv
+        return linear.weight, linear.bias
+
+    # ----- the GEMMs: one place to swap them ----------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., D_in] @ weight [D_out, D_in]^T (+ bias)`` -> ``[..., D_out]``; the bias added after the
+        product is rounded, as megatron's linear layers add it."""
+        out = F.linear(x, weight)
+        return out if bias is None else out + bias
+
+    def _row_parallel(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        """A row-parallel layer (no bias): this rank's partial product, summed over the TP group."""
+        out = self._linear(x, linear.weight, None)
+        if self.tp_size > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        return out
+
+    # ----- DecoderLayerLoop hooks ---------------------------------------------------------------------------
+
+    def _layers(self) -> Sequence[nn.Module]:
+        return self.layers
+
+    def _norms(self, layer: nn.Module) -> tuple[FusedNorm, FusedNorm]:
+        return layer.input_layernorm, layer.pre_mlp_layernorm
+
+    def _rms_norm(self, x: torch.Tensor, norm: FusedNorm) -> torch.Tensor:
+        return rms_norm(x, norm.weight, norm.eps)
+
+    def _add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, norm: FusedNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, delta, norm.weight, norm.eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # megatron's vocabulary-parallel embedding module (with TP its shards' lookups are summed over the group)
+        return self.module.embedding.word_embeddings(input_ids)
+
+    def _projections(
+        self, i: int, layer: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._qkv is None:
+            raise RuntimeError("MegatronDecodeForward.refresh() must run before a forward")
+        b, s = x.shape[:2]
+        qkv = self._linear(x, *self._qkv[i])  # [B, S, (H + 2G) d]
+        q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        shape = (b, s, -1, self.head_dim)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
+        b, s = positions.shape
+
+        def attend(
+            i: int, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            core: SDPACoreAttention = layer.self_attention.core_attention
+            out = core.attend_cache(cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return out.transpose(1, 2).reshape(b, s, -1)  # [B, S, H d]
+
+        return attend
+
+    def _attention_output(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        return self._row_parallel(out, layer.self_attention.linear_proj)
+
+    def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        gate, up = self._linear(x, mlp.linear_fc1.weight, None).chunk(2, dim=-1)  # [gate; up] per TP rank
+        return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2)
+
+    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        _, last = self._add_rms_norm(h_last, delta_last, module.decoder.final_layernorm)  # [B, D]
+        if module.share_embeddings_and_output_weights:
+            weight = module.shared_embedding_or_output_weight()
+        else:
+            weight = module.output_layer.weight
+        logits = self._linear(last, weight, None)  # [B, V_p / TP], model dtype (sampling reads it in fp32)
+        return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
