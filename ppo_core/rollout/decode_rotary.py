@@ -82,6 +82,19 @@ def rotate_and_write_triton_available(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _rotary(t, tp, sign, cos, sin, MODEL_ROUNDING: tl.constexpr):
+        # ``t cos + rotate_half(t) sin`` elementwise in t's dtype by the rule of MODEL_ROUNDING: t and its partner tp
+        # (the element half a row away) in the model dtype, sign/cos/sin fp32, all broadcastable to t. One body for
+        # this module's kernel and decode_rotary_attention's, so that both round alike.
+        dtype = t.dtype
+        half = tp.to(tl.float32) * sign  # exact: a negation
+        if MODEL_ROUNDING:
+            a = (t.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            c = (half * sin).to(dtype).to(tl.float32)
+            return (a + c).to(dtype)
+        return (t.to(tl.float32) * cos + half * sin).to(dtype)
+
+    @triton.jit
     def _rotate_rows(
         ptr,
         stride_b,
@@ -99,13 +112,7 @@ if triton is not None:
         ok = heads[:, None] < n_heads
         t = tl.load(ptr + b * stride_b + heads[:, None] * stride_h + d[None, :], mask=ok, other=0.0)
         tp = tl.load(ptr + b * stride_b + heads[:, None] * stride_h + partner[None, :], mask=ok, other=0.0)
-        dtype = t.dtype
-        half = tp.to(tl.float32) * sign[None, :]  # exact: a negation
-        if MODEL_ROUNDING:
-            a = (t.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-            c = (half * sin[None, :]).to(dtype).to(tl.float32)
-            return (a + c).to(dtype), ok
-        return (t.to(tl.float32) * cos[None, :] + half * sin[None, :]).to(dtype), ok
+        return _rotary(t, tp, sign[None, :], cos[None, :], sin[None, :], MODEL_ROUNDING), ok
 
     @triton.jit
     def _rotate_write_kernel(

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,15 @@ import torch.nn.functional as F
 from ppo_core.rollout.batch_invariant import invariant_attention
 from ppo_core.rollout.decode_attention import decode_attention
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton, rotate_and_write_triton_available
+from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
 
-__all__ = ["KVCache", "prefill_attention_mask"]
+__all__ = ["FUSED_DECODE", "KVCache", "prefill_attention_mask"]
+
+#: Whether :meth:`KVCache.attend_rotated` decodes on CUDA in one launch per layer
+#: (:func:`~ppo_core.rollout.decode_rotary_attention.rotate_write_attend_triton`) rather than two (the rotation and
+#: cache write, then the attention); read at each call, so that a benchmark can set it between runs.
+#: ``PPO_CORE_DECODE_FUSED=0`` sets it False at import.
+FUSED_DECODE: bool = os.environ.get("PPO_CORE_DECODE_FUSED", "1") != "0"
 
 
 def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -207,10 +215,12 @@ class KVCache:
     ) -> torch.Tensor:
         """:meth:`attend` for queries and keys not rotated yet.
 
-        ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding; in a decode step on CUDA it is replaced by one
-        kernel that rotates by ``tables() -> (cos, sin)`` ``[B, d]`` (the step's row positions) with the same rule
-        (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`) and writes the key and value into the
-        cache: three launches or more fewer per layer.
+        ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding; in a decode step on CUDA it is replaced by
+        Triton kernels that rotate by ``tables() -> (cos, sin)`` ``[B, d]`` (the step's row positions) with the same
+        rule (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`): with :data:`FUSED_DECODE` (and the
+        Triton decode attention not turned off by ``PPO_CORE_DECODE_ATTENTION=sdpa``), one launch rotates, writes
+        the key and value into the cache and attends (:mod:`ppo_core.rollout.decode_rotary_attention`); otherwise
+        one rotates and writes, and the attention follows. Both give the same bits.
 
         Args:
             layer, scale: as in :meth:`attend`.
@@ -227,14 +237,29 @@ class KVCache:
             and all(t.stride(-1) == 1 for t in (q, k, v))
         ):
             cos, sin = tables()
+            keys, values = self.keys[layer], self.values[layer]
+            if FUSED_DECODE and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa":
+                return rotate_write_attend_triton(
+                    q,
+                    k,
+                    v,
+                    cos,
+                    sin,
+                    keys,
+                    values,
+                    self.slot,
+                    self._decode_mask,
+                    scale,
+                    model_rounding=model_rounding,
+                )
             q = rotate_and_write_triton(
                 q,
                 k,
                 v,
                 cos,
                 sin,
-                self.keys[layer],
-                self.values[layer],
+                keys,
+                values,
                 self.slot,
                 model_rounding=model_rounding,
             )

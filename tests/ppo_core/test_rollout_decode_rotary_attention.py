@@ -1,0 +1,228 @@
+"""The one-launch decode step (rotation + KV-cache write + attention) equals the two launches it replaces bit for bit:
+outputs and the written cache (``TRITON_INTERPRET=1`` on CPU where Triton is installed, and on CUDA under the
+``gpu`` marker, captured in a CUDA graph too)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
+from ppo_core.rollout.decode_attention import decode_attention_triton
+from ppo_core.rollout.decode_rotary import rotate_and_write_triton
+from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
+from ppo_core.rollout.kv_cache import KVCache
+
+INTERPRET = decode_rotary_attention.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and decode_rotary_attention.triton is not None
+DEVICES = (["cpu"] if INTERPRET else []) + ([pytest.param("cuda", marks=pytest.mark.gpu)] if CUDA else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
+
+
+def _step(b: int, h: int, g: int, d: int, length: int, kv_len: int, slot: int, dtype, device, seed: int):
+    """A decode step: q/k/v as strided views of one fused projection ``[B, 1, (H + 2G) d]`` (as the engines give
+    them), per-row tables (in the model dtype, as the HF engine holds them, for ``model_rounding``), a cache whose
+    slots at and past ``slot`` hold NaN (written by this step or never: no kernel may read them from memory), and an
+    additive ``[B, 1, 1, kv_len]`` mask: row 0 left-padded, row 1 sees only the new slot, the others a random
+    subset of the filled slots and the new one."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, 1, (h + 2 * g) * d, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    q, k, v = (t.view(b, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, 1, d]
+    angles = torch.rand(b, d // 2, generator=gen) * 50
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    cache = torch.randn(2, b, g, length, d, generator=gen).to(dtype)
+    cache[:, :, :, slot:] = float("nan")
+    visible = torch.rand(b, kv_len, generator=gen) > 0.3
+    visible[0, : slot // 2] = False  # left padding
+    if b > 1:
+        visible[1] = False  # a prompt of no real token (or every one after it masked): the new slot alone
+    visible[:, slot] = True
+    bias = torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, None, :]
+    return q, k, v, cos, sin, cache.to(device), bias.to(device)
+
+
+def _two_launches(q, k, v, cos, sin, cache, slot, bias, scale, model_rounding, block_l):
+    """Today's path: the rotation and cache write, then the attention up to the filled slots."""
+    kv_len = bias.shape[-1]
+    q = rotate_and_write_triton(q, k, v, cos, sin, *cache, slot, model_rounding=model_rounding)
+    keys, values = cache[0][:, :, :kv_len], cache[1][:, :, :kv_len]
+    return decode_attention_triton(q, keys, values, bias, scale, filled=slot + 1, block_l=block_l)
+
+
+def _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding, block_l, seed) -> None:
+    q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, slot, dtype, device, seed)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    index = torch.tensor(slot, device=device)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = _two_launches(q, k, v, cos, sin, want_cache, index, bias, 0.3, model_rounding, block_l)
+    got = rotate_write_attend_triton(
+        q, k, v, cos, sin, *got_cache, index, bias, 0.3, model_rounding=model_rounding, block_l=block_l
+    )
+    assert got.isfinite().all()
+    assert torch.equal(got, want)
+    # the cache equal, NaN included: nothing written past the slot
+    assert torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+    assert not got_cache[:, :, :, slot].isnan().any()
+
+
+# (b, h, g, d, cache length, kv_len, slot, block_l): REP 1, 2, 4 (and 3); the new slot first in the cache, at the
+# end of a block, the first of a block, inside one; kv_len past the slot (a bucket) or ending on it
+CASES = [
+    (1, 4, 4, 16, 8, 8, 0, 64),
+    (2, 8, 4, 32, 70, 64, 63, 64),
+    (3, 8, 2, 64, 100, 96, 64, 64),
+    (4, 16, 4, 64, 40, 40, 37, 16),
+    (5, 12, 4, 32, 50, 48, 47, 16),
+    (3, 4, 1, 16, 20, 20, 5, 16),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model_rounding", [False, True])
+@pytest.mark.parametrize(("b", "h", "g", "d", "length", "kv_len", "slot", "block_l"), CASES)
+def test_one_launch_equals_the_two(
+    device, dtype, model_rounding, b, h, g, d, length, kv_len, slot, block_l
+) -> None:
+    _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding, block_l, seed=b * h + slot)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="random shapes under TRITON_INTERPRET=1 (the CPU)")
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 5),
+    g=st.integers(1, 3),
+    rep=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([16, 32, 64]),
+    kv_len=st.integers(1, 80),
+    slot_from_end=st.integers(0, 20),
+    dtype=st.sampled_from(DTYPES),
+    model_rounding=st.booleans(),
+    block_l=st.sampled_from([16, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_launch_equals_the_two_for_random_shapes(
+    b, g, rep, d, kv_len, slot_from_end, dtype, model_rounding, block_l, seed
+) -> None:
+    slot = max(kv_len - 1 - slot_from_end, 0)
+    _check_equal(b, g * rep, g, d, kv_len + 3, kv_len, slot, dtype, "cpu", model_rounding, block_l, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_shared_fp32_mask_row_is_read_as_the_two_launches_read_it(device) -> None:
+    q, k, v, cos, sin, cache, bias = _step(3, 8, 2, 32, 30, 30, 20, torch.bfloat16, device, seed=5)
+    bias = bias[:1].float()  # [1, 1, 1, kv_len] for every row
+    index = torch.tensor(20, device=device)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = _two_launches(q, k, v, cos, sin, want_cache, index, bias, None, False, 64)
+    got = rotate_write_attend_triton(q, k, v, cos, sin, *got_cache, index, bias, model_rounding=False)
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_are_named(device) -> None:
+    q, k, v, cos, sin, cache, bias = _step(2, 4, 2, 16, 8, 8, 3, torch.float32, device, seed=2)
+    slot = torch.tensor(3, device=device)
+    with pytest.raises(ValueError, match="k have none"):
+        rotate_write_attend_triton(
+            q, k.transpose(-1, -2), v, cos, sin, *cache, slot, bias, model_rounding=False
+        )
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotate_write_attend_triton(
+            q, k, v, cos, sin[:1].expand_as(cos), *cache, slot, bias, model_rounding=False
+        )
+    with pytest.raises(ValueError, match="slot"):
+        rotate_write_attend_triton(
+            q, k, v, cos, sin, *cache, slot.view(1).expand(2), bias, model_rounding=False
+        )
+    with pytest.raises(ValueError, match="more than the cache"):
+        wide = torch.zeros(2, 1, 1, 9, device=device)
+        rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, wide, model_rounding=False)
+    with pytest.raises(ValueError, match="multiple"):
+        rotate_write_attend_triton(q[:, :3], k, v, cos, sin, *cache, slot, bias, model_rounding=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_rounding", [False, True])
+def test_attend_rotated_gives_the_same_bits_fused_or_not(device, model_rounding, monkeypatch) -> None:
+    """``KVCache.attend_rotated`` in a decode step, one launch (the default) or two (``FUSED_DECODE = False``):
+    same outputs, same cache."""
+    if device == "cpu":  # the interpreter runs the kernels that the cache offers on CUDA only
+        monkeypatch.setattr(kv_cache, "rotate_and_write_triton_available", lambda q: True)
+        monkeypatch.setattr(decode_attention, "triton_available", lambda device: True)
+    monkeypatch.delenv("PPO_CORE_DECODE_ATTENTION", raising=False)
+    b, h, g, d, length, slot, kv_len = 3, 8, 2, 32, 24, 10, 16
+    dtype = torch.bfloat16
+    q, k, v, cos, sin, _, _ = _step(b, h, g, d, length, kv_len, slot, dtype, device, seed=9)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+
+    def tables() -> tuple[torch.Tensor, torch.Tensor]:
+        return cos, sin
+
+    outs, caches = [], []
+    for fused in (True, False):
+        monkeypatch.setattr(kv_cache, "FUSED_DECODE", fused)
+        cache = KVCache.allocate(
+            layers=1, batch=b, kv_heads=g, head_dim=d, length=length, dtype=dtype, device=device
+        )
+        cache.keys[0].normal_(generator=torch.Generator(device).manual_seed(1))
+        cache.values[0].normal_(generator=torch.Generator(device).manual_seed(2))
+        cache.key_valid[:, : slot + 1] = True
+        cache.key_valid[0, :4] = False  # left padding
+        cache.begin_decode(torch.tensor(slot, device=device), kv_len)
+
+        def unused(q, k):
+            raise AssertionError("a decode step on the kernels does not rotate in PyTorch")
+
+        outs.append(cache.attend_rotated(0, q, k, v, unused, tables, 0.2, model_rounding=model_rounding))
+        caches.append((cache.keys[0], cache.values[0]))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("model_rounding", [False, True])
+def test_graph_replay_equals_the_two_launches(dtype, model_rounding) -> None:
+    """Captured once in a CUDA graph (static buffers, the slot a device scalar), replayed at other slots and inputs:
+    each replay gives the two eager launches' outputs and cache (Llama-3.2-1B's heads, a bucket of 384 slots)."""
+    b, h, g, d, length, kv_len = 6, 32, 8, 64, 400, 384
+    q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, 100, dtype, "cuda", seed=0)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    slot = torch.tensor(100, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding)
+    for step, at in enumerate([0, 63, 64, 200, 383]):
+        q2, k2, v2, cos2, sin2, cache2, bias2 = _step(
+            b, h, g, d, length, kv_len, at, dtype, "cuda", seed=step + 1
+        )
+        if model_rounding:
+            cos2, sin2 = cos2.to(dtype), sin2.to(dtype)
+        for static, new in zip(
+            (q, k, v, cos, sin, cache, bias), (q2, k2, v2, cos2, sin2, cache2, bias2), strict=True
+        ):
+            static.copy_(new)
+        slot.fill_(at)
+        graph.replay()
+        index = torch.tensor(at, device="cuda")
+        want = _two_launches(q2, k2, v2, cos2, sin2, cache2, index, bias2, None, model_rounding, 64)
+        assert torch.equal(out, want), f"slot {at}"
+        assert torch.equal(cache.nan_to_num(7.0), cache2.nan_to_num(7.0)), f"slot {at}"
