@@ -21,6 +21,8 @@ the rows from feeding the tensor cores straight from shared memory):
   writes its fp32 partial to a workspace, and the program that finishes last for a column block (an atomic
   counter, reset by that program for the next call) sums the partials in a fixed order and runs the epilogue. The
   result is deterministic.
+- **programmatic dependent launch** on Hopper (:mod:`ppo_core.rollout.pdl`): a program loads its first weight tile,
+  then waits for the previous kernel, and lets the next kernel start once its main loop is done.
 
 Roundings: the residual add and the SwiGLU steps round as the models' eager forwards do (the product rounded to the
 model dtype, then the add in it; the gate and up products, SiLU and their product each rounded). The norm does not:
@@ -41,6 +43,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from ppo_core.rollout.pdl import pdl_enabled
 
 try:
     import triton
@@ -211,6 +215,7 @@ def decode_linear(
         parts = counters = y  # unused
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     p_in = sumsq.shape[0] if sumsq is not None else 1
+    pdl = pdl_enabled(x.device)
     _decode_linear_kernel[(n_blocks, split)](
         x,
         weight,
@@ -240,8 +245,10 @@ def decode_linear(
         SWIGLU=swiglu,
         HAS_BIAS=bias is not None,
         UPCAST=_interpreting(),
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y, sumsq_out
 
@@ -317,6 +324,7 @@ if triton is not None:
         SWIGLU: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -328,7 +336,23 @@ if triton is not None:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        # the first weight tile before waiting for the previous kernel (with PDL: while it finishes)
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_in = ks < k_end
+        w_mask = col_in[:, None] & k_in[None, :]
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        w_up = w
+        if SWIGLU:
+            w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(
+            X + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
+        )
+        acc = _dot(acc, x, w, UPCAST)
+        if SWIGLU:
+            acc_up = _dot(acc_up, x, w_up, UPCAST)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_in = ks < k_end
             x = tl.load(
@@ -340,6 +364,8 @@ if triton is not None:
             if SWIGLU:
                 w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
                 acc_up = _dot(acc_up, x, w_up, UPCAST)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if SPLIT > 1:
             # publish this split's partials; the last program of the column block to arrive sums them in order
             width = tl.num_programs(0) * BLOCK_N

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton_available
+from ppo_core.rollout.pdl import pdl_enabled
 
 try:
     import triton
@@ -86,7 +87,11 @@ if triton is not None:
         BLOCK_L: tl.constexpr,
         MODEL_ROUNDING: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # everything this program reads or writes comes after the previous kernel (its q/k/v)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         r = tl.arange(0, REP_PAD)
@@ -211,6 +216,7 @@ def rotate_write_attend_triton(
         return out
     bias2 = bias.reshape(b, -1) if bias.shape[0] == b else bias.reshape(1, -1).expand(b, -1)
     rep = h // g
+    pdl = pdl_enabled(q.device)
     _rotate_write_attend_kernel[(b, g)](
         q,
         k,
@@ -247,7 +253,9 @@ def rotate_write_attend_triton(
         BLOCK_L=block_l,
         MODEL_ROUNDING=model_rounding,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
