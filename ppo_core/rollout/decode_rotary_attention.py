@@ -125,6 +125,9 @@ if triton is not None:
         k_base = KCache + b * skc_b + g * skc_g
         v_base = VCache + b * svc_b + g * svc_g
         n = tl.minimum(kv_len, slot + 1)  # nothing past the new slot is filled: do not read it
+        # The loop is decode_attention._decode_kernel's, line for line but for the new slot. It is not a shared
+        # @triton.jit helper because inlining one changes that kernel's register allocation (checked on sm_90 SASS),
+        # and the two-launch path must stay the code it was while the two are benchmarked against each other.
         for start in range(0, n, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
