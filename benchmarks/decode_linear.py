@@ -118,7 +118,7 @@ def _shape_report(name: str, n: int, k: int, m: int, bandwidth: float, gen, *, s
     delta = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
     sumsq = x.float().square().sum(-1)[None]
-    default = _default_config(n, k, x.device)
+    default = _default_config(n, k, False, x.device)
     entry = {
         "weight_read_us": round(n * k * 2 / bandwidth * 1e6, 2),
         "cublas_us": _graph_us(lambda w: F.linear(x, w), weights),
@@ -142,7 +142,7 @@ def _shape_report(name: str, n: int, k: int, m: int, bandwidth: float, gen, *, s
             return silu_mul_as_model(gate, up)
 
         entry["unfused_add_norm_swiglu_us"] = _graph_us(unfused, weights)
-        fused_default = _default_config(n // 2, k, x.device)
+        fused_default = _default_config(n // 2, k, True, x.device)
         entry["fused_norm_swiglu_us"] = _graph_us(
             lambda w: decode_linear(x, w, sumsq=sumsq, eps=EPS, swiglu=True), weights
         )

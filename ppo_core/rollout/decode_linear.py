@@ -197,7 +197,7 @@ def decode_linear(
         raise ValueError(
             f"sumsq must be [P, {m}] float32 on {x.device}, got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
         )
-    cfg = config or _default_config(width, k, x.device)
+    cfg = config or _default_config(width, k, swiglu, x.device)
     block_m = max(16, triton.next_power_of_2(m))
     x = x if x.stride(-1) == 1 else x.contiguous()
     if residual is not None and residual.stride(-1) != 1:
@@ -253,7 +253,7 @@ def decode_linear(
     return y, sumsq_out
 
 
-def _default_config(width: int, k: int, device: torch.device) -> DecodeLinearConfig:
+def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> DecodeLinearConfig:
     """From a sweep on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
     products, 64 for wide or deep ones, 128 for a vocabulary; ``K`` split while there are fewer programs than half
     the SMs (each split keeping at least four ``block_k`` iterations)."""
@@ -264,7 +264,9 @@ def _default_config(width: int, k: int, device: torch.device) -> DecodeLinearCon
     split = 1
     while n_blocks * split < want and k // (2 * split) >= 4 * block_k:
         split *= 2
-    return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split)
+    # three stages of tiles, not four, fit the 227 KiB of shared memory with 128 columns or SwiGLU's two weights
+    stages = 3 if block_n > 64 or swiglu else 4
+    return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 
 @functools.cache

@@ -78,12 +78,23 @@ def supports_fast_path(model: nn.Module) -> bool:
 
 
 def _concatenated(
-    layers: tuple[nn.Linear, ...], out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    layers: tuple[nn.Linear, ...],
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
-    none has one); written into ``out`` (weight, bias) when given."""
+    none has one); written into ``out`` (weight, bias) when given. With ``scale [K]`` each weight's columns are
+    multiplied by it as they are copied (:func:`~ppo_core.rollout.decode_linear.fold_norm_weight`)."""
     weight_out, bias_out = out if out is not None else (None, None)
-    weight = torch.cat([layer.weight for layer in layers], out=weight_out)
+    if scale is None:
+        weight = torch.cat([layer.weight for layer in layers], out=weight_out)
+    else:
+        rows = [layer.weight.shape[0] for layer in layers]
+        weight = (
+            weight_out if weight_out is not None else layers[0].weight.new_empty(sum(rows), scale.shape[0])
+        )
+        for layer, part in zip(layers, weight.split(rows), strict=True):
+            fold_norm_weight(layer.weight, scale, out=part)
     if all(layer.bias is None for layer in layers):
         return weight, None
     biases = [
@@ -124,36 +135,51 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         self.fuse_projections = fuse_projections
         # per layer: q/k/v weight and bias, gate/up weight and bias (a bias None when the model has none)
         self._fused: list[list[torch.Tensor | None]] | None = None
-        # per layer, with fused_decode: the q/k/v and gate/up weights with their norm's weight folded in
-        self._folded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # with fused_decode: the norms whose weights refresh() folds into the concatenated weights
+        self._folded_norms = (
+            {
+                id(n)
+                for layer in self.body.layers
+                for n in (layer.input_layernorm, layer.post_attention_layernorm)
+            }
+            if fused_decode
+            else set()
+        )
+        self._ones: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def refresh(self) -> None:
         """(Re)build the concatenated weights from the model's current ones, in place when they exist (a kept
-        CUDA graph reads them at fixed addresses); with ``fused_decode`` also the q/k/v and gate/up weights with
-        the norm before each folded in (:func:`~ppo_core.rollout.decode_linear.fold_norm_weight`)."""
+        CUDA graph reads them at fixed addresses); with ``fused_decode`` the weight of the norm before each group is
+        folded into its columns as they are copied, and the forward normalises without it (:meth:`_norm_weight`)."""
         if not self.fuse_projections:
             return
-        layers, folded = [], []
+        layers = []
         with torch.no_grad():
             for i, layer in enumerate(self.body.layers):
                 tensors: list[torch.Tensor | None] = []
+                norms = (layer.input_layernorm, layer.post_attention_layernorm)
                 for j, group in enumerate(_projection_groups(layer)):
                     out = None if self._fused is None else self._fused[i][2 * j : 2 * j + 2]
-                    tensors.extend(_concatenated(group, out=out))
+                    scale = norms[j].weight if self.fused_decode else None
+                    tensors.extend(_concatenated(group, out=out, scale=scale))
                 layers.append(tensors)
-                if self.fused_decode:
-                    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-                    outs = self._folded[i] if self._folded is not None else (None, None)
-                    folded.append(
-                        tuple(fold_norm_weight(tensors[2 * j], norms[j], out=outs[j]) for j in range(2))
-                    )
         self._fused = layers
-        self._folded = folded if self.fused_decode else None
 
     def free(self) -> None:
         """Drop the concatenated weights."""
         self._fused = None
-        self._folded = None
+
+    def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """``norm``'s weight, or ones when :meth:`refresh` folded it into the product after it (multiplying by one
+        rounds nothing, so the norm is the model's but for its weight)."""
+        weight = norm.weight
+        if self._fused is None or id(norm) not in self._folded_norms:
+            return weight
+        ones = self._ones.get((weight.dtype, weight.device))
+        if ones is None or ones.shape != weight.shape:
+            ones = torch.ones_like(weight)
+            self._ones[(weight.dtype, weight.device)] = ones
+        return ones
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return invariant_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
@@ -164,14 +190,14 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.batch_invariant:
             return invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
-        return rms_norm_as_model(x, norm.weight, norm.variance_epsilon)
+        return rms_norm_as_model(x, self._norm_weight(norm), norm.variance_epsilon)
 
     def _add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
             return invariant_rms_norm(h, norm.weight, norm.variance_epsilon, delta=delta)
-        return add_rms_norm_as_model(h, delta, norm.weight, norm.variance_epsilon)
+        return add_rms_norm_as_model(h, delta, self._norm_weight(norm), norm.variance_epsilon)
 
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, s = x.shape[:2]
@@ -195,9 +221,9 @@ class _LlamaFamilyForward(DecoderLayerLoop):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         b, s = input_ids.shape
-        if self.fused_decode and s == 1 and self._folded is not None:
+        if self.fused_decode and s == 1 and self._fused is not None:
             h = self._embed(input_ids).view(b, -1)
-            if decode_linear_available(h, self._folded[0][0]):
+            if decode_linear_available(h, self._fused[0][0]):
                 cache.batch_invariant = False
                 return self._decode_step(h, positions, cache)
         return super().__call__(input_ids, positions, cache)
@@ -260,10 +286,8 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
         for i, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, gate_up_w = self._folded[i]
-            qkv, _ = decode_linear(
-                h, qkv_w, self._fused[i][1], sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon
-            )
+            qkv_w, qkv_b, gate_up_w, gate_up_b = self._fused[i]
+            qkv, _ = decode_linear(h, qkv_w, qkv_b, sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon)
             q, k, v = (t.view(b, 1, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], -1))
             if hasattr(attn, "q_norm"):
                 q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
@@ -281,7 +305,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             act, _ = decode_linear(
                 h,
                 gate_up_w,
-                self._fused[i][3],
+                gate_up_b,
                 sumsq=sumsq,
                 eps=layer.post_attention_layernorm.variance_epsilon,
                 swiglu=True,
@@ -376,8 +400,8 @@ class HFRolloutEngine(CachedRolloutEngine):
         fused_decode: on the fused path, run the projections of decode steps of up to
             :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
             :func:`~ppo_core.rollout.decode_linear.decode_linear`: residual adds, RMSNorms and SiLU x up in the
-            products' epilogues (its roundings: see that module). It keeps a second copy of the q/k/v and gate/up
-            weights (with the norms' weights folded in) while sampling.
+            products' epilogues (its roundings: see that module). The norms' weights are folded into the concatenated
+            q/k/v and gate/up weights as they are copied, so it costs no memory beyond ``fuse_projections``.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """

@@ -213,3 +213,58 @@ def test_cuda_graph_replays_split_k_with_fresh_inputs() -> None:
         assert torch.equal(y, want_y) and torch.equal(sq_out, want_sq)
         ref_y, _ = decode_linear_reference(x, w, b, sumsq=sq, residual=r)
         _close(y, ref_y, torch.bfloat16, "cuda")
+
+
+def test_folded_concatenation_is_the_concatenation_of_scaled_weights() -> None:
+    from ppo_core.rollout.hf import _concatenated
+
+    gen = torch.Generator().manual_seed(6)
+    layers = tuple(torch.nn.Linear(12, n, bias=n == 5) for n in (4, 5, 3))
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight, generator=gen)
+    scale = torch.rand(12, generator=gen) + 0.5
+    with torch.no_grad():  # as refresh() builds them
+        weight, bias = _concatenated(layers, scale=scale)
+        want = torch.cat([layer.weight * scale for layer in layers])
+        assert torch.equal(weight, want)
+        assert torch.equal(bias, torch.cat([torch.zeros(4), layers[1].bias, torch.zeros(3)]))
+        out = (torch.empty_like(weight), torch.empty_like(bias))
+        again, _ = _concatenated(layers, out=out, scale=scale * 2)
+        assert again.data_ptr() == out[0].data_ptr()
+        assert torch.equal(again, torch.cat([layer.weight * (scale * 2) for layer in layers]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_with_folded_norms_samples_what_the_default_engine_samples_on_the_cpu(dtype) -> None:
+    """Without the kernel (the CPU) a fused_decode engine still folds the norms' weights into the concatenated
+    projections and normalises without them: the same greedy tokens, log-probs within the roundings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core.rollout.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).to(dtype)
+    for layer in lm.model.layers:  # norms whose weights matter
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    prompts = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompts)
+    mask[1, :2] = 0
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    want = HFRolloutEngine(lm).generate(prompts, mask, sampling)
+    engine = HFRolloutEngine(lm, fused_decode=True)
+    got = engine.generate(prompts, mask, sampling)
+    assert torch.equal(got["responses"], want["responses"])
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=tol, rtol=0)
+    assert engine._forward._fused is None  # dropped after the generation (no keep_cache)
