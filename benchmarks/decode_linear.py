@@ -14,7 +14,7 @@ each call reads its weight from HBM rather than from the 50 MB L2 cache, as in a
   ``add_rms_norm_as_model``, ``F.linear``, ``silu_mul_as_model``);
 - ``weight_read_us``: the weight's bytes over the copy bandwidth measured in this run.
 
-Usage: ``python benchmarks/decode_linear.py [--rows 64] [--no-sweep] [--out FILE]`` (CUDA only).
+Usage: ``python benchmarks/decode_linear.py [--rows 64] [--no-sweep | --wide-sweep] [--out FILE]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -80,15 +80,20 @@ def _weights(n: int, k: int) -> list[torch.Tensor]:
     ]
 
 
-def _sweep(x, weights, default: DecodeLinearConfig, **kw) -> dict:
+def _sweep(x, weights, default: DecodeLinearConfig, wide: bool = False, **kw) -> dict:
     n, k = weights[0].shape
     width = n // 2 if kw.get("swiglu") else n
     results = []
-    for block_n, split, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4,)):
+    shapes = itertools.product(
+        (16, 32, 64, 128), (1, 2, 4, 8), (3, 4), (4, 8) if wide else (4,), (128, 256) if wide else (128,)
+    )
+    for block_n, split, stages, warps, block_k in shapes:
         programs = -(-width // block_n) * split
-        if not 64 <= programs <= 8192 or k // split < 256:
+        if not 64 <= programs <= 8192 or k // split < 2 * block_k:
             continue
-        cfg = DecodeLinearConfig(block_n=block_n, block_k=128, split_k=split, num_stages=stages)
+        cfg = DecodeLinearConfig(
+            block_n=block_n, block_k=block_k, split_k=split, num_stages=stages, num_warps=warps
+        )
         if cfg == default:
             continue
         try:
@@ -110,7 +115,9 @@ def dataclass_dict(cfg: DecodeLinearConfig) -> dict:
     return {f: getattr(cfg, f) for f in ("block_n", "block_k", "split_k", "num_warps", "num_stages")}
 
 
-def _shape_report(name: str, n: int, k: int, m: int, bandwidth: float, gen, *, sweep: bool) -> dict:
+def _shape_report(
+    name: str, n: int, k: int, m: int, bandwidth: float, gen, *, sweep: bool, wide: bool = False
+) -> dict:
     weights = _weights(n, k)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     width = n // 2 if name == "gate_up" else n
@@ -126,7 +133,7 @@ def _shape_report(name: str, n: int, k: int, m: int, bandwidth: float, gen, *, s
         "default_config": dataclass_dict(default),
     }
     if sweep:
-        entry["sweep"] = _sweep(x, weights, default)
+        entry["sweep"] = _sweep(x, weights, default, wide)
     if name in ("o", "down"):  # the residual add after the product (and the next norm's statistics)
         entry["unfused_add_us"] = _graph_us(lambda w: residual + F.linear(x, w), weights)
         entry["fused_residual_us"] = _graph_us(lambda w: decode_linear(x, w, residual=residual), weights)
@@ -148,7 +155,7 @@ def _shape_report(name: str, n: int, k: int, m: int, bandwidth: float, gen, *, s
         )
         entry["fused_default_config"] = dataclass_dict(fused_default)
         if sweep:
-            entry["fused_sweep"] = _sweep(x, weights, fused_default, sumsq=sumsq, eps=EPS, swiglu=True)
+            entry["fused_sweep"] = _sweep(x, weights, fused_default, wide, sumsq=sumsq, eps=EPS, swiglu=True)
     return entry
 
 
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--wide-sweep", action="store_true", help="also 8 warps and 256-column K blocks (slow)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -169,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     gen = torch.Generator(device="cuda").manual_seed(1)
     for name, (n, k) in SHAPES.items():
-        result[name] = _shape_report(name, n, k, m, bandwidth, gen, sweep=not args.no_sweep)
+        result[name] = _shape_report(
+            name, n, k, m, bandwidth, gen, sweep=not args.no_sweep, wide=args.wide_sweep
+        )
         torch.cuda.empty_cache()
     text = json.dumps(result, indent=1)
     print(text)

@@ -3,7 +3,8 @@
 Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for variants (eager, graphs, graphs
 over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
 time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
-and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``).
+and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--fused-decode`` the HF engine with
+``fused_decode=True`` (its step and profile).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--megatron", action="store_true")
+    ap.add_argument("--fused-decode", action="store_true", help="also HFRolloutEngine(fused_decode=True)")
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
     from ppo_core.rollout.hf import HFRolloutEngine
@@ -158,6 +160,11 @@ def main() -> None:
 
     result["profile_top"] = _profile_top(engine, ids, mask, cfg, gen)
     save()
+    if args.fused_decode:
+        fused = HFRolloutEngine(model, fused_decode=True)
+        result["fused_decode_graphs"] = _ms_per_step(fused, ids, mask, cfg, gen)
+        result["fused_decode_profile_top"] = _profile_top(fused, ids, mask, cfg, gen)
+        save()
     if args.compile:
         t0 = time.perf_counter()
         compiled = HFRolloutEngine(model)

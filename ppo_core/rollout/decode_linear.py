@@ -21,8 +21,9 @@ the rows from feeding the tensor cores straight from shared memory):
   writes its fp32 partial to a workspace, and the program that finishes last for a column block (an atomic
   counter, reset by that program for the next call) sums the partials in a fixed order and runs the epilogue. The
   result is deterministic.
-- **programmatic dependent launch** on Hopper (:mod:`ppo_core.rollout.pdl`): a program loads its first weight tile,
-  then waits for the previous kernel, and lets the next kernel start once its main loop is done.
+- **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core.rollout.pdl`): a program loads
+  its first weight tile, then waits for the previous kernel, and lets the next kernel start once its main loop is
+  done.
 
 Roundings: the residual add and the SwiGLU steps round as the models' eager forwards do (the product rounded to the
 model dtype, then the add in it; the gate and up products, SiLU and their product each rounded). The norm does not:

@@ -28,8 +28,9 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, hf: dict | None, own_forward: bool, shape: dict, out: dict
+    rank: int, world: int, port: int, hf: dict | None, variants: tuple[bool, ...], shape: dict, out: dict
 ) -> None:
+    """Each of ``variants`` (``own_forward`` values) samples greedily and at temperature 1 on this rank."""
     from megatron.core import parallel_state
 
     from ppo_core.workers.megatron import build_gpt_model
@@ -41,48 +42,55 @@ def _rank_main(
         model = build_gpt_model(cfg, parallel).eval()
         if hf is not None:
             model.load_state_dict(hf_to_megatron(hf, cfg, tp_rank=rank, tp_size=world), strict=False)
-        engine = MegatronRolloutEngine(
-            model,
-            cfg,
-            tp_group=parallel_state.get_tensor_model_parallel_group() if world > 1 else None,
-            tp_size=world,
-            own_forward=own_forward,
-        )
-        assert engine.own_forward == own_forward
         ids, mask = _prompts()
-        greedy = engine.generate(ids, mask, SamplingConfig(max_new_tokens=6, temperature=0.0))
-        sampled = engine.generate(
-            ids,
-            mask,
-            SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=20),
-            generator=torch.Generator().manual_seed(5),
-        )
+        results = {}
+        for own_forward in variants:
+            engine = MegatronRolloutEngine(
+                model,
+                cfg,
+                tp_group=parallel_state.get_tensor_model_parallel_group() if world > 1 else None,
+                tp_size=world,
+                own_forward=own_forward,
+            )
+            assert engine.own_forward == own_forward
+            greedy = engine.generate(ids, mask, SamplingConfig(max_new_tokens=6, temperature=0.0))
+            sampled = engine.generate(
+                ids,
+                mask,
+                SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=20),
+                generator=torch.Generator().manual_seed(5),
+            )
+            results[own_forward] = {
+                "greedy": greedy["responses"],
+                "greedy_lp": greedy["rollout_log_probs"],
+                "sampled": sampled["responses"],
+                "sampled_lp": sampled["rollout_log_probs"],
+            }
         weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        out[rank] = {
-            "greedy": greedy["responses"],
-            "greedy_lp": greedy["rollout_log_probs"],
-            "sampled": sampled["responses"],
-            "sampled_lp": sampled["rollout_log_probs"],
-            "hf": megatron_to_hf([weights], cfg) if hf is None else None,
-        }
+        out[rank] = {"results": results, "hf": megatron_to_hf([weights], cfg) if hf is None else None}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("own_forward", "shape"),
-    [(False, {}), (True, {}), (True, {"num_query_groups": 4, "qkv_bias": True})],
-    ids=["megatron_forward", "own_forward", "own_forward_relaid_qkv_bias"],
+    ("variants", "shape"),
+    [((False, True), {}), ((True,), {"num_query_groups": 4, "qkv_bias": True})],
+    ids=["megatron_forward_and_own_forward", "own_forward_relaid_qkv_bias"],
 )
-def test_tensor_parallel_rollout_equals_one_rank(own_forward: bool, shape: dict) -> None:
+def test_tensor_parallel_rollout_equals_one_rank(variants: tuple[bool, ...], shape: dict) -> None:
     # megatron's random initialisation has a zero q/k/v bias: random Hugging Face weights give it one
     hf = random_hf_state(tiny_config(**shape), seed=7) if shape.get("qkv_bias") else None
-    one = spawn_ranks(_rank_main, 1, hf, own_forward, shape)[0]
-    two = spawn_ranks(_rank_main, 2, hf or one["hf"], own_forward, shape)
-    for rank in range(2):
-        got = two[rank]
-        assert torch.equal(got["greedy"], one["greedy"]), rank
-        assert torch.equal(got["sampled"], one["sampled"]), rank  # the same draw on every rank
-        torch.testing.assert_close(got["greedy_lp"], one["greedy_lp"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got["sampled_lp"], one["sampled_lp"], rtol=1e-5, atol=1e-5)
-    # the test can fail: greedy and sampled responses differ from each other
-    assert not torch.equal(one["greedy"], one["sampled"])
+    one = spawn_ranks(_rank_main, 1, hf, variants, shape)[0]
+    two = spawn_ranks(_rank_main, 2, hf or one["hf"], variants, shape)
+    for own_forward in variants:
+        want = one["results"][own_forward]
+        for rank in range(2):
+            got = two[rank]["results"][own_forward]
+            assert torch.equal(got["greedy"], want["greedy"]), (own_forward, rank)
+            assert torch.equal(got["sampled"], want["sampled"]), (
+                own_forward,
+                rank,
+            )  # the same draw on every rank
+            torch.testing.assert_close(got["greedy_lp"], want["greedy_lp"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["sampled_lp"], want["sampled_lp"], rtol=1e-5, atol=1e-5)
+        # the test can fail: greedy and sampled responses differ from each other
+        assert not torch.equal(want["greedy"], want["sampled"])

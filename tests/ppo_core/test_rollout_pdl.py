@@ -8,19 +8,20 @@ import torch
 from ppo_core.rollout import pdl
 
 
-def test_pdl_is_off_on_the_cpu_under_the_interpreter_and_when_switched_off(monkeypatch) -> None:
+def test_pdl_is_off_by_default_on_the_cpu_and_under_the_interpreter(monkeypatch) -> None:
+    monkeypatch.delenv("PPO_CORE_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("PPO_CORE_PDL", "1")
     assert not pdl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))
-    monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setenv("PPO_CORE_PDL", "0")
     assert not pdl.pdl_enabled(torch.device("cuda", 0))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or pdl.tl is None, reason="needs CUDA and Triton")
 def test_pdl_follows_the_compute_capability(monkeypatch) -> None:
-    monkeypatch.delenv("PPO_CORE_PDL", raising=False)
+    monkeypatch.setenv("PPO_CORE_PDL", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.pdl_enabled(torch.device("cuda")) == (hopper and hasattr(pdl.tl.extra.cuda, "gdc_wait"))
