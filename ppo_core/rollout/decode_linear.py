@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core.rollout.pdl import pdl_enabled
 
 try:
@@ -289,10 +289,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

@@ -39,7 +39,11 @@ class DecoderLayerLoop:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.batch_invariant = self.batch_invariant
-        h = self._embed(input_ids)  # [B, S, D]
+        return self._forward(self._embed(input_ids), positions, cache)
+
+    def _forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The layers and the logits from the embedded tokens ``h [B, S, D]`` (a subclass that decodes some
+        steps otherwise embeds once and picks)."""
         attend = self._attention(h, positions, cache)
         delta = None  # what the previous sub-layer adds to the residual stream h
         for i, layer in enumerate(self._layers()):

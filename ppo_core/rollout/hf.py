@@ -200,15 +200,17 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return add_rms_norm_as_model(h, delta, self._norm_weight(norm), norm.variance_epsilon)
 
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        b, s = x.shape[:2]
-        attn = layer.self_attn
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if self._fused is not None:
-            qkv = self._linear(x, self._fused[i][0], self._fused[i][1])
-            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        else:
-            q, k, v = (self._layer(x, proj) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        shape = (b, s, -1, self.head_dim)
+            return self._split_qkv(self._linear(x, self._fused[i][0], self._fused[i][1]))
+        attn = layer.self_attn
+        shape = (*x.shape[:2], -1, self.head_dim)
+        return tuple(self._layer(x, proj).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection ``[B, S, (H + 2G) d]`` as views ``q [B, S, H, d]``, ``k``/``v [B, S, G, d]``."""
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shape = (*qkv.shape[:2], -1, self.head_dim)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         return q.view(shape), k.view(shape), v.view(shape)
 
     def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -220,13 +222,17 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return self._layer(silu_mul_as_model(gate, up), mlp.down_proj)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.batch_invariant = self.batch_invariant
+        h = self._embed(input_ids)  # [B, S, D]
         b, s = input_ids.shape
-        if self.fused_decode and s == 1 and self._fused is not None:
-            h = self._embed(input_ids).view(b, -1)
-            if decode_linear_available(h, self._fused[0][0]):
-                cache.batch_invariant = False
-                return self._decode_step(h, positions, cache)
-        return super().__call__(input_ids, positions, cache)
+        if (
+            self.fused_decode
+            and s == 1
+            and self._fused is not None
+            and decode_linear_available(h.view(b, -1), self._fused[0][0])
+        ):
+            return self._decode_step(h, positions, cache)
+        return self._forward(h, positions, cache)
 
     def _layers(self) -> nn.ModuleList:
         return self.body.layers
@@ -276,32 +282,21 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """A decode step (``h [B, D]``, one token per row) through :func:`decode_linear`: each residual add in the
-        epilogue of the product before it, each RMSNorm's row scale in the epilogue of the product after it (its
+        """A decode step (``h [B, 1, D]``, one token per row) through :func:`decode_linear`: each residual add in
+        the epilogue of the product before it, each RMSNorm's row scale in the epilogue of the product after it (its
         weight folded into that product's weight by :meth:`refresh`), SiLU x up in the epilogue of gate/up: six
         launches a layer with the rotation and attention."""
-        body, b = self.body, h.shape[0]
-        cos, sin = body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)  # [B, 1, d]
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attend = self._attention(h, positions, cache)
+        h = h.view(h.shape[0], -1)  # [B, D]
         sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
-        for i, layer in enumerate(body.layers):
+        for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b, gate_up_w, gate_up_b = self._fused[i]
             qkv, _ = decode_linear(h, qkv_w, qkv_b, sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon)
-            q, k, v = (t.view(b, 1, -1, self.head_dim) for t in qkv.split([q_width, kv_width, kv_width], -1))
-            if hasattr(attn, "q_norm"):
-                q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
-            out = cache.attend_rotated(
-                i,
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                lambda q, k: rotary_as_model(q, k, cos[:, None], sin[:, None]),
-                lambda: (cos[:, 0], sin[:, 0]),
-                attn.scaling,
-                model_rounding=True,
+            out = attend(i, layer, *self._split_qkv(qkv[:, None]))  # [B, 1, H * d]
+            h, sumsq = decode_linear(
+                out.view(h.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias, residual=h
             )
-            h, sumsq = decode_linear(out.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)
             act, _ = decode_linear(
                 h,
                 gate_up_w,
@@ -312,7 +307,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             )
             h, sumsq = decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
         head = self.lm_head
-        return decode_linear(self._rms_norm(h, body.norm), head.weight, head.bias)[0]
+        return decode_linear(self._rms_norm(h, self.body.norm), head.weight, head.bias)[0]
 
 
 class _GenericForward:

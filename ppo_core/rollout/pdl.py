@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from ppo_core.kernels.triton_scan import _interpreting
+
 try:
     import triton.language as tl
 except ImportError:  # Triton is optional
@@ -34,7 +36,7 @@ def pdl_enabled(device: torch.device) -> bool:
     >= 9, a Triton that has grid dependency control, not the interpreter."""
     if device.type != "cuda" or os.environ.get("PPO_CORE_PDL", "0") != "1":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreting():
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
