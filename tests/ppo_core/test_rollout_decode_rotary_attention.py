@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_rollout_decode_rotary import _step as rotary_step
 
 from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
 from ppo_core.rollout.decode_attention import decode_attention_triton
@@ -30,22 +31,16 @@ def _step(b: int, h: int, g: int, d: int, length: int, kv_len: int, slot: int, d
     slots at and past ``slot`` hold NaN (written by this step or never: no kernel may read them from memory), and an
     additive ``[B, 1, 1, kv_len]`` mask: row 0 left-padded, row 1 sees only the new slot, the others a random
     subset of the filled slots and the new one."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(b, 1, (h + 2 * g) * d, generator=gen).to(dtype).to(device)
-    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
-    q, k, v = (t.view(b, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, 1, d]
-    angles = torch.rand(b, d // 2, generator=gen) * 50
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
-    cache = torch.randn(2, b, g, length, d, generator=gen).to(dtype)
+    q, k, v, cos, sin, cache = rotary_step(b, h, g, d, length, dtype, device, seed)
     cache[:, :, :, slot:] = float("nan")
+    gen = torch.Generator().manual_seed(seed + 1)
     visible = torch.rand(b, kv_len, generator=gen) > 0.3
     visible[0, : slot // 2] = False  # left padding
     if b > 1:
         visible[1] = False  # a prompt of no real token (or every one after it masked): the new slot alone
     visible[:, slot] = True
     bias = torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None, None, :]
-    return q, k, v, cos, sin, cache.to(device), bias.to(device)
+    return q, k, v, cos, sin, cache, bias.to(device)
 
 
 def _two_launches(q, k, v, cos, sin, cache, slot, bias, scale, model_rounding, block_l):
