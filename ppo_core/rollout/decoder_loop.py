@@ -20,11 +20,26 @@ import torch
 
 from ppo_core.rollout.kv_cache import KVCache
 
-__all__ = ["Attend", "DecoderLayerLoop"]
+__all__ = ["Attend", "DecoderLayerLoop", "split_qkv"]
 
 Attend = Callable[[int, Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(i, layer, q [B, S, H, d], k [B, S, G, d], v [B, S, G, d]) -> [B, S, H * d]``: layer ``i``'s rotation
 and attention through the cache (rotary tables of one forward, made once by :meth:`DecoderLayerLoop._attention`)."""
+
+
+def split_qkv(
+    qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused ``[q; k; v]`` projection ``[B, S, (H + 2G) d]`` as views ``q [B, S, H, d]``, ``k``/``v [B, S, G, d]``.
+
+    Example:
+        >>> q, k, v = split_qkv(torch.zeros(2, 1, 24), heads=4, kv_heads=1, head_dim=4)
+        >>> tuple(q.shape), tuple(k.shape)
+        ((2, 1, 4, 4), (2, 1, 1, 4))
+    """
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    shape = (*qkv.shape[:2], -1, head_dim)
+    return q.view(shape), k.view(shape), v.view(shape)
 
 
 class DecoderLayerLoop:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -207,11 +207,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return tuple(self._layer(x, proj).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fused projection ``[B, S, (H + 2G) d]`` as views ``q [B, S, H, d]``, ``k``/``v [B, S, G, d]``."""
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        shape = (*qkv.shape[:2], -1, self.head_dim)
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        return q.view(shape), k.view(shape), v.view(shape)
+        return split_qkv(qkv, self.heads, self.kv_heads, self.head_dim)
 
     def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp

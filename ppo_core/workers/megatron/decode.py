@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.eager_rounding import silu_mul_as_model
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
@@ -226,12 +226,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._qkv is None:
             raise RuntimeError("MegatronDecodeForward.refresh() must run before a forward")
-        b, s = x.shape[:2]
         qkv = self._linear(x, *self._qkv[i])  # [B, S, (H + 2G) d]
-        q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        shape = (b, s, -1, self.head_dim)
-        return q.view(shape), k.view(shape), v.view(shape)
+        return split_qkv(qkv, self.heads, self.groups, self.head_dim)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
         b, s = positions.shape
