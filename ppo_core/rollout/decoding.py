@@ -10,7 +10,11 @@ A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positi
 3. runs ``R - 1`` decode steps of one token per row. On CUDA each step (model forward, sampling, bookkeeping:
    every tensor it touches is a fixed buffer, every index a device tensor) is captured once as a CUDA graph and
    replayed, so a step costs one launch and no host synchronisation. Attention reads only the filled part of
-   the cache: one graph per ``kv_bucket`` slots of cache length,
+   the cache: one graph per ``kv_bucket`` slots of cache length. A decoder's first generation of given shapes and
+   settings runs its first step eagerly (it compiles kernels and makes library handles) and captures from the
+   second; later generations of the same shapes and settings capture the first step's graph while the GPU runs
+   their prefill (capturing records launches, executes nothing, and here neither synchronises the device nor
+   empties the allocator's cache), so they pay no eager step and the capture hides behind the prefill,
 4. stops early, checking every ``check_every`` steps, once every row has emitted EOS.
 
 Sampling follows :func:`ppo_core.rollout.sampling.sample_tokens`. Where its fused Triton rule applies (CUDA logits,
@@ -147,6 +151,9 @@ class StaticCacheDecoder:
         self._state: _State | None = None
         self._pool: Any = None
         self._stream: Any = None
+        # generation keys (shapes and settings) this decoder has run: their kernels are compiled and their library
+        # handles made, so their first decode step is captured at once (during the prefill) instead of run eagerly
+        self._warm: set[tuple] = set()
 
     # ----- public --------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, length: int) -> KVCache:
@@ -218,6 +225,10 @@ class StaticCacheDecoder:
 
         start = time.perf_counter()
         self._prefill(state, prompts, mask, sample, generator)
+        warm = state.key in self._warm
+        if warm and self.cuda_graphs and r > 1:
+            # the host is idle while the GPU runs the prefill: capture the first decode step's graph meanwhile
+            self._graph(state, self._kv_len(state, 1), sample)
         _sync(device)
         self.stats.prefill_s = time.perf_counter() - start
 
@@ -228,12 +239,12 @@ class StaticCacheDecoder:
                 break
             if state.noise is not None:
                 state.noise.uniform_(generator=generator)
-            kv_len = min(-(-(p + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
-            self._decode(state, kv_len, sample, eager=t == 1)
+            self._decode(state, self._kv_len(state, t), sample, eager=t == 1 and not warm)
             steps += 1
         _sync(device)
         self.stats.decode_s = time.perf_counter() - start
         self.stats.decode_steps = steps
+        self._warm.add(state.key)
 
         response_mask = state.response_mask.long()
         out = rollout_batch(
@@ -288,24 +299,32 @@ class StaticCacheDecoder:
         cache.prefill_mask = None
         self._record(state, logits, sample, generator)
 
+    def _kv_len(self, state: _State, t: int) -> int:
+        """The cache length decode step ``t`` attends to (a multiple of ``kv_bucket``: one graph per bucket)."""
+        p = state.cache.length - state.responses.shape[1]
+        return min(-(-(p + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
+
     def _decode(self, state: _State, kv_len: int, sample: _Sampler, eager: bool) -> None:
         if not self.cuda_graphs:
             self._step(state, kv_len, sample)
             return
-        if eager:  # the first step warms up (library handles, compiled kernels) on the capture stream
+        if eager:  # a first generation warms up (library handles, compiled kernels) on the capture stream
             stream = self._capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._step(state, kv_len, sample)
             torch.cuda.current_stream().wait_stream(stream)
             return
-        graph = state.graphs.get(kv_len)
-        if graph is None:
-            graph = self._capture(state, kv_len, sample)
-            if graph is None:  # capture failed: eager from now on
-                self._step(state, kv_len, sample)
-                return
+        graph = self._graph(state, kv_len, sample)
+        if graph is None:  # capture failed: eager from now on
+            self._step(state, kv_len, sample)
+            return
         graph.replay()
+
+    def _graph(self, state: _State, kv_len: int, sample: _Sampler) -> Any:
+        """The decode step's graph for ``kv_len`` (captured on first use), or None where capture failed."""
+        graph = state.graphs.get(kv_len)
+        return graph if graph is not None else self._capture(state, kv_len, sample)
 
     def _capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -313,12 +332,21 @@ class StaticCacheDecoder:
         return self._stream
 
     def _capture(self, state: _State, kv_len: int, sample: _Sampler) -> Any:
+        """Capture one decode step on the side stream. Unlike ``torch.cuda.graph`` this neither synchronises the
+        device nor empties the allocator's cache first, so it may run while earlier work (the prefill) is still
+        executing: capturing records launches, it executes nothing."""
+        if not self.cuda_graphs:
+            return None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream()):
-                self._step(state, kv_len, sample)
+            with torch.cuda.stream(self._capture_stream()):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    self._step(state, kv_len, sample)
+                finally:
+                    graph.capture_end()
         except Exception:  # an operation that cannot be captured: stay correct, lose the speed
             logger.warning(
                 "capturing the decode step as a CUDA graph failed; decoding eagerly", exc_info=True

@@ -83,6 +83,36 @@ def test_kernel_noise_sampling_is_the_same_with_and_without_graphs(eos):
     assert len(set(graphed["responses"][0, :20].tolist())) > 1
 
 
+@pytest.mark.parametrize("keep_cache", [False, True])
+def test_a_warm_generation_captures_during_the_prefill_and_draws_the_same_tokens(keep_cache, monkeypatch):
+    """A second call with the same shapes and settings skips the eager warm-up step: its first graph is captured
+    while the prefill runs (before the host waits for it), or reused with ``keep_cache``; the tokens and log-probs
+    equal the first call's for the same generator state, and another seed still gives other tokens."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _model(torch.float32)
+    ids, mask = _prompts(8, 40)
+    cfg = SamplingConfig(max_new_tokens=100, temperature=1.0, eos_token_id=7)
+    engine = HFRolloutEngine(model, kv_bucket=32, keep_cache=keep_cache)
+    decoder = engine.decoder
+    eager_steps = []
+    decode = decoder._decode
+    monkeypatch.setattr(
+        decoder, "_decode", lambda s, k, smp, eager: (eager_steps.append(eager), decode(s, k, smp, eager))[1]
+    )
+    outs = [
+        engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(s)) for s in (3, 3, 4)
+    ]
+    steps = engine.stats.decode_steps
+    assert eager_steps[0] is True and not any(eager_steps[1:])
+    buckets = {min(-(-(40 + t) // 32) * 32, 140) for t in range(1, steps + 1)}  # cache of 40 + 100 slots
+    assert engine.stats.graphs_captured == (0 if keep_cache else len(buckets))
+    first, warm, other = outs
+    for key in ("responses", "response_mask", "rollout_log_probs"):
+        assert torch.equal(first[key], warm[key]), key
+    assert not torch.equal(first["responses"], other["responses"])
+
+
 def test_graphs_stop_early_once_every_row_has_finished():
     from ppo_core.rollout.hf import HFRolloutEngine
 
