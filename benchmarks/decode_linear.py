@@ -159,11 +159,52 @@ def _shape_report(
     return entry
 
 
+def _chain_report(m: int, gen, layers: int = 16) -> dict:
+    """A decode step's products without attention: ``layers`` layers of q/k/v (+ norm), o (+ residual), gate/up
+    (+ norm, SwiGLU), down (+ residual) in one CUDA graph, without and with PDL; us per layer and the largest
+    difference of the result from the first variant's (PDL changes no arithmetic: 0)."""
+    import os
+
+    d, f = SHAPES["o"][0], SHAPES["down"][1]
+    weights = [
+        tuple(
+            (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+            for n, k in (SHAPES["qkv"], SHAPES["o"], SHAPES["gate_up"], (d, f))
+        )
+        for _ in range(layers)
+    ]
+    h0 = torch.randn(m, d, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def step(_):
+        h = h0
+        sumsq = h.float().square().sum(-1)[None]
+        for qkv, o, gate_up, down in weights:
+            y, _, _ = decode_linear(h, qkv, sumsq=sumsq, eps=EPS)
+            h, sumsq, _ = decode_linear(y[:, :d], o, residual=h)
+            act, _, _ = decode_linear(h, gate_up, sumsq=sumsq, eps=EPS, swiglu=True)
+            h, sumsq, _ = decode_linear(act, down, residual=h)
+        return h
+
+    out: dict = {"weight_mb_per_layer": round(sum(w.numel() * 2 for w in weights[0]) / 1e6, 1)}
+    first = None
+    for pdl in ("0", "1"):
+        os.environ["PPO_CORE_PDL"] = pdl
+        result = step(None).float()
+        first = result if first is None else first
+        out[f"pdl{pdl}"] = {
+            "us_per_layer": round(_graph_us(step, [None], calls=1, repeats=30) / layers, 2),
+            "max_diff": float((result - first).abs().max()),
+        }
+    os.environ.pop("PPO_CORE_PDL", None)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--wide-sweep", action="store_true", help="also 8 warps and 256-column K blocks (slow)")
+    ap.add_argument("--chain", action="store_true", help="only the chain of a step's products (PDL modes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -176,6 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2),
     }
     gen = torch.Generator(device="cuda").manual_seed(1)
+    if args.chain:
+        result["chain"] = _chain_report(m, gen)
+        print(json.dumps(result, indent=1))
+        return result
     for name, (n, k) in SHAPES.items():
         result[name] = _shape_report(
             name, n, k, m, bandwidth, gen, sweep=not args.no_sweep, wide=args.wide_sweep

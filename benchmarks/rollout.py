@@ -9,12 +9,14 @@ the rows (``step_hook``) and the other half runs to the end. Reported per method
 actually produced over the wall time of a whole call: prefill + decode), the median of ``repeats`` calls after a
 warm-up call (compilation, graph capture), and the peak GPU memory of a call.
 
-- ``ours_hf``: :class:`ppo_core.rollout.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` (the fused
-  Llama-family path);
-- ``ours_hf_fused_decode``: the same with ``fused_decode=True`` (decode-step projections through
-  :func:`ppo_core.rollout.decode_linear.decode_linear`, norms and SwiGLU fused into them);
+- ``ours_hf``: :class:`ppo_core.rollout.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` with its
+  defaults (the fused Llama-family path; decode steps through
+  :func:`ppo_core.rollout.decode_linear.decode_linear`, norms and SwiGLU fused into the products);
+- ``ours_hf_unfused``: the same with ``fused_decode=False`` (cuBLAS products, the element-wise steps as kernels
+  of their own);
 - ``ours_megatron``: :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on a megatron-core
-  ``GPTModel`` of the same shape (SDPA attention, fused kernels), decoding with its own forward; and
+  ``GPTModel`` of the same shape (SDPA attention, fused kernels) with its defaults (its own forward, decode steps
+  through ``decode_linear``); ``ours_megatron_unfused``: ``fused_decode=False``; and
   ``ours_megatron_gpt_forward``: the same engine through megatron's ``GPTModel.forward`` (``own_forward=False``);
 - ``hf_generate_static`` / ``hf_generate_dynamic``: ``model.generate(..., do_sample=True)`` with
   ``cache_implementation="static"`` (which ``transformers`` compiles) and the default dynamic cache;
@@ -283,23 +285,23 @@ def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> N
     engine = HFRolloutEngine(model)
     for case in cases:
         attempt(f"ours_hf:{case}", lambda c=cases[case]: _engine_case(engine, c, args.repeats))
-    fused = HFRolloutEngine(model, fused_decode=True)
+    unfused = HFRolloutEngine(model, fused_decode=False)
     for case in cases:
-        attempt(f"ours_hf_fused_decode:{case}", lambda c=cases[case]: _engine_case(fused, c, args.repeats))
+        attempt(f"ours_hf_unfused:{case}", lambda c=cases[case]: _engine_case(unfused, c, args.repeats))
 
     def hf_logits(seq: torch.Tensor, seq_mask: torch.Tensor) -> torch.Tensor:
         pos = (seq_mask.cumsum(-1) - 1).clamp(min=0)
         return model(input_ids=seq, attention_mask=seq_mask, position_ids=pos).logits
 
     attempt("exactness:hf", lambda: _exactness(model, engine, hf_logits, args.exact_new))
-    attempt("exactness:hf_fused_decode", lambda: _exactness(model, fused, hf_logits, args.exact_new))
+    attempt("exactness:hf_unfused", lambda: _exactness(model, unfused, hf_logits, args.exact_new))
     # where the bf16 differences come from: the model's own modules through the cache (its element-wise roundings,
     # our attention and decode-sized GEMMs), and split-K GEMM partial sums kept in fp32 by cuBLAS
     modules = HFRolloutEngine(model, fast_path=False)
     attempt("exactness:hf_model_modules", lambda: _exactness(model, modules, hf_logits, args.exact_new))
     attempt(
         "exactness:hf_fp32_split_k",
-        lambda: _fp32_split_k(lambda: _exactness(model, engine, hf_logits, args.exact_new)),
+        lambda: _fp32_split_k(lambda: _exactness(model, unfused, hf_logits, args.exact_new)),
     )
     # batch-invariant numerics: the cached engine against a full recomputation through the same functions
     invariant = HFRolloutEngine(model, batch_invariant=True)
@@ -334,6 +336,10 @@ def _bench_megatron(cases: dict, args: argparse.Namespace, attempt) -> None:
         return model(seq, position_ids(seq_mask), megatron_attention_mask(seq_mask))[..., : cfg.vocab_size]
 
     attempt("exactness:megatron", lambda: _exactness(model, engine, meg_logits, args.exact_new))
+    unfused = MegatronRolloutEngine(model, cfg, fused_decode=False)
+    for case in cases:
+        attempt(f"ours_megatron_unfused:{case}", lambda c=cases[case]: _engine_case(unfused, c, args.repeats))
+    attempt("exactness:megatron_unfused", lambda: _exactness(model, unfused, meg_logits, args.exact_new))
     # the engine's former path, megatron's GPTModel.forward through the cache: the reference of its own forward
     gpt_forward = MegatronRolloutEngine(model, cfg, own_forward=False)
     attempt("ours_megatron_gpt_forward:b64", lambda: _engine_case(gpt_forward, CASES["b64"], args.repeats))
@@ -400,9 +406,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {}
     for method in (
         "ours_hf",
-        "ours_hf_fused_decode",
+        "ours_hf_unfused",
         "ours_hf_batch_invariant",
         "ours_megatron",
+        "ours_megatron_unfused",
         "ours_megatron_batch_invariant",
         "hf_static",
         "hf_dynamic",
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                 summary[f"{method}:{case}"] = rep["new_tokens_per_s"]
     result["summary_new_tokens_per_s"] = summary
     static = result.get("hf_static", {}).get("b64", {}).get("new_tokens_per_s")
-    for method in ("ours_hf", "ours_hf_fused_decode", "ours_megatron"):
+    for method in ("ours_hf", "ours_hf_unfused", "ours_megatron", "ours_megatron_unfused"):
         ours = result.get(method, {}).get("b64", {}).get("new_tokens_per_s")
         if ours and static:
             result[f"{method}_over_hf_static_b64"] = round(ours / static, 2)

@@ -3,13 +3,15 @@
 Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for variants (eager, graphs, graphs
 over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
 time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
-and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--fused-decode`` the HF engine with
-``fused_decode=True`` (its step and profile).
+and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--unfused`` the HF engine with
+``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF engines);
+``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes of the one-launch attention.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -44,6 +46,109 @@ def _profile_top(engine, ids, mask, cfg, gen) -> list[str]:
         .table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
         .splitlines()
     )
+
+
+def _timeline(engine, ids, mask, cfg, gen) -> dict:
+    """The kernels of one decode step in the middle of a ``generate`` call, in launch order: name, duration and the
+    idle time before each (us), with the step's busy and idle totals (from ``torch.profiler``'s trace)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(ids, mask, cfg, generator=gen)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, mask, cfg, generator=gen)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: float(e["ts"])
+    )
+    # a step ends with the sampling combine kernel (which records the token); take the kernels after the middle step's record up to the next one's
+    ends = [i for i, e in enumerate(kernels) if "_sample_combine" in e["name"]]
+    if len(ends) < 4:
+        return {
+            "error": f"found {len(ends)} combine kernels; names: {sorted({e['name'][:40] for e in kernels})[:40]}"
+        }
+    lo, hi = ends[len(ends) // 2], ends[len(ends) // 2 + 1]
+    step, rows, prev_end = kernels[lo + 1 : hi + 1], [], float(kernels[lo]["ts"]) + float(kernels[lo]["dur"])
+    busy = idle = 0.0
+    for e in step:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        gap = ts - prev_end
+        rows.append([e["name"][:60], round(dur, 2), round(gap, 2)])
+        busy, idle, prev_end = busy + dur, idle + max(gap, 0.0), max(prev_end, ts + dur)
+    by_name: dict = {}
+    for name, dur, gap in rows:
+        entry = by_name.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += dur
+        entry[2] += gap
+    return {
+        "kernels": len(rows),
+        "busy_us": round(busy, 1),
+        "idle_us": round(idle, 1),
+        "span_us": round(prev_end - float(kernels[lo]["ts"]) - float(kernels[lo]["dur"]), 1),
+        "by_name": {
+            k: [v[0], round(v[1], 1), round(v[2], 1)]
+            for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        },
+        "first_layers": rows[:40],
+        "last": rows[-12:],
+    }
+
+
+def _fused_attention_sweep(b: int = 64, filled: int = 320, length: int = 384, layers: int = 8) -> dict:
+    """The one-launch rotation + cache write + attention of a decode step at ``filled`` slots, reading each layer's
+    cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes: us per call and the
+    cache bandwidth it reaches."""
+    from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
+
+    h, g, d = 32, 8, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    caches = [(rand(b, g, length, d), rand(b, g, length, d)) for _ in range(layers)]
+    q, k, v = rand(b, h, 1, d), rand(b, g, 1, d), rand(b, g, 1, d)
+    cos, sin = rand(b, d), rand(b, d)
+    slot = torch.tensor(filled - 1, device="cuda")
+    bias = torch.zeros(b, 1, 1, length, device="cuda", dtype=torch.bfloat16)
+    read_bytes = 2 * b * g * filled * d * 2
+    out = {"read_us_at_4.2tb": round(read_bytes / 4.2e6, 2)}
+    for block_l, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        i = iter(range(10**9))
+
+        def call(block_l=block_l, warps=warps, stages=stages, i=i):
+            keys, values = caches[next(i) % layers]
+            return rotate_write_attend_triton(
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                keys,
+                values,
+                slot,
+                bias,
+                model_rounding=True,
+                block_l=block_l,
+                num_warps=warps,
+                num_stages=stages,
+            )
+
+        try:
+            us = _graph_us(call, warmup=2, calls=2 * layers)
+            out[f"l{block_l}_w{warps}_s{stages}"] = {
+                "us": round(us, 2),
+                "tb_s": round(read_bytes / us / 1e6, 2),
+            }
+        except Exception as exc:
+            out[f"l{block_l}_w{warps}_s{stages}"] = {"error": f"{type(exc).__name__}"}
+    return out
 
 
 def _graph_us(fn, *, warmup: int, calls: int = 20, replays: int = 10) -> float:
@@ -129,7 +234,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--megatron", action="store_true")
-    ap.add_argument("--fused-decode", action="store_true", help="also HFRolloutEngine(fused_decode=True)")
+    ap.add_argument("--unfused", action="store_true", help="also HFRolloutEngine(fused_decode=False)")
+    ap.add_argument("--prefill", action="store_true", help="only the kernels of the HF engine's prefill")
+    ap.add_argument(
+        "--attention-sweep", action="store_true", help="only the one-launch attention's launch shapes"
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="only the kernels of one decode step of the HF engines, in order",
+    )
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
     from ppo_core.rollout.hf import HFRolloutEngine
@@ -140,6 +254,36 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
+    if args.prefill:
+        model = _hf_model()
+        ids, mask = _prompts(64, 256, MODEL["vocab_size"])
+        one = SamplingConfig(max_new_tokens=1, temperature=1.0)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        engine = HFRolloutEngine(model)
+        engine.generate(ids, mask, one, generator=gen)
+        result["prefill_s"] = _ms_per_step(engine, ids, mask, one, gen)["prefill_s"]
+        result["prefill_profile_top"] = _profile_top(engine, ids, mask, one, gen)
+        print(json.dumps(result, indent=1))
+        save()
+        return
+    if args.attention_sweep:
+        result["fused_attention_b64"] = _fused_attention_sweep(64)
+        result["fused_attention_b256"] = _fused_attention_sweep(256, layers=2)
+        print(json.dumps(result, indent=1))
+        save()
+        return
+    if args.timeline:
+        model = _hf_model()
+        ids, mask = _prompts(64, 256, MODEL["vocab_size"])
+        cfg = SamplingConfig(max_new_tokens=128, temperature=1.0)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for name, kw in (("hf", {}), ("hf_unfused", {"fused_decode": False})):
+            engine = HFRolloutEngine(model, **kw)
+            result[name] = _ms_per_step(engine, ids, mask, cfg, gen)
+            result[name]["timeline"] = _timeline(engine, ids, mask, cfg, gen)
+            save()
+        print(json.dumps(result, indent=1))
+        return
     result["attention_b64_l384"] = _attn_times(64, 384)
     result["attention_b256_l384"] = _attn_times(256, 384)
     save()
@@ -160,10 +304,10 @@ def main() -> None:
 
     result["profile_top"] = _profile_top(engine, ids, mask, cfg, gen)
     save()
-    if args.fused_decode:
-        fused = HFRolloutEngine(model, fused_decode=True)
-        result["fused_decode_graphs"] = _ms_per_step(fused, ids, mask, cfg, gen)
-        result["fused_decode_profile_top"] = _profile_top(fused, ids, mask, cfg, gen)
+    if args.unfused:
+        unfused = HFRolloutEngine(model, fused_decode=False)
+        result["unfused_graphs"] = _ms_per_step(unfused, ids, mask, cfg, gen)
+        result["unfused_profile_top"] = _profile_top(unfused, ids, mask, cfg, gen)
         save()
     if args.compile:
         t0 = time.perf_counter()

@@ -11,6 +11,9 @@ the rows from feeding the tensor cores straight from shared memory):
 - **residual epilogue** (``residual``): the product, rounded to the model dtype, is added to the residual stream as
   the models add it, and the new residual ``h`` is the output; each program also writes the sum of squares of its
   block of ``h``'s columns per row (``[P, M]`` partial sums over ``P`` column blocks), for the norm that follows;
+- **scaled copy** (``next_norm_weight``, with ``residual``): the new residual times the next norm's weight, rounded
+  (a second output): the input of a product whose norm weight is not folded into its weight (the megatron engine,
+  which keeps no copy of its weights), normalised by the row scale below;
 - **norm epilogue** (``sumsq``): RMSNorm of a row is a per-row scale, ``rmsnorm(h) W^T = rstd * (h (W diag w)^T)``
   with ``rstd = 1 / sqrt(mean(h^2) + eps)``: the caller folds the norm weight ``w`` into the weight once per
   generation (:func:`fold_norm_weight`), and each program sums the partial sums of squares in a fixed order and
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,7 @@ except ImportError:  # Triton is optional
 __all__ = [
     "MAX_ROWS",
     "DecodeLinearConfig",
+    "DecodeLinearOutput",
     "decode_linear",
     "decode_linear_available",
     "decode_linear_reference",
@@ -65,6 +70,19 @@ __all__ = [
 
 MAX_ROWS = 64
 """Most rows a call multiplies (one block of rows: every program reads the weight once for all of them)."""
+
+
+class DecodeLinearOutput(NamedTuple):
+    """What :func:`decode_linear` returns."""
+
+    y: torch.Tensor
+    """``[M, N]`` (``[M, N / 2]`` with SwiGLU) in the dtype of ``x``: the product, or with ``residual`` the new
+    residual stream."""
+    sumsq: torch.Tensor | None
+    """With ``residual``: ``[P, M]`` fp32 partial sums of squares of ``y``'s rows (one per block of its columns);
+    else None."""
+    scaled: torch.Tensor | None
+    """With ``next_norm_weight``: ``y * next_norm_weight`` rounded to the dtype of ``x`` ``[M, N]``; else None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,13 +131,10 @@ def decode_linear_reference(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`decode_linear`'s contract in PyTorch, with its roundings (see the module docstring).
-
-    Returns:
-        ``(y, sumsq_out)``: ``y`` in the dtype of ``x``, and with ``residual`` the per-row sum of squares of ``y``
-        ``[M]`` (fp32), else None.
-    """
+    next_norm_weight: torch.Tensor | None = None,
+) -> DecodeLinearOutput:
+    """:func:`decode_linear`'s contract in PyTorch, with its roundings (see the module docstring). Its ``sumsq``
+    output is the whole per-row sum of squares ``[M]`` rather than partial sums."""
     acc = x.float() @ weight.float().T
     if sumsq is not None:
         total = sumsq.float().sum(0) if sumsq.dim() == 2 else sumsq.float()
@@ -132,9 +147,10 @@ def decode_linear_reference(
     else:
         y = acc.to(x.dtype)
     if residual is None:
-        return y, None
+        return DecodeLinearOutput(y, None, None)
     y = residual + y
-    return y, y.float().pow(2).sum(-1)
+    scaled = None if next_norm_weight is None else y * next_norm_weight.to(y.dtype)
+    return DecodeLinearOutput(y, y.float().pow(2).sum(-1), scaled)
 
 
 def decode_linear(
@@ -146,8 +162,9 @@ def decode_linear(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
+    next_norm_weight: torch.Tensor | None = None,
     config: DecodeLinearConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> DecodeLinearOutput:
     """``y = x W^T + b`` for a few rows in one launch, with RMSNorm's row scale, SwiGLU or the residual add fused
     into its epilogue (see the module docstring).
 
@@ -161,11 +178,11 @@ def decode_linear(
         eps: the norm's epsilon.
         residual: ``[M, N]``: return ``residual + y`` (the new residual stream) and its partial sums of squares.
         swiglu: return ``silu(gate) * up`` ``[M, N / 2]`` instead of ``[M, N]``.
+        next_norm_weight: ``[N]`` in the dtype of ``x``, with ``residual``: also return the new residual times it.
         config: launch shape; None: chosen from the shapes.
 
     Returns:
-        ``(y, sumsq_out)``: ``y`` in the dtype of ``x``; with ``residual``, ``[P', M]`` fp32 partial sums of squares
-        of ``y``'s rows (one per block of its columns), else None.
+        :class:`DecodeLinearOutput` ``(y, sumsq, scaled)``.
 
     Example:
         >>> x, w = torch.ones(2, 4), torch.eye(4)
@@ -192,6 +209,17 @@ def decode_linear(
             f"residual must be [{m}, {width}] {x.dtype} on {x.device}, got {tuple(residual.shape)} "
             f"{residual.dtype} on {residual.device}"
         )
+    if next_norm_weight is not None and (
+        residual is None
+        or tuple(next_norm_weight.shape) != (width,)
+        or next_norm_weight.dtype != x.dtype
+        or next_norm_weight.device != x.device
+    ):
+        raise ValueError(
+            f"next_norm_weight needs residual and must be [{width}] {x.dtype} on {x.device}, got "
+            f"{tuple(next_norm_weight.shape)} {next_norm_weight.dtype} on {next_norm_weight.device}"
+            + ("" if residual is not None else " (no residual)")
+        )
     if sumsq is not None and (
         sumsq.dim() != 2 or sumsq.shape[1] != m or sumsq.dtype != torch.float32 or sumsq.device != x.device
     ):
@@ -206,6 +234,7 @@ def decode_linear(
     if sumsq is not None and not sumsq.is_contiguous():
         sumsq = sumsq.contiguous()
     y = torch.empty(m, width, dtype=x.dtype, device=x.device)
+    scaled = torch.empty_like(y) if next_norm_weight is not None else None
     n_blocks = triton.cdiv(width, cfg.block_n)
     sumsq_out = torch.empty(n_blocks, m, device=x.device) if residual is not None else None
     split = cfg.split_k
@@ -225,6 +254,8 @@ def decode_linear(
         residual if residual is not None else x,
         sumsq if sumsq is not None else y,
         sumsq_out if sumsq_out is not None else y,
+        next_norm_weight if next_norm_weight is not None else y,
+        scaled if scaled is not None else y,
         parts,
         counters,
         m,
@@ -243,6 +274,7 @@ def decode_linear(
         SPLIT=split,
         NORM=sumsq is not None,
         RESIDUAL=residual is not None,
+        SCALED=next_norm_weight is not None,
         SWIGLU=swiglu,
         HAS_BIAS=bias is not None,
         UPCAST=_interpreting(),
@@ -251,7 +283,7 @@ def decode_linear(
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return y, sumsq_out
+    return DecodeLinearOutput(y, sumsq_out, scaled)
 
 
 def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> DecodeLinearConfig:
@@ -302,6 +334,8 @@ if triton is not None:
         Res,
         SqIn,
         SqOut,
+        NormW,
+        Scaled,
         Parts,
         Counters,
         M,
@@ -320,6 +354,7 @@ if triton is not None:
         SPLIT: tl.constexpr,
         NORM: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        SCALED: tl.constexpr,
         SWIGLU: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
@@ -396,6 +431,8 @@ if triton is not None:
                     Res,
                     SqIn,
                     SqOut,
+                    NormW,
+                    Scaled,
                     M,
                     N,
                     K,
@@ -406,6 +443,7 @@ if triton is not None:
                     BLOCK_P,
                     NORM,
                     RESIDUAL,
+                    SCALED,
                     SWIGLU,
                     HAS_BIAS,
                 )
@@ -423,6 +461,8 @@ if triton is not None:
                 Res,
                 SqIn,
                 SqOut,
+                NormW,
+                Scaled,
                 M,
                 N,
                 K,
@@ -433,6 +473,7 @@ if triton is not None:
                 BLOCK_P,
                 NORM,
                 RESIDUAL,
+                SCALED,
                 SWIGLU,
                 HAS_BIAS,
             )
@@ -459,6 +500,8 @@ if triton is not None:
         Res,
         SqIn,
         SqOut,
+        NormW,
+        Scaled,
         M,
         N,
         K,
@@ -469,6 +512,7 @@ if triton is not None:
         BLOCK_P: tl.constexpr,
         NORM: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        SCALED: tl.constexpr,
         SWIGLU: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
@@ -498,4 +542,9 @@ if triton is not None:
             out = (res.to(tl.float32) + out.to(tl.float32)).to(dtype)
             out32 = tl.where(tile, out.to(tl.float32), 0.0)
             tl.store(SqOut + pid_n * M + rows, tl.sum(out32 * out32, axis=1), mask=row_in)
+            if SCALED:
+                w = tl.load(NormW + cols, mask=col_in, other=0.0).to(tl.float32)
+                tl.store(
+                    Scaled + rows[:, None] * N + cols[None, :], (out32 * w[None, :]).to(dtype), mask=tile
+                )
         tl.store(Y + rows[:, None] * N + cols[None, :], out, mask=tile)

@@ -288,12 +288,14 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b, gate_up_w, gate_up_b = self._fused[i]
-            qkv, _ = decode_linear(h, qkv_w, qkv_b, sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon)
+            qkv, _, _ = decode_linear(
+                h, qkv_w, qkv_b, sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon
+            )
             out = attend(i, layer, *self._split_qkv(qkv[:, None]))  # [B, 1, H * d]
-            h, sumsq = decode_linear(
+            h, sumsq, _ = decode_linear(
                 out.view(h.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias, residual=h
             )
-            act, _ = decode_linear(
+            act, _, _ = decode_linear(
                 h,
                 gate_up_w,
                 gate_up_b,
@@ -301,7 +303,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
                 eps=layer.post_attention_layernorm.variance_epsilon,
                 swiglu=True,
             )
-            h, sumsq = decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+            h, sumsq, _ = decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
         head = self.lm_head
         return decode_linear(self._rms_norm(h, self.body.norm), head.weight, head.bias)[0]
 
@@ -392,7 +394,8 @@ class HFRolloutEngine(CachedRolloutEngine):
             :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
             :func:`~ppo_core.rollout.decode_linear.decode_linear`: residual adds, RMSNorms and SiLU x up in the
             products' epilogues (its roundings: see that module). The norms' weights are folded into the concatenated
-            q/k/v and gate/up weights as they are copied, so it costs no memory beyond ``fuse_projections``.
+            q/k/v and gate/up weights as they are copied, so it costs no memory beyond ``fuse_projections``. None:
+            wherever it applies (the fused path with ``fuse_projections``, no ``batch_invariant``, a CUDA model).
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -404,7 +407,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         fast_path: bool | None = None,
         fuse_projections: bool = True,
         batch_invariant: bool = False,
-        fused_decode: bool = False,
+        fused_decode: bool | None = None,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -429,7 +432,10 @@ class HFRolloutEngine(CachedRolloutEngine):
                 "batch_invariant=True needs the Llama-family fused path (fast_path); "
                 f"{type(model).__name__} runs through its own forward"
             )
-        if fused_decode and (not self.fast_path or not fuse_projections or batch_invariant):
+        applies = self.fast_path and fuse_projections and not batch_invariant
+        if fused_decode is None:
+            fused_decode = applies and next(model.parameters()).device.type == "cuda"
+        elif fused_decode and not applies:
             raise ValueError(
                 "fused_decode=True needs the Llama-family fused path with fuse_projections=True and "
                 "batch_invariant=False"

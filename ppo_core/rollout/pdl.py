@@ -8,10 +8,11 @@ before reading anything it produced; a kernel signals (``gdc_launch_dependents``
 that the next one can be scheduled. CUDA graphs capture these launches with their programmatic edges.
 
 Every kernel that takes part must wait before its first dependent read and before its first write, which the
-kernels of :mod:`ppo_core.rollout.decode_linear` and :mod:`ppo_core.rollout.decode_rotary_attention` do.
-``PPO_CORE_PDL=1`` turns it on; it is off by default because on one H200 its effect on a decode step (1% faster to
-9% slower in three calls) stayed within the spread between runs (the kernels launch as usual then, with the same
-results).
+kernels of :mod:`ppo_core.rollout.decode_linear` and :mod:`ppo_core.rollout.decode_rotary_attention` do. On by
+default where supported: on one H200 a chain of the decode products of 16 layers took 50 us a layer with it against
+55 without, and the HF engine's B = 64 rollout ran at 35,500 new tokens/s against 33,300 (same call). The cuBLAS path
+(``fused_decode=False``) gains nothing from it (its products do not take part). ``PPO_CORE_PDL=0`` turns it off (the
+kernels then launch as usual, with the same results).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ __all__ = ["pdl_enabled"]
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether the decode kernels launch with PDL on ``device``: ``PPO_CORE_PDL=1``, CUDA of compute capability
-    >= 9, a Triton that has grid dependency control, not the interpreter."""
-    if device.type != "cuda" or os.environ.get("PPO_CORE_PDL", "0") != "1":
+    """Whether the decode kernels launch with PDL on ``device``: CUDA of compute capability >= 9, a Triton that has
+    grid dependency control, not the interpreter, and not turned off by ``PPO_CORE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("PPO_CORE_PDL", "1") == "0":
         return False
     if _interpreting():
         return False

@@ -57,7 +57,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, device: st
 def test_contract_norm_epilogue_is_the_models_norm_then_the_product(dtype) -> None:
     x, w, b, sq, _ = _inputs(5, 24, 40, dtype, "cpu", 0, norm=True, bias=True)
     nw = (1 + 0.2 * torch.randn(40, generator=torch.Generator().manual_seed(9))).to(dtype)
-    y, none = decode_linear_reference(x, fold_norm_weight(w, nw), b, sumsq=sq, eps=1e-5)
+    y, none, _ = decode_linear_reference(x, fold_norm_weight(w, nw), b, sumsq=sq, eps=1e-5)
     assert none is None
     want = F.linear(rms_norm_as_model(x, nw, 1e-5).float(), w.float(), b.float())
     tol = 1e-5 if dtype == torch.float32 else 4 * 2.0**-7
@@ -66,14 +66,22 @@ def test_contract_norm_epilogue_is_the_models_norm_then_the_product(dtype) -> No
 
 def test_contract_residual_epilogue_is_the_models_add_and_its_statistics() -> None:
     x, w, b, _, r = _inputs(4, 16, 24, torch.bfloat16, "cpu", 1, residual=True, bias=True)
-    y, sq = decode_linear_reference(x, w, b, residual=r)
+    y, sq, _ = decode_linear_reference(x, w, b, residual=r)
     assert torch.equal(y, r + F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
     assert torch.equal(sq, y.float().square().sum(-1))
 
 
+def test_contract_scaled_copy_is_the_new_residual_times_the_next_norm_weight() -> None:
+    x, w, b, _, r = _inputs(4, 16, 24, torch.bfloat16, "cpu", 2, residual=True, bias=True)
+    nw = torch.linspace(0.5, 2.0, 16).to(torch.bfloat16)
+    y, _, scaled = decode_linear_reference(x, w, b, residual=r, next_norm_weight=nw)
+    assert torch.equal(scaled, y * nw)
+    assert decode_linear_reference(x, w, b, residual=r).scaled is None
+
+
 def test_contract_swiglu_rounds_as_the_model() -> None:
     x, w, b, _, _ = _inputs(4, 32, 16, torch.bfloat16, "cpu", 1, bias=True)
-    y, _ = decode_linear_reference(x, w, b, swiglu=True)
+    y, _, _ = decode_linear_reference(x, w, b, swiglu=True)
     gate, up = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16).chunk(2, dim=-1)
     assert torch.equal(y, silu_mul_as_model(gate, up))
 
@@ -104,15 +112,23 @@ def test_kernel_equals_the_contract(device, m, n, k, flags, split, dtype, seed) 
         m, n, k, dtype, device, seed, norm=norm, residual=residual, bias=bias, swiglu=swiglu
     )
     cfg = DecodeLinearConfig(block_n=16, block_k=32, split_k=split)
-    y, sq_out = decode_linear(x, w, b, sumsq=sq, eps=1e-5, residual=r, swiglu=swiglu, config=cfg)
-    want_y, _ = decode_linear_reference(x, w, b, sumsq=sq, eps=1e-5, residual=r, swiglu=swiglu)
+    gen = torch.Generator().manual_seed(seed + 1)
+    width = n // 2 if swiglu else n
+    nw = (1 + torch.randn(width, generator=gen)).to(dtype).to(device) if residual else None
+    kw = {"sumsq": sq, "eps": 1e-5, "residual": r, "swiglu": swiglu, "next_norm_weight": nw}
+    y, sq_out, scaled = decode_linear(x, w, b, config=cfg, **kw)
+    want_y, _, _ = decode_linear_reference(x, w, b, **kw)
     assert y.shape == want_y.shape and y.dtype == dtype
     _close(y, want_y, dtype, device)
-    if residual:  # the statistics of the output the kernel wrote, one partial sum per column block
+    if residual:  # the statistics and the scaled copy of the output the kernel wrote
         assert sq_out.shape == (-(-y.shape[1] // 16), m)
         torch.testing.assert_close(sq_out.sum(0), y.float().square().sum(-1), rtol=1e-5, atol=1e-5)
+        if dtype == torch.bfloat16 and device == "cpu":  # the interpreter truncates to bf16: one step
+            torch.testing.assert_close(scaled.float(), (y * nw).float(), atol=0, rtol=2.0**-7)
+        else:  # one rounding of the exact product, as torch's multiply
+            assert torch.equal(scaled, y * nw)
     else:
-        assert sq_out is None
+        assert sq_out is None and scaled is None
 
 
 @kernel
@@ -135,13 +151,15 @@ def test_strided_rows_and_refused_arguments(device) -> None:
     x, w, _, sq, r = _inputs(6, 32, 64, torch.bfloat16, device, 4, norm=True, residual=True)
     wide = torch.zeros(6, 80, dtype=x.dtype, device=device)
     wide[:, :64] = x
-    y, _ = decode_linear(wide[:, :64], w, sumsq=sq, residual=r)
-    want_y, _ = decode_linear_reference(x, w, sumsq=sq, residual=r)
+    y, _, _ = decode_linear(wide[:, :64], w, sumsq=sq, residual=r)
+    want_y, _, _ = decode_linear_reference(x, w, sumsq=sq, residual=r)
     _close(y, want_y, torch.bfloat16, device)
     with pytest.raises(ValueError, match="even number"):
         decode_linear(x, w[:31], swiglu=True)
     with pytest.raises(ValueError, match="residual must be"):
         decode_linear(x, w, residual=r[:, :3])
+    with pytest.raises(ValueError, match="next_norm_weight needs residual"):
+        decode_linear(x, w, next_norm_weight=torch.ones(w.shape[0], dtype=x.dtype, device=x.device))
     with pytest.raises(ValueError, match="sumsq must be"):
         decode_linear(x, w, sumsq=sq.double())
 
@@ -169,10 +187,61 @@ def test_engine_fused_decode_matches_the_default_engine(device) -> None:
     mask = torch.ones_like(prompts)
     mask[0, :2] = 0
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0)
-    want = HFRolloutEngine(lm).generate(prompts, mask, sampling)
-    got = HFRolloutEngine(lm, fused_decode=True).generate(prompts, mask, sampling)
+    want = HFRolloutEngine(lm, fused_decode=False).generate(prompts, mask, sampling)
+    fused = HFRolloutEngine(lm, fused_decode=True)
+    got = fused.generate(prompts, mask, sampling)
+    assert fused._forward.fused_decode and (HFRolloutEngine(lm)._forward.fused_decode is (device == "cuda"))
     assert torch.equal(got["responses"], want["responses"])
     torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=2e-3, rtol=0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 with Triton")
+def test_megatron_engine_fused_decode_matches_its_unfused_forward(cpu_megatron) -> None:
+    """The megatron engine's decode steps through ``decode_linear`` (the residual epilogue writing the next norm's
+    input, no weight copied) draw the greedy tokens of its unfused forward, with log-probs within fp16 roundings."""
+    pytest.importorskip("megatron.core")
+    from _megatron import random_hf_state, tiny_config
+
+    from ppo_core.rollout.sampling import SamplingConfig
+    from ppo_core.workers.megatron import ParallelConfig
+    from ppo_core.workers.megatron.hf_loading import hf_to_megatron
+    from ppo_core.workers.megatron.model import build_gpt_model
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    for shape in ({}, {"num_query_groups": 1, "tie_word_embeddings": True, "qkv_bias": True}):
+        cfg = tiny_config(dtype="float16", hidden_size=64, ffn_hidden_size=96, **shape)
+        model = build_gpt_model(cfg, ParallelConfig()).eval()
+        state = hf_to_megatron(random_hf_state(cfg, 2), cfg, tp_rank=0, tp_size=1)
+        model.load_state_dict(state, strict=False)
+        gen = torch.Generator().manual_seed(1)
+        prompts = torch.randint(1, 70, (3, 6), generator=gen)
+        mask = torch.ones_like(prompts)
+        mask[0, :2] = 0
+        sampling = SamplingConfig(max_new_tokens=6, temperature=0.0)
+        assert not MegatronRolloutEngine(model, cfg).fused_decode  # on by default on CUDA only
+        want = MegatronRolloutEngine(model, cfg, fused_decode=False).generate(prompts, mask, sampling)
+        fused = MegatronRolloutEngine(model, cfg, fused_decode=True)
+        calls = []
+        step = fused._own._decode_step
+        fused._own._decode_step = lambda *a, calls=calls, step=step: (calls.append(1), step(*a))[1]
+        got = fused.generate(prompts, mask, sampling)
+        assert len(calls) == sampling.max_new_tokens - 1  # every decode step took the fused path
+        assert torch.equal(got["responses"], want["responses"])
+        torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=3e-3, rtol=0)
+
+
+def test_megatron_engine_refuses_fused_decode_without_its_own_forward_or_with_tp(cpu_megatron) -> None:
+    pytest.importorskip("megatron.core")
+    from _megatron import tiny_config
+
+    from ppo_core.workers.megatron import ParallelConfig
+    from ppo_core.workers.megatron.model import build_gpt_model
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    cfg = tiny_config()
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    with pytest.raises(ValueError, match="fused_decode=True needs the engine's own forward"):
+        MegatronRolloutEngine(model, cfg, own_forward=False, fused_decode=True)
 
 
 def test_engine_refuses_fused_decode_with_batch_invariance() -> None:
@@ -203,15 +272,15 @@ def test_cuda_graph_replays_split_k_with_fresh_inputs() -> None:
     decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, sq_out = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+        y, sq_out, _ = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
     for seed in range(3):
         fresh = _inputs(*shapes, 10 + seed, norm=True, residual=True, bias=True)
         for buf, new in zip((x, sq, r), (fresh[0], fresh[3], fresh[4]), strict=True):
             buf.copy_(new)
         graph.replay()
-        want_y, want_sq = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
+        want_y, want_sq, _ = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
         assert torch.equal(y, want_y) and torch.equal(sq_out, want_sq)
-        ref_y, _ = decode_linear_reference(x, w, b, sumsq=sq, residual=r)
+        ref_y, _, _ = decode_linear_reference(x, w, b, sumsq=sq, residual=r)
         _close(y, ref_y, torch.bfloat16, "cuda")
 
 

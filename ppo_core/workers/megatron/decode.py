@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.eager_rounding import silu_mul_as_model
 from ppo_core.rollout.kv_cache import KVCache
@@ -138,7 +139,13 @@ class MegatronDecodeForward(DecoderLayerLoop):
     """
 
     def __init__(
-        self, module: nn.Module, config: MegatronModelConfig, *, tp_group: Any = None, tp_size: int = 1
+        self,
+        module: nn.Module,
+        config: MegatronModelConfig,
+        *,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        fused_decode: bool = False,
     ) -> None:
         reason = own_forward_unsupported(module, config)
         if reason is not None:
@@ -156,6 +163,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self._swiglu = silu_mul if tc.bias_activation_fusion else silu_mul_as_model
         # per layer: q/k/v weight [(H + 2G) d, D] and bias (None without) in [q; k; v] row order
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.fused_decode = bool(fused_decode) and tp_size == 1
 
     def refresh(self) -> None:
         """(Re)lay out every layer's q/k/v weight and bias from the current ones as ``[q; k; v]`` rows, in place
@@ -180,6 +188,69 @@ class MegatronDecodeForward(DecoderLayerLoop):
     def free(self) -> None:
         """Drop the re-laid out q/k/v weights."""
         self._qkv = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.batch_invariant = False
+        h = self._embed(input_ids)  # [B, S, D]
+        b, s = input_ids.shape
+        if self.fused_decode and s == 1 and self._qkv is not None and self._decode_linear_fits(h.view(b, -1)):
+            return self._decode_step(h.view(b, -1), positions, cache)
+        return self._forward(h, positions, cache)
+
+    def _decode_linear_fits(self, x: torch.Tensor) -> bool:
+        """Whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear`` (Triton on CUDA,
+        ``B <= 64``, half precision; contiguous weights and norm weights of ``x``'s dtype)."""
+        if not decode_linear_available(x, self._qkv[0][0]):
+            return False
+        tensors = [self._output_weight(), self._final_norm().weight]
+        for layer, (qkv, _) in zip(self.layers, self._qkv, strict=True):
+            mlp = layer.mlp
+            tensors += [
+                qkv,
+                layer.self_attention.linear_proj.weight,
+                mlp.linear_fc1.weight,
+                mlp.linear_fc2.weight,
+            ]
+            tensors += [layer.input_layernorm.weight, layer.pre_mlp_layernorm.weight]
+        return all(t.is_contiguous() and t.dtype == x.dtype for t in tensors)
+
+    def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A decode step (``h [B, D]``, one token per row, TP = 1) through
+        :func:`~ppo_core.rollout.decode_linear.decode_linear`: each residual add in the epilogue of the product
+        before it, which also writes the new residual times the next norm's weight (the next product's input: no
+        weight is copied) and its sums of squares; the norm's row scale in the epilogue of the product after it;
+        SiLU x up in the epilogue of ``linear_fc1``; the final norm in the output layer's epilogue. Five launches a
+        layer with the rotation and attention; roundings as documented in
+        :mod:`~ppo_core.rollout.decode_linear` (the norm scales the product rather than its input)."""
+        attend = self._attention(h[:, None], positions, cache)
+        b = h.shape[0]
+        first = self.layers[0].input_layernorm
+        sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
+        x = h * first.weight  # the first norm's input, its weight applied (rounded)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attention, layer.mlp
+            qkv = decode_linear(x, *self._qkv[i], sumsq=sumsq, eps=layer.input_layernorm.eps).y
+            out = attend(i, layer, *split_qkv(qkv[:, None], self.heads, self.groups, self.head_dim))
+            post = layer.pre_mlp_layernorm
+            h, sumsq, x = decode_linear(
+                out.view(b, -1), attn.linear_proj.weight, residual=h, next_norm_weight=post.weight
+            )
+            act = decode_linear(x, mlp.linear_fc1.weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self._final_norm()
+            h, sumsq, x = decode_linear(
+                act, mlp.linear_fc2.weight, residual=h, next_norm_weight=following.weight
+            )
+        logits = decode_linear(x, self._output_weight(), sumsq=sumsq, eps=self._final_norm().eps).y
+        return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
+
+    def _final_norm(self) -> FusedNorm:
+        return self.module.decoder.final_layernorm
+
+    def _output_weight(self) -> torch.Tensor:
+        module = self.module
+        if module.share_embeddings_and_output_weights:
+            return module.shared_embedding_or_output_weight()
+        return module.output_layer.weight
 
     @staticmethod
     def _qkv_parameters(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -250,11 +321,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
         return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2)
 
     def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
-        module = self.module
-        _, last = self._add_rms_norm(h_last, delta_last, module.decoder.final_layernorm)  # [B, D]
-        if module.share_embeddings_and_output_weights:
-            weight = module.shared_embedding_or_output_weight()
-        else:
-            weight = module.output_layer.weight
-        logits = self._linear(last, weight, None)  # [B, V_p / TP], model dtype (sampling reads it in fp32)
+        _, last = self._add_rms_norm(h_last, delta_last, self._final_norm())  # [B, D]
+        logits = self._linear(
+            last, self._output_weight(), None
+        )  # [B, V_p / TP], model dtype (sampling reads it in fp32)
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)

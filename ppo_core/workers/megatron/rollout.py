@@ -68,6 +68,10 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         own_forward: decode with :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward` (True), or with
             megatron's ``GPTModel.forward`` (False); None: the former unless ``batch_invariant`` or the model is
             one it does not evaluate (:func:`~ppo_core.workers.megatron.decode.own_forward_unsupported`).
+        fused_decode: with the own forward at TP = 1, run the products of decode steps of up to
+            :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
+            :func:`~ppo_core.rollout.decode_linear.decode_linear` (residual adds, RMSNorms and SiLU x up in their
+            epilogues; five launches a layer); None: wherever that holds.
         cuda_graphs, kv_bucket, check_every, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -81,6 +85,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         tp_size: int = 1,
         batch_invariant: bool = False,
         own_forward: bool | None = None,
+        fused_decode: bool | None = None,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -122,10 +127,23 @@ class MegatronRolloutEngine(CachedRolloutEngine):
                 f"own_forward=True but MegatronDecodeForward cannot evaluate this model: {unsupported}"
             )
         self.own_forward = bool(own_forward)
-        self._own = (
-            MegatronDecodeForward(module, config, tp_group=tp_group, tp_size=tp_size) if own_forward else None
-        )
         device = next(module.parameters()).device
+        if fused_decode is None:
+            fused_decode = self.own_forward and tp_size == 1 and device.type == "cuda"
+        elif fused_decode and (not self.own_forward or tp_size > 1):
+            raise ValueError(
+                "fused_decode=True needs the engine's own forward (own_forward) and tp_size = 1 (the residual add "
+                f"follows the all-reduce of a row-parallel product); got own_forward={self.own_forward}, "
+                f"tp_size={tp_size}"
+            )
+        self.fused_decode = bool(fused_decode)
+        self._own = (
+            MegatronDecodeForward(
+                module, config, tp_group=tp_group, tp_size=tp_size, fused_decode=self.fused_decode
+            )
+            if own_forward
+            else None
+        )
         spec = ModelSpec(
             layers=config.num_layers,
             kv_heads=config.kv_heads // tp_size,
