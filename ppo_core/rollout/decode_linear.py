@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core.rollout.pdl import pdl_enabled
 
@@ -66,6 +67,8 @@ __all__ = [
     "decode_linear_available",
     "decode_linear_reference",
     "fold_norm_weight",
+    "row_sumsq",
+    "row_sumsq_scaled",
 ]
 
 MAX_ROWS = 64
@@ -120,6 +123,20 @@ def fold_norm_weight(
     """``W diag w``: the weight ``[N, K]`` of a product that follows an RMSNorm with weight ``w [K]``, each column
     scaled by the norm's weight and rounded to the weight's dtype (written into ``out`` when given)."""
     return torch.mul(weight, norm_weight.to(weight.dtype), out=out)
+
+
+@cuda_compiled
+def row_sumsq(h: torch.Tensor) -> torch.Tensor:
+    """``[1, M]`` fp32 sums of squares of the rows of ``h [M, K]``: the ``sumsq`` of the first normed product of a
+    decode step (later ones get theirs from the residual epilogue). One kernel on CUDA."""
+    return h.float().square().sum(-1)[None]
+
+
+@cuda_compiled
+def row_sumsq_scaled(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_sumsq` and ``h * weight`` rounded to ``h``'s dtype (``weight [K]``): the first normed product's
+    statistics and input where the norm's weight is not folded into it. One kernel on CUDA."""
+    return h.float().square().sum(-1)[None], h * weight
 
 
 def decode_linear_reference(

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight, row_sumsq
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
@@ -146,6 +146,8 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             else set()
         )
         self._ones: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # (cache length, device, dtype) and cos | sin [L, 2d] of every position of the cache (made by the prefill)
+        self._rotary_table: tuple[tuple | None, torch.Tensor | None] = (None, None)
 
     def refresh(self) -> None:
         """(Re)build the concatenated weights from the model's current ones, in place when they exist (a kept
@@ -166,8 +168,9 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         self._fused = layers
 
     def free(self) -> None:
-        """Drop the concatenated weights."""
+        """Drop the concatenated weights and the rotary table."""
         self._fused = None
+        self._rotary_table = (None, None)
 
     def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
         """``norm``'s weight, or ones when :meth:`refresh` folded it into the product after it (multiplying by one
@@ -239,11 +242,30 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(input_ids)
 
+    def _rotary(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own rotary tables at ``positions [B, S]``, in its dtype as its forward uses them: ``cos``,
+        ``sin`` ``[B, S, d]``. The prefill also tabulates every position of the cache once (the model's module on
+        ``0 .. L - 1``: each entry is computed from its position alone, so it is the same bits), and a decode step
+        gathers its rows from that table (one kernel instead of about ten)."""
+        rotary = self.body.rotary_emb
+        like = torch.empty(0, device=h.device, dtype=h.dtype)  # the module reads only its device and dtype
+        # rope types whose frequencies depend on the longest position seen are computed per call
+        static = "dynamic" not in rotary.rope_type and rotary.rope_type != "longrope"
+        key = (cache.length, h.device, h.dtype)
+        if positions.shape[1] > 1:
+            if static and self._rotary_table[0] != key:
+                cos, sin = rotary(like, torch.arange(cache.length, device=h.device)[None])
+                self._rotary_table = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2d]
+        elif static and self._rotary_table[0] == key:
+            rows = self._rotary_table[1][positions]  # [B, 1, 2d]
+            return rows.chunk(2, dim=-1)
+        return rotary(like, positions)
+
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
         b, s = positions.shape
-        # the model's own rotary tables, in its dtype as its forward uses them (the module reads only the device and
-        # dtype of its first input)
-        cos, sin = self.body.rotary_emb(torch.empty(0, device=h.device, dtype=h.dtype), positions)
+        cos, sin = self._rotary(h, positions, cache)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
         cos_bhsd, sin_bhsd = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, 1, S, d], against [B, H, S, d]
 
@@ -284,7 +306,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         launches a layer with the rotation and attention."""
         attend = self._attention(h, positions, cache)
         h = h.view(h.shape[0], -1)  # [B, D]
-        sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
+        sumsq = row_sumsq(h)  # [1, B]: the first norm's statistics
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b, gate_up_w, gate_up_b = self._fused[i]

@@ -271,6 +271,36 @@ def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
     assert kept.decoder._state is None
 
 
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "dynamic_rope"])
+def test_decode_steps_gather_the_models_rotary_tables_from_the_prefills_table(kind):
+    """The prefill tabulates every position of the cache with the model's rotary module; a decode step's rows of
+    that table are the bits the module gives for those positions. Rope types whose frequencies depend on the
+    longest position seen (dynamic) are computed per step, never from a table; the table is dropped with the
+    concatenated weights."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    if kind == "dynamic_rope":
+        model = _hf("llama")
+        model.model.rotary_emb.rope_type = (
+            "dynamic"  # what the module consults for the kind of its frequencies
+        )
+    else:
+        model = _hf(kind)
+    forward = HFRolloutEngine(model)._forward
+    cache = KVCache.allocate(
+        layers=2, batch=3, kv_heads=2, head_dim=8, length=20, dtype=torch.float32, device="cpu"
+    )
+    h = torch.zeros(3, 5, 32)
+    forward._rotary(h, torch.arange(5).expand(3, 5), cache)  # a prefill
+    positions = torch.tensor([[19], [0], [7]])
+    got = forward._rotary(h[:, :1], positions, cache)
+    want = model.model.rotary_emb(h, positions)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert (forward._rotary_table[1] is None) is (kind == "dynamic_rope")
+    forward.free()
+    assert forward._rotary_table[1] is None
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q/k/v
 def test_fused_projections_match_separate_ones_and_follow_weight_updates(kind):
     """The concatenated q/k/v and gate/up weights give the separate projections' tokens and log-probs, are rebuilt

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, row_sumsq_scaled
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.eager_rounding import silu_mul_as_model
 from ppo_core.rollout.kv_cache import KVCache
@@ -225,8 +225,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
         attend = self._attention(h[:, None], positions, cache)
         b = h.shape[0]
         first = self.layers[0].input_layernorm
-        sumsq = h.float().square().sum(-1)[None]  # [1, B]: the first norm's statistics
-        x = h * first.weight  # the first norm's input, its weight applied (rounded)
+        # [1, B]: the first norm's statistics; its input, the weight applied (rounded)
+        sumsq, x = row_sumsq_scaled(h, first.weight)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attention, layer.mlp
             qkv = decode_linear(x, *self._qkv[i], sumsq=sumsq, eps=layer.input_layernorm.eps).y
