@@ -42,7 +42,6 @@ engines differ from a full recomputation on near-ties already); the batch-invari
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core.rollout.pdl import pdl_enabled
+from ppo_core.rollout.split_launch import arrival_counters, sm_count
 
 try:
     import triton
@@ -257,7 +257,7 @@ def decode_linear(
     split = cfg.split_k
     if split > 1:
         parts = torch.empty(split, 2 if swiglu else 1, block_m, n_blocks * cfg.block_n, device=x.device)
-        counters = _counters(x.device, n_blocks)
+        counters = arrival_counters(x.device, n_blocks)
     else:
         parts = counters = y  # unused
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -310,34 +310,13 @@ def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> D
     block_n = 128 if width >= 65536 else 64 if width > 4096 or k >= 4096 else 32
     block_k = 128
     n_blocks = -(-width // block_n)
-    want = _sm_count(device) // 2
+    want = sm_count(device) // 2
     split = 1
     while n_blocks * split < want and k // (2 * split) >= 4 * block_k:
         split *= 2
     # three stages of tiles, not four, fit the 227 KiB of shared memory with 128 columns or SwiGLU's two weights
     stages = 3 if block_n > 64 or swiglu else 4
     return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: choose as an H100/H200 would
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per column block, kept per device: the last program of a block resets
-    its counter, so they are zero between calls (and a captured CUDA graph reads the same buffer every replay).
-    Calls on one device must not run concurrently on two streams."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 if triton is not None:

@@ -3,20 +3,39 @@
 Unfused, a decode step on CUDA runs :func:`~ppo_core.rollout.decode_rotary.rotate_and_write_triton` (rotate the new
 query and key, write the key and value at the step's slot) and then
 :func:`~ppo_core.rollout.decode_attention.decode_attention_triton` (attend over the filled slots): two launches per
-layer, the second waiting on the first. Here one program per (row ``b``, key/value head ``g``):
+layer, the second waiting on the first. Here the programs of a (row ``b``, key/value head ``g``):
 
-1. rotates the group's ``H / G`` query heads and its new key by the row's ``cos``/``sin`` with the arithmetic of
+1. rotate the group's ``H / G`` query heads and its new key by the row's ``cos``/``sin`` with the arithmetic of
    :mod:`ppo_core.rollout.decode_rotary` (the same Triton function, both ``model_rounding`` rules);
-2. writes the rotated key and the value into the cache at ``slot`` (it is the only program of its ``(b, g)``, so
-   each cache row is written once);
-3. attends over the slots ``< min(kv_len, slot + 1)`` as :mod:`ppo_core.rollout.decode_attention`'s kernel does
+2. write the rotated key and the value into the cache at ``slot`` (one program of the ``(b, g)`` does, so each
+   cache row is written once);
+3. attend over the slots ``< n = min(kv_len, slot + 1)`` as :mod:`ppo_core.rollout.decode_attention`'s kernel does
    (same blocks, same online softmax), except that the new slot's key and value come from registers: the cache
-   loads skip that slot, so no program depends on seeing its own store (threads of one program are not ordered
-   between a store and a load without a barrier).
+   loads skip that slot, so no program depends on seeing a store (its own or another program's).
 
-Every value entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model
-dtype there by its store, here by the rotation itself), so the two paths give the same outputs and cache; the tests
-check it under ``TRITON_INTERPRET=1`` and on CUDA.
+**Split over the slots** (flash-decoding). With one program per ``(b, g)`` a step of 64 rows of Llama-3.2-1B (8
+key/value heads) is 512 programs, each walking its ~5 blocks of 64 slots one after the other: too few loads in
+flight to read the cache at the memory's bandwidth (2.4 of 4.2 TB/s on an H200). So the ``n`` slots are split into
+``S`` contiguous chunks of ``ceil(ceil(n / S) / BLOCK_L) * BLOCK_L`` slots, one program each (grid ``(B, G, S)``;
+the chunks are computed in the kernel from ``n``, since ``slot`` is a device scalar and the grid of a launch
+captured in a CUDA graph cannot depend on it; late chunks may be empty). Every program rotates the query itself
+(cheap); the program of split 0 writes the cache, and the program whose chunk holds ``slot`` takes the new key and
+value from its registers. Each program writes its partial online-softmax state to an fp32 workspace: running max
+``m_s [REP]``, sum ``l_s [REP]`` and unnormalised output ``acc_s [REP, d]`` (``m_s = -inf``, ``l_s = 0``,
+``acc_s = 0`` for an empty chunk). The partials are combined in the same launch: each program adds one to its
+``(b, g)``'s arrival counter (:func:`~ppo_core.rollout.split_launch.arrival_counters`), and the program that
+arrives last computes ``M = max_s m_s`` and ``out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s``, summing
+``s = 0, ..., S - 1`` in that order whichever program combines, so the result does not depend on the order of
+arrival (two calls give the same bits), and resets the counter to zero for the next call (or graph replay).
+
+With ``S = 1`` (the default where ``B G`` programs already fill the GPU) the kernel is the unsplit one: every value
+entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model dtype there
+by its store, here by the rotation itself), so the two paths give the same outputs and cache; the tests check it
+under ``TRITON_INTERPRET=1`` and on CUDA. With ``S > 1`` the scores are the same but the softmax is rescaled per
+chunk: the outputs differ from the unfused path's by the order of the fp32 sums and, in half precision, by the
+rounding of the probabilities to the model dtype before their product with the values (taken relative to the
+chunk's running maximum instead of the whole range's); the cache is the same. A row whose every attended slot is
+masked gives NaN, as the unsplit kernel (and SDPA) does.
 
 Shapes: ``q [B, H, 1, d]``, ``k``/``v [B, G, 1, d]`` (any strides, last dimension contiguous), ``cos``/``sin
 [B, d]``, cache ``keys``/``values [B, G, L, d]``, ``bias [B, 1, 1, kv_len]`` (additive, as for
@@ -30,6 +49,7 @@ import torch
 
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton_available
 from ppo_core.rollout.pdl import pdl_enabled
+from ppo_core.rollout.split_launch import arrival_counters, sm_count
 
 try:
     import triton
@@ -40,7 +60,7 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
-__all__ = ["rotate_write_attend_triton", "rotate_write_attend_triton_available"]
+__all__ = ["default_split", "rotate_write_attend_triton", "rotate_write_attend_triton_available"]
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -62,6 +82,8 @@ if triton is not None:
         Slot,
         Bias,
         Out,
+        Parts,
+        Counters,
         sq_b,
         sq_h,
         sk_b,
@@ -87,6 +109,7 @@ if triton is not None:
         BLOCK_L: tl.constexpr,
         MODEL_ROUNDING: tl.constexpr,
         PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:  # everything this program reads or writes comes after the previous kernel (its q/k/v)
@@ -94,6 +117,9 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
+        split = 0
+        if SPLIT > 1:
+            split = tl.program_id(2)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
         partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
@@ -116,8 +142,11 @@ if triton is not None:
         k_new = _rotary(tl.load(k_row + d), tl.load(k_row + partner), sign, cos, sin, MODEL_ROUNDING)
         k_new = k_new.to(KCache.dtype.element_ty)
         v_new = tl.load(V + b * sv_b + g * sv_g + d).to(VCache.dtype.element_ty)
-        tl.store(KCache + b * skc_b + g * skc_g + slot.to(tl.int64) * skc_l + d, k_new)
-        tl.store(VCache + b * svc_b + g * svc_g + slot.to(tl.int64) * svc_l + d, v_new)
+        # one program of the (row, group) writes them; with SPLIT = 1 the test is on a constant and compiles away
+        # (the sm_90 SASS of SPLIT = 1 is the unsplit kernel's, instruction for instruction)
+        if split == 0:
+            tl.store(KCache + b * skc_b + g * skc_g + slot.to(tl.int64) * skc_l + d, k_new)
+            tl.store(VCache + b * svc_b + g * svc_g + slot.to(tl.int64) * svc_l + d, v_new)
 
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
@@ -125,10 +154,16 @@ if triton is not None:
         k_base = KCache + b * skc_b + g * skc_g
         v_base = VCache + b * svc_b + g * svc_g
         n = tl.minimum(kv_len, slot + 1)  # nothing past the new slot is filled: do not read it
-        # The loop is decode_attention._decode_kernel's, line for line but for the new slot. It is not a shared
+        lo = 0
+        hi = n
+        if SPLIT > 1:  # this program's chunk: whole blocks, so the blocks are those of the unsplit loop
+            chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_L) * BLOCK_L
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, n)
+        # The loop is decode_attention._decode_kernel's, line for line but for the new slot and the chunk's bounds. It is not a shared
         # @triton.jit helper because inlining one changes that kernel's register allocation (checked on sm_90 SASS),
         # and the two-launch path must stay the code it was while the two are benchmarked against each other.
-        for start in range(0, n, BLOCK_L):
+        for start in range(lo, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
             new = slots == slot
@@ -151,8 +186,53 @@ if triton is not None:
             v = tl.where(new[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(Out + b * so_b + heads[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty), mask=q_ok)
+        if SPLIT > 1:
+            # publish this chunk's state; the last program of the (row, group) to arrive combines the SPLIT states
+            group = b * tl.num_programs(1) + g
+            row_ok = r < REP
+            record = REP * (D + 2)  # acc [REP, D], then m [REP], then l [REP]
+            part = Parts + (group * SPLIT + split) * record
+            tl.store(part + r[:, None] * D + d[None, :], acc, mask=q_ok)
+            tl.store(part + REP * D + r, m_i, mask=row_ok)
+            tl.store(part + REP * D + REP + r, l_i, mask=row_ok)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counters + group, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                first = Parts + group * SPLIT * record
+                m_all = tl.full([REP_PAD], float("-inf"), tl.float32)
+                for s in range(SPLIT):
+                    m_s = tl.load(
+                        first + s * record + REP * D + r,
+                        mask=row_ok,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    m_all = tl.maximum(m_all, m_s)
+                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)  # every slot masked: l stays 0, out NaN
+                l_all = tl.zeros([REP_PAD], tl.float32)
+                acc_all = tl.zeros([REP_PAD, D], tl.float32)
+                for s in range(SPLIT):  # in split order, whichever program arrived last: deterministic
+                    state = first + s * record
+                    m_s = tl.load(state + REP * D + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(state + REP * D + REP + r, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(
+                        state + r[:, None] * D + d[None, :], mask=q_ok, other=0.0, cache_modifier=".cg"
+                    )
+                    w = tl.exp(m_s - m_safe)  # 0 for an empty chunk or one with every slot masked
+                    l_all += w * l_s
+                    acc_all += w[:, None] * acc_s
+                tl.store(Counters + group, 0)  # zero again for the next launch
+                out = acc_all / l_all[:, None]
+                tl.store(
+                    Out + b * so_b + heads[:, None] * so_h + d[None, :],
+                    out.to(Out.dtype.element_ty),
+                    mask=q_ok,
+                )
+        else:
+            out = acc / l_i[:, None]
+            tl.store(
+                Out + b * so_b + heads[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty), mask=q_ok
+            )
 
 
 def rotate_write_attend_triton(
@@ -171,6 +251,7 @@ def rotate_write_attend_triton(
     block_l: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    split: int | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
     what :func:`~ppo_core.rollout.decode_rotary.rotate_and_write_triton` followed by
@@ -187,6 +268,8 @@ def rotate_write_attend_triton(
         scale: softmax scale (None: ``1 / sqrt(d)``).
         model_rounding: the rotation's rounding rule (see :mod:`ppo_core.rollout.decode_rotary`).
         block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton``.
+        split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
+            from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
 
     Returns:
         ``[B, H, 1, d]`` attention outputs in ``q``'s dtype.
@@ -214,13 +297,22 @@ def rotate_write_attend_triton(
         raise ValueError(f"cos and sin must share one layout, got strides {cos.stride()} and {sin.stride()}")
     if slot.numel() != 1:
         raise ValueError(f"slot must be a device scalar, got shape {tuple(slot.shape)}")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+        raise ValueError(f"split must be a positive int or None, got {split!r}")
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     bias2 = bias.reshape(b, -1) if bias.shape[0] == b else bias.reshape(1, -1).expand(b, -1)
     rep = h // g
+    if split is None:
+        split = default_split(b * g, kv_len, block_l, q.device)
+    if split > 1:
+        parts = torch.empty(b, g, split, rep * (d + 2), dtype=torch.float32, device=q.device)
+        counters = arrival_counters(q.device, b * g)
+    else:
+        parts = counters = out  # unused
     pdl = pdl_enabled(q.device)
-    _rotate_write_attend_kernel[(b, g)](
+    _rotate_write_attend_kernel[(b, g, split)](
         q,
         k,
         v,
@@ -231,6 +323,8 @@ def rotate_write_attend_triton(
         slot,
         bias2,
         out,
+        parts,
+        counters,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -256,9 +350,29 @@ def rotate_write_attend_triton(
         BLOCK_L=block_l,
         MODEL_ROUNDING=model_rounding,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT=split,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
+    """The split :func:`rotate_write_attend_triton` uses by default for ``programs = B G`` (row, key/value head)
+    pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
+    programs are at least four per SM (enough loads in flight to read the cache at the memory's bandwidth), but no
+    more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block of the
+    longest range). 1 where the ``(b, g)`` pairs alone are that many (e.g. 256 rows of 8 key/value heads).
+
+    Example:
+        >>> default_split(64 * 8, 384, 64, torch.device("cpu")), default_split(256 * 8, 384, 64, torch.device("cpu"))
+        (2, 1)
+    """
+    want = 4 * sm_count(device)
+    blocks = -(-kv_len // block_l)
+    split = 1
+    while programs * split < want and 2 * split <= blocks:
+        split *= 2
+    return split

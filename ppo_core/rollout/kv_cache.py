@@ -220,7 +220,10 @@ class KVCache:
         rule (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`): with :data:`FUSED_DECODE` (and the
         Triton decode attention not turned off by ``PPO_CORE_DECODE_ATTENTION=sdpa``), one launch rotates, writes
         the key and value into the cache and attends (:mod:`ppo_core.rollout.decode_rotary_attention`); otherwise
-        one rotates and writes, and the attention follows. Both give the same bits.
+        one rotates and writes, and the attention follows. Both write the same cache; their outputs are the same
+        bits unless the one launch splits each row's slots over several programs (few rows: see
+        :func:`~ppo_core.rollout.decode_rotary_attention.default_split`), which changes the order of the softmax's
+        fp32 sums (the outputs are still the same at every call).
 
         Args:
             layer, scale: as in :meth:`attend`.

@@ -21,6 +21,7 @@ from ppo_core.rollout.decode_linear import (
     fold_norm_weight,
 )
 from ppo_core.rollout.eager_rounding import rms_norm_as_model, silu_mul_as_model
+from ppo_core.rollout.split_launch import arrival_counters
 
 INTERPRET = dl.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and dl.triton is not None
@@ -140,7 +141,7 @@ def test_split_k_is_deterministic_and_resets_its_counters(device) -> None:
     for _ in range(3):
         again = decode_linear(x, w, b, sumsq=sq, residual=r, config=cfg)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    assert not dl._COUNTERS[x.device].any()
+    assert not arrival_counters(x.device, 1).any()
     single = decode_linear(x, w, b, sumsq=sq, residual=r, config=DecodeLinearConfig(block_n=16, block_k=32))
     _close(first[0], single[0], torch.float16, device)
 

@@ -1,6 +1,8 @@
 """The one-launch decode step (rotation + KV-cache write + attention) equals the two launches it replaces bit for bit:
 outputs and the written cache (``TRITON_INTERPRET=1`` on CPU where Triton is installed, and on CUDA under the
-``gpu`` marker, captured in a CUDA graph too)."""
+``gpu`` marker, captured in a CUDA graph too). Split over the slots (``split > 1``), it writes the same cache and
+gives the same outputs up to the order of the fp32 sums, the same bits at every call, and leaves its arrival
+counters zero."""
 
 from __future__ import annotations
 
@@ -13,16 +15,29 @@ from hypothesis import strategies as st
 from test_rollout_decode_rotary import _step as rotary_step
 
 from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
-from ppo_core.rollout.decode_attention import decode_attention_triton
-from ppo_core.rollout.decode_rotary import rotate_and_write_triton
-from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
+from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
+from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
 from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.rollout.split_launch import arrival_counters
 
 INTERPRET = decode_rotary_attention.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and decode_rotary_attention.triton is not None
 DEVICES = (["cpu"] if INTERPRET else []) + ([pytest.param("cuda", marks=pytest.mark.gpu)] if CUDA else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-pytestmark = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
+# the split's outputs differ from the unsplit kernel's by the order of fp32 sums and, in half precision, by the
+# rounding of the probabilities before their product with the values: a few steps of the output dtype at most
+SPLIT_TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 4 * 2.0**-10, "rtol": 4 * 2.0**-10},
+    torch.bfloat16: {"atol": 4 * 2.0**-7, "rtol": 4 * 2.0**-7},
+}
+# the interpreter's bf16 products are wrong (both kernels equally, so the bit-for-bit tests above still hold, but
+# not the tolerance of a split against the unsplit kernel): bf16 there only on CUDA
+SPLIT_DTYPES = [torch.float32, torch.float16] + (
+    [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)] if CUDA else []
+)
+kernel = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
 
 
 def _step(b: int, h: int, g: int, d: int, length: int, kv_len: int, slot: int, dtype, device, seed: int):
@@ -59,7 +74,18 @@ def _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding
     want_cache, got_cache = cache.clone(), cache.clone()
     want = _two_launches(q, k, v, cos, sin, want_cache, index, bias, 0.3, model_rounding, block_l)
     got = rotate_write_attend_triton(
-        q, k, v, cos, sin, *got_cache, index, bias, 0.3, model_rounding=model_rounding, block_l=block_l
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        *got_cache,
+        index,
+        bias,
+        0.3,
+        model_rounding=model_rounding,
+        block_l=block_l,
+        split=1,
     )
     assert got.isfinite().all()
     assert torch.equal(got, want)
@@ -80,6 +106,7 @@ CASES = [
 ]
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model_rounding", [False, True])
@@ -111,6 +138,7 @@ def test_one_launch_equals_the_two_for_random_shapes(
     _check_equal(b, g * rep, g, d, kv_len + 3, kv_len, slot, dtype, "cpu", model_rounding, block_l, seed)
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_shared_fp32_mask_row_is_read_as_the_two_launches_read_it(device) -> None:
     q, k, v, cos, sin, cache, bias = _step(3, 8, 2, 32, 30, 30, 20, torch.bfloat16, device, seed=5)
@@ -118,11 +146,14 @@ def test_a_shared_fp32_mask_row_is_read_as_the_two_launches_read_it(device) -> N
     index = torch.tensor(20, device=device)
     want_cache, got_cache = cache.clone(), cache.clone()
     want = _two_launches(q, k, v, cos, sin, want_cache, index, bias, None, False, 64)
-    got = rotate_write_attend_triton(q, k, v, cos, sin, *got_cache, index, bias, model_rounding=False)
+    got = rotate_write_attend_triton(
+        q, k, v, cos, sin, *got_cache, index, bias, model_rounding=False, split=1
+    )
     assert torch.equal(got, want)
     assert torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_inputs_are_named(device) -> None:
     q, k, v, cos, sin, cache, bias = _step(2, 4, 2, 16, 8, 8, 3, torch.float32, device, seed=2)
@@ -146,16 +177,18 @@ def test_bad_inputs_are_named(device) -> None:
         rotate_write_attend_triton(q[:, :3], k, v, cos, sin, *cache, slot, bias, model_rounding=False)
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_rounding", [False, True])
 def test_attend_rotated_gives_the_same_bits_fused_or_not(device, model_rounding, monkeypatch) -> None:
     """``KVCache.attend_rotated`` in a decode step, one launch (the default) or two (``FUSED_DECODE = False``):
-    same outputs, same cache."""
+    same outputs, same cache (at a shape the one launch does not split)."""
     if device == "cpu":  # the interpreter runs the kernels that the cache offers on CUDA only
         monkeypatch.setattr(kv_cache, "rotate_and_write_triton_available", lambda q: True)
         monkeypatch.setattr(decode_attention, "triton_available", lambda device: True)
     monkeypatch.delenv("PPO_CORE_DECODE_ATTENTION", raising=False)
     b, h, g, d, length, slot, kv_len = 3, 8, 2, 32, 24, 10, 16
+    assert default_split(b * g, kv_len, 64, torch.device(device)) == 1
     dtype = torch.bfloat16
     q, k, v, cos, sin, _, _ = _step(b, h, g, d, length, kv_len, slot, dtype, device, seed=9)
     if model_rounding:
@@ -200,11 +233,15 @@ def test_graph_replay_equals_the_two_launches(dtype, model_rounding) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile outside the capture
-        rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding)
+        rotate_write_attend_triton(
+            q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding, split=1
+        )
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding)
+        out = rotate_write_attend_triton(
+            q, k, v, cos, sin, *cache, slot, bias, model_rounding=model_rounding, split=1
+        )
     for step, at in enumerate([0, 63, 64, 200, 383]):
         q2, k2, v2, cos2, sin2, cache2, bias2 = _step(
             b, h, g, d, length, kv_len, at, dtype, "cuda", seed=step + 1
@@ -221,3 +258,203 @@ def test_graph_replay_equals_the_two_launches(dtype, model_rounding) -> None:
         want = _two_launches(q2, k2, v2, cos2, sin2, cache2, index, bias2, None, model_rounding, 64)
         assert torch.equal(out, want), f"slot {at}"
         assert torch.equal(cache.nan_to_num(7.0), cache2.nan_to_num(7.0)), f"slot {at}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (NaN equal to itself)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _check_split(
+    b, h, g, d, length, kv_len, slot, dtype, device, split, block_l, seed, masked_rows=(), scale=0.3
+) -> None:
+    """``split`` programs per (row, group) against the two launches (the unsplit kernel's bits): the same cache, the
+    outputs within :data:`SPLIT_TOLERANCE` (equal with ``split = 1``), NaN exactly on the rows whose every slot is
+    masked, the same bits on a second call, and the arrival counters zero after it."""
+    q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, slot, dtype, device, seed)
+    for row in masked_rows:
+        bias[row] = float("-inf")
+    index = torch.tensor(slot, device=device)
+    want_cache, got_cache, again_cache = cache.clone(), cache.clone(), cache.clone()
+    want = _two_launches(q, k, v, cos, sin, want_cache, index, bias, scale, False, block_l)
+    args = (q, k, v, cos, sin)
+    got = rotate_write_attend_triton(
+        *args, *got_cache, index, bias, scale, model_rounding=False, block_l=block_l, split=split
+    )
+    again = rotate_write_attend_triton(
+        *args, *again_cache, index, bias, scale, model_rounding=False, block_l=block_l, split=split
+    )
+    nan_rows = torch.zeros(b, dtype=torch.bool, device=device)
+    nan_rows[list(masked_rows)] = True
+    assert torch.equal(got.isnan().any(-1).any(-1).any(-1), nan_rows)
+    assert torch.equal(want.isnan(), got.isnan())
+    if split == 1:
+        assert torch.equal(_bits(got), _bits(want))
+    else:
+        torch.testing.assert_close(got, want, equal_nan=True, **SPLIT_TOLERANCE[dtype])
+    assert torch.equal(_bits(got), _bits(again))
+    assert torch.equal(got_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+    assert not arrival_counters(torch.device(device), 1).any()
+
+
+# (b, h, g, d, cache length, kv_len, slot, block_l, split): two and more chunks, the slot in the last chunk or in
+# the first (every later chunk empty), more splits than blocks, a split that does not divide the blocks
+SPLIT_CASES = [
+    (3, 8, 2, 64, 100, 96, 80, 16, 2),
+    (2, 4, 1, 32, 200, 200, 190, 16, 4),
+    (2, 8, 2, 32, 200, 160, 159, 16, 3),
+    (4, 16, 4, 64, 70, 64, 10, 16, 4),
+    (3, 12, 4, 16, 50, 48, 40, 16, 16),
+    (2, 4, 2, 16, 300, 256, 255, 64, 8),
+]
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+@pytest.mark.parametrize(("b", "h", "g", "d", "length", "kv_len", "slot", "block_l", "split"), SPLIT_CASES)
+def test_split_equals_the_unsplit_kernel_up_to_summation_order(
+    device, dtype, b, h, g, d, length, kv_len, slot, block_l, split
+) -> None:
+    _check_split(b, h, g, d, length, kv_len, slot, dtype, device, split, block_l, seed=b + slot)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [1, 2, 5])
+def test_a_row_with_every_slot_masked_gives_nan_split_or_not(device, split) -> None:
+    """As SDPA and the unsplit kernel do: no slot to attend, no output (and the other rows unaffected)."""
+    _check_split(4, 8, 2, 32, 80, 80, 70, torch.float32, device, split, 16, seed=3, masked_rows=(0, 2))
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("slot", "split"), [(20, 4), (150, 3), (159, 8)])
+def test_split_combines_scores_past_exp_range(device, slot, split) -> None:
+    """Scores of several hundred (``exp`` overflows fp32 past 88): each chunk's state is relative to its own
+    maximum and the combine rescales to the largest of them, empty chunks (``m = -inf``) included."""
+    _check_split(3, 8, 2, 32, 170, 160, slot, torch.float32, device, split, 16, seed=6, scale=60.0)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_equals_sdpa_over_the_written_cache(device) -> None:
+    """The split kernel against the reference attention (fp32, which the interpreter multiplies exactly): SDPA over
+    the cache written by the PyTorch contract of the rotation, the slots past the new one masked."""
+    b, h, g, d, length, kv_len, slot = 3, 8, 2, 32, 130, 128, 100
+    q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, slot, torch.float32, device, seed=4)
+    index = torch.tensor(slot, device=device)
+    got = rotate_write_attend_triton(
+        q, k, v, cos, sin, *cache.clone(), index, bias, model_rounding=False, block_l=16, split=4
+    )
+    want_cache = cache.clone()
+    q_rot = rotate_and_write(q, k, v, cos, sin, *want_cache, index, model_rounding=False)
+    filled = torch.arange(kv_len, device=device) <= slot
+    keys, values = (t[:, :, :kv_len].nan_to_num(0.0) for t in want_cache)
+    want = decode_attention_sdpa(q_rot, keys, values, bias.masked_fill(~filled, float("-inf")))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="random shapes under TRITON_INTERPRET=1 (the CPU)")
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 4),
+    g=st.integers(1, 3),
+    rep=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([16, 32]),
+    kv_len=st.integers(1, 150),
+    slot_from_end=st.integers(0, 150),
+    split=st.integers(1, 12),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    block_l=st.sampled_from([16, 32]),
+    masked_first_row=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_split_equals_the_unsplit_kernel_for_random_shapes(
+    b, g, rep, d, kv_len, slot_from_end, split, dtype, block_l, masked_first_row, seed
+) -> None:
+    """Any split (1: the same bits; more splits than blocks: empty chunks), the slot anywhere in the filled range
+    (so in the first chunk, the last or one between), a fully masked row or not."""
+    slot = max(kv_len - 1 - slot_from_end, 0)
+    masked_rows = (0,) if masked_first_row else ()
+    _check_split(b, g * rep, g, d, kv_len + 3, kv_len, slot, dtype, "cpu", split, block_l, seed, masked_rows)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_split_is_named(device) -> None:
+    q, k, v, cos, sin, cache, bias = _step(2, 4, 2, 16, 8, 8, 3, torch.float32, device, seed=2)
+    slot = torch.tensor(3, device=device)
+    for split in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="split must be a positive int"):
+            rotate_write_attend_triton(
+                q, k, v, cos, sin, *cache, slot, bias, model_rounding=False, split=split
+            )
+
+
+def test_default_split_fills_the_gpu_with_whole_blocks() -> None:
+    """Powers of two until ``B G S`` programs are four per SM (132 off CUDA), never more than the blocks of
+    ``kv_len``; 1 where the (row, group) pairs already are that many."""
+    cpu = torch.device("cpu")
+    assert default_split(64 * 8, 384, 64, cpu) == 2  # Llama-3.2-1B at B = 64: 1024 programs
+    assert default_split(256 * 8, 384, 64, cpu) == 1
+    assert default_split(8, 384, 64, cpu) == 4  # capped by the 6 blocks
+    assert default_split(8, 4096, 64, cpu) == 64
+    assert default_split(1, 64, 64, cpu) == 1
+    assert default_split(1, 65, 64, cpu) == 2
+    for programs in (1, 3, 48, 100, 527, 528, 4000):
+        for kv_len in (1, 63, 64, 200, 1000):
+            split = default_split(programs, kv_len, 64, cpu)
+            assert split & (split - 1) == 0 and split <= max(1, -(-kv_len // 64))
+            assert programs * split >= 4 * 132 or 2 * split > -(-kv_len // 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_graph_replay_equals_the_unsplit_kernel(dtype) -> None:
+    """At the benchmark's shape (64 rows of Llama-3.2-1B's heads, a bucket of 384 slots) the default split is > 1;
+    captured in a CUDA graph and replayed at other slots and inputs, it writes the unsplit kernel's cache and gives
+    its outputs within :data:`SPLIT_TOLERANCE`, the same bits on a second replay, its counters zero after each; and
+    every explicit split gives the same outputs eagerly."""
+    b, h, g, d, length, kv_len = 64, 32, 8, 64, 400, 384
+    assert default_split(b * g, kv_len, 64, torch.device("cuda")) > 1
+    q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, 100, dtype, "cuda", seed=0)
+    slot = torch.tensor(100, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=False)
+    for step, at in enumerate([0, 63, 64, 200, 319, 383]):
+        q2, k2, v2, cos2, sin2, cache2, bias2 = _step(
+            b, h, g, d, length, kv_len, at, dtype, "cuda", seed=step + 1
+        )
+        for static, new in zip(
+            (q, k, v, cos, sin, cache, bias), (q2, k2, v2, cos2, sin2, cache2, bias2), strict=True
+        ):
+            static.copy_(new)
+        slot.fill_(at)
+        graph.replay()
+        first = out.clone()
+        cache.copy_(cache2)
+        graph.replay()
+        assert torch.equal(_bits(out), _bits(first)), f"slot {at}"
+        assert not arrival_counters(out.device, 1).any()
+        index = torch.tensor(at, device="cuda")
+        unsplit_cache = cache2.clone()
+        want = rotate_write_attend_triton(
+            q2, k2, v2, cos2, sin2, *unsplit_cache, index, bias2, model_rounding=False, split=1
+        )
+        torch.testing.assert_close(
+            out, want, **SPLIT_TOLERANCE[dtype], msg=lambda m, at=at: f"slot {at}: {m}"
+        )
+        assert torch.equal(cache.nan_to_num(7.0), unsplit_cache.nan_to_num(7.0)), f"slot {at}"
+        for split in (2, 4, 8, 16):
+            eager = rotate_write_attend_triton(
+                q2, k2, v2, cos2, sin2, *cache2.clone(), index, bias2, model_rounding=False, split=split
+            )
+            torch.testing.assert_close(eager, want, **SPLIT_TOLERANCE[dtype])
