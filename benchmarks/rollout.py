@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
             }
         gc.collect()
         torch.cuda.empty_cache()
+        if args.out:  # what has run so far, in case a later method does not finish
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
     from transformers import __version__ as tf_version
 

@@ -100,10 +100,14 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
     }
 
 
-def _fused_attention_sweep(b: int = 64, filled: int = 320, length: int = 384, layers: int = 8) -> dict:
+def _fused_attention_sweep(
+    b: int = 64, filled: int = 320, length: int = 384, layers: int = 8, splits=(1, 2, 4, 8)
+) -> dict:
     """The one-launch rotation + cache write + attention of a decode step at ``filled`` slots, reading each layer's
-    cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes: us per call and the
-    cache bandwidth it reaches."""
+    cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes (slot blocks, warps,
+    stages) and splits of the slots: us per call and the cache bandwidth it reaches (``default_split``: the
+    split the kernel chooses)."""
+    from ppo_core.rollout.decode_rotary_attention import default_split
     from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
 
     h, g, d = 32, 8, 64
@@ -118,11 +122,15 @@ def _fused_attention_sweep(b: int = 64, filled: int = 320, length: int = 384, la
     slot = torch.tensor(filled - 1, device="cuda")
     bias = torch.zeros(b, 1, 1, length, device="cuda", dtype=torch.bfloat16)
     read_bytes = 2 * b * g * filled * d * 2
-    out = {"read_us_at_4.2tb": round(read_bytes / 4.2e6, 2)}
-    for block_l, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    out = {
+        "read_us_at_4.2tb": round(read_bytes / 4.2e6, 2),
+        "default_split": default_split(b * g, length, 64, torch.device("cuda")),
+    }
+    shapes = ((64, 4, 3), (32, 4, 3), (64, 4, 2), (32, 2, 3))
+    for (block_l, warps, stages), split in itertools.product(shapes, splits):
         i = iter(range(10**9))
 
-        def call(block_l=block_l, warps=warps, stages=stages, i=i):
+        def call(block_l=block_l, warps=warps, stages=stages, split=split, i=i):
             keys, values = caches[next(i) % layers]
             return rotate_write_attend_triton(
                 q,
@@ -138,16 +146,15 @@ def _fused_attention_sweep(b: int = 64, filled: int = 320, length: int = 384, la
                 block_l=block_l,
                 num_warps=warps,
                 num_stages=stages,
+                split=split,
             )
 
+        name = f"l{block_l}_w{warps}_s{stages}_split{split}"
         try:
             us = _graph_us(call, warmup=2, calls=2 * layers)
-            out[f"l{block_l}_w{warps}_s{stages}"] = {
-                "us": round(us, 2),
-                "tb_s": round(read_bytes / us / 1e6, 2),
-            }
+            out[name] = {"us": round(us, 2), "tb_s": round(read_bytes / us / 1e6, 2)}
         except Exception as exc:
-            out[f"l{block_l}_w{warps}_s{stages}"] = {"error": f"{type(exc).__name__}"}
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return out
 
 
@@ -268,7 +275,7 @@ def main() -> None:
         return
     if args.attention_sweep:
         result["fused_attention_b64"] = _fused_attention_sweep(64)
-        result["fused_attention_b256"] = _fused_attention_sweep(256, layers=2)
+        result["fused_attention_b256"] = _fused_attention_sweep(256, layers=2, splits=(1, 2))
         print(json.dumps(result, indent=1))
         save()
         return

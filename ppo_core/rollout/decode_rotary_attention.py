@@ -45,6 +45,8 @@ captured in a CUDA graph); output ``[B, H, 1, d]``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton_available
@@ -362,15 +364,22 @@ def rotate_write_attend_triton(
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
     """The split :func:`rotate_write_attend_triton` uses by default for ``programs = B G`` (row, key/value head)
     pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
-    programs are at least four per SM (enough loads in flight to read the cache at the memory's bandwidth), but no
-    more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block of the
-    longest range). 1 where the ``(b, g)`` pairs alone are that many (e.g. 256 rows of 8 key/value heads).
+    programs are at least two per SM (about what fits at once: a program takes ~195 registers a thread at four
+    warps), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
+    of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
+    Llama-3.2-1B (512 pairs, 320 filled slots, the cache read from HBM) ``S = 2`` took 21.9 us a call against
+    18.3 for ``S = 1`` (4: 25.9, 8: 34.3; ``benchmarks/results_h200_rollout_split_attention.json``), so the split
+    is for few rows over long caches (8 rows of 8 heads over 4096 slots: ``S = 64``), which was not timed.
+    ``PPO_CORE_DECODE_SPLIT=<S>`` sets ``S`` instead (for measurements).
 
     Example:
-        >>> default_split(64 * 8, 384, 64, torch.device("cpu")), default_split(256 * 8, 384, 64, torch.device("cpu"))
-        (2, 1)
+        >>> default_split(64 * 8, 384, 64, torch.device("cpu")), default_split(8, 4096, 64, torch.device("cpu"))
+        (1, 64)
     """
-    want = 4 * sm_count(device)
+    forced = os.environ.get("PPO_CORE_DECODE_SPLIT")
+    if forced:  # a tuning knob: this many splits wherever the kernel runs
+        return max(1, int(forced))
+    want = 2 * sm_count(device)
     blocks = -(-kv_len // block_l)
     split = 1
     while programs * split < want and 2 * split <= blocks:

@@ -393,20 +393,22 @@ def test_a_bad_split_is_named(device) -> None:
 
 
 def test_default_split_fills_the_gpu_with_whole_blocks() -> None:
-    """Powers of two until ``B G S`` programs are four per SM (132 off CUDA), never more than the blocks of
+    """Powers of two until ``B G S`` programs are two per SM (132 off CUDA), never more than the blocks of
     ``kv_len``; 1 where the (row, group) pairs already are that many."""
     cpu = torch.device("cpu")
-    assert default_split(64 * 8, 384, 64, cpu) == 2  # Llama-3.2-1B at B = 64: 1024 programs
+    assert default_split(64 * 8, 384, 64, cpu) == 1  # Llama-3.2-1B at B = 64: 512 programs
     assert default_split(256 * 8, 384, 64, cpu) == 1
+    assert default_split(16 * 8, 384, 64, cpu) == 4  # 128 pairs: 512 programs
     assert default_split(8, 384, 64, cpu) == 4  # capped by the 6 blocks
     assert default_split(8, 4096, 64, cpu) == 64
     assert default_split(1, 64, 64, cpu) == 1
     assert default_split(1, 65, 64, cpu) == 2
-    for programs in (1, 3, 48, 100, 527, 528, 4000):
+    for programs in (1, 3, 48, 100, 263, 264, 4000):
         for kv_len in (1, 63, 64, 200, 1000):
             split = default_split(programs, kv_len, 64, cpu)
             assert split & (split - 1) == 0 and split <= max(1, -(-kv_len // 64))
-            assert programs * split >= 4 * 132 or 2 * split > -(-kv_len // 64)
+            assert programs * split >= 2 * 132 or 2 * split > -(-kv_len // 64)
+            assert split == 1 or programs * split // 2 < 2 * 132  # the smallest such power
 
 
 @pytest.mark.gpu
