@@ -47,14 +47,19 @@ class DecoderLayerLoop:
     -> logits ``[B, V]`` of the last position, in the model dtype.
 
     Subclasses implement the hooks: ``_layers``, ``_norms``, ``_embed``, ``_attention``, ``_projections``,
-    ``_attention_output``, ``_mlp``, ``_logits``, ``_rms_norm`` and ``_add_rms_norm``.
+    ``_attention_output``, ``_mlp``, ``_logits``, ``_rms_norm`` and ``_add_rms_norm``; one with a decode step of its
+    own (one token per row through fused kernels) also ``_fused_step_applies`` and ``_decode_step``.
     """
 
     batch_invariant: bool = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.batch_invariant = self.batch_invariant
-        return self._forward(self._embed(input_ids), positions, cache)
+        h = self._embed(input_ids)  # [B, S, D]
+        b, s = input_ids.shape
+        if s == 1 and self._fused_step_applies(h.view(b, -1)):
+            return self._decode_step(h.view(b, -1), positions, cache)
+        return self._forward(h, positions, cache)
 
     def _forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The layers and the logits from the embedded tokens ``h [B, S, D]`` (a subclass that decodes some
@@ -76,6 +81,16 @@ class DecoderLayerLoop:
         return self._logits(h[:, -1], delta[:, -1])
 
     # ----- hooks ---------------------------------------------------------------------------------------------
+
+    def _fused_step_applies(self, h: torch.Tensor) -> bool:
+        """Whether a decode step of the embedded tokens ``h [B, D]`` runs :meth:`_decode_step` rather than the
+        layer loop (never, unless a subclass has one)."""
+        return False
+
+    def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A decode step of the embedded tokens ``h [B, D]`` -> logits ``[B, V]`` by other kernels than the loop's
+        (see :meth:`_fused_step_applies`)."""
+        raise NotImplementedError
 
     def _layers(self) -> Sequence[Any]:
         """The decoder layers, in order."""

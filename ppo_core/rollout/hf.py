@@ -220,18 +220,8 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             gate, up = self._layer(x, mlp.gate_proj), self._layer(x, mlp.up_proj)
         return self._layer(silu_mul_as_model(gate, up), mlp.down_proj)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        cache.batch_invariant = self.batch_invariant
-        h = self._embed(input_ids)  # [B, S, D]
-        b, s = input_ids.shape
-        if (
-            self.fused_decode
-            and s == 1
-            and self._fused is not None
-            and decode_linear_available(h.view(b, -1), self._fused[0][0])
-        ):
-            return self._decode_step(h, positions, cache)
-        return self._forward(h, positions, cache)
+    def _fused_step_applies(self, h: torch.Tensor) -> bool:
+        return self.fused_decode and self._fused is not None and decode_linear_available(h, self._fused[0][0])
 
     def _layers(self) -> nn.ModuleList:
         return self.body.layers
@@ -300,12 +290,11 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """A decode step (``h [B, 1, D]``, one token per row) through :func:`decode_linear`: each residual add in
-        the epilogue of the product before it, each RMSNorm's row scale in the epilogue of the product after it (its
-        weight folded into that product's weight by :meth:`refresh`), SiLU x up in the epilogue of gate/up: six
-        launches a layer with the rotation and attention."""
-        attend = self._attention(h, positions, cache)
-        h = h.view(h.shape[0], -1)  # [B, D]
+        """A decode step (``h [B, D]``, the embedded tokens, one per row) through :func:`decode_linear`: each
+        residual add in the epilogue of the product before it, each RMSNorm's row scale in the epilogue of the
+        product after it (its weight folded into that product's weight by :meth:`refresh`), SiLU x up in the
+        epilogue of gate/up: five launches a layer with the rotation and attention."""
+        attend = self._attention(h[:, None], positions, cache)
         sumsq = row_sumsq(h)  # [1, B]: the first norm's statistics
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -17,6 +17,14 @@ So a decode step's layer is about nine kernels (with TP > 1 two all-reduces more
 more): add + norm, q/k/v GEMM, rotation + cache write, attention, output GEMM, add + norm, gate/up GEMM, SwiGLU,
 down GEMM. The numbers are megatron's: the same roundings as its own forward (bit for bit on the CPU).
 
+With ``fused_decode`` (TP = 1; the engine's default on CUDA) a decode step of up to 64 rows instead runs
+:meth:`MegatronDecodeForward._decode_step`: four :func:`~ppo_core.rollout.decode_linear.decode_linear` products and
+the one-launch rotation + cache write + attention, five launches a layer. Each residual add is in the epilogue of
+the product before it, which also writes the new residual times the next norm's weight (rounded) and its sums of
+squares, so that the next product reads the normalised row's numerator and scales by ``rstd`` in its epilogue: no
+weight is copied. The norms and SwiGLU then round as :mod:`~ppo_core.rollout.decode_linear` documents, not as
+megatron's fused kernels do.
+
 Tensor parallelism: this rank's shards of every weight; the row-parallel outputs (``linear_proj``,
 ``linear_fc2``) are summed over the TP group with ``torch.distributed.all_reduce`` (captured with the CUDA graph,
 as megatron's own reduction is); the embedding is megatron's vocabulary-parallel module itself; the logits'
@@ -189,18 +197,10 @@ class MegatronDecodeForward(DecoderLayerLoop):
         """Drop the re-laid out q/k/v weights."""
         self._qkv = None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        cache.batch_invariant = False
-        h = self._embed(input_ids)  # [B, S, D]
-        b, s = input_ids.shape
-        if self.fused_decode and s == 1 and self._qkv is not None and self._decode_linear_fits(h.view(b, -1)):
-            return self._decode_step(h.view(b, -1), positions, cache)
-        return self._forward(h, positions, cache)
-
-    def _decode_linear_fits(self, x: torch.Tensor) -> bool:
-        """Whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear`` (Triton on CUDA,
-        ``B <= 64``, half precision; contiguous weights and norm weights of ``x``'s dtype)."""
-        if not decode_linear_available(x, self._qkv[0][0]):
+    def _fused_step_applies(self, x: torch.Tensor) -> bool:
+        """With ``fused_decode``: whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear``
+        (Triton on CUDA, ``B <= 64``, half precision; contiguous weights and norm weights of ``x``'s dtype)."""
+        if not self.fused_decode or self._qkv is None or not decode_linear_available(x, self._qkv[0][0]):
             return False
         tensors = [self._output_weight(), self._final_norm().weight]
         for layer, (qkv, _) in zip(self.layers, self._qkv, strict=True):
@@ -322,7 +322,6 @@ class MegatronDecodeForward(DecoderLayerLoop):
 
     def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
         _, last = self._add_rms_norm(h_last, delta_last, self._final_norm())  # [B, D]
-        logits = self._linear(
-            last, self._output_weight(), None
-        )  # [B, V_p / TP], model dtype (sampling reads it in fp32)
+        # [B, V_p / TP], model dtype (sampling reads it in fp32)
+        logits = self._linear(last, self._output_weight(), None)
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)

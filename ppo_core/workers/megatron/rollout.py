@@ -6,7 +6,9 @@ The model decodes with its own weights (the actor's, no copy: verl's "hybrid eng
   nothing, without ``batch_invariant``): :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward`
   evaluates megatron's layers from their weights in place, residual adds fused with the norms after them and the
   query a view of the q/k/v GEMM's output (about three kernels per layer fewer than megatron's forward, the same
-  numbers);
+  numbers); at TP = 1 on CUDA its decode steps run through
+  :func:`~ppo_core.rollout.decode_linear.decode_linear` with the element-wise steps in the products' epilogues
+  (``fused_decode``: five launches a layer, other roundings of the norms);
 - **megatron's forward**: every :class:`~ppo_core.workers.megatron.model.SDPACoreAttention` is pointed at a
   :class:`~ppo_core.rollout.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
   per-row positions and attends through the cache; everything else (embedding, fused norms, projections and their
