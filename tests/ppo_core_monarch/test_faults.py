@@ -17,7 +17,7 @@ import pytest
 from _monarch_workers import ProbeWorker
 from _procs import pids_alive
 
-from ppo_core.workers import WorkerSpec
+from ppo_core.workers import RankLocation, WorkerSpec
 from ppo_core_monarch import (
     CallTimeout,
     GroupBroken,
@@ -45,16 +45,31 @@ def _wait_gone(pids, timeout_s: float = 15.0) -> list[int]:
     return pids_alive(pids)
 
 
-def test_process_exit_becomes_worker_lost_and_breaks_the_group():
+def test_process_exit_becomes_worker_lost_naming_host_and_pid_and_breaks_the_group():
+    """Also what a real mesh's errors say (``test_error_context.py`` drives ``GroupCall`` without processes): a
+    short wait and the lost worker both name the rank's host and pid."""
     wg = MonarchWorkerGroup(ProbeWorker, procs_per_host=2, config=CFG)
+    where = {i.rank: i for i in wg.rank_info}
     pids = [i.pid for i in wg.rank_info]
     try:
+        assert wg.rank_locations([0, 1]) == tuple(
+            RankLocation(r, where[r].host, where[r].pid) for r in (0, 1)
+        )
+        call = wg.run_async("sleep", "all_to_all", ([0.0, 1.0],))
+        with pytest.raises(CallTimeout) as timeout:
+            call.result(timeout=0.2)
+        assert timeout.value.pending_ranks == (1,) and f"pid {where[1].pid}" in str(timeout.value)
+        assert where[1].host in str(timeout.value)
+        assert call.result() == [0, 1]  # a short wait breaks nothing
+
         start = time.monotonic()
         with pytest.raises(WorkerLost) as info:
             wg.call_all("exit_on", 1, 0.0)
         elapsed = time.monotonic() - start
         assert elapsed < EXIT_BOUND_S, f"os._exit detected after {elapsed:.2f} s"
         assert 1 in info.value.ranks and "exit_on" in str(info.value)
+        assert f"pid {where[1].pid}" in str(info.value)
+        assert RankLocation(1, where[1].host, where[1].pid) in info.value.locations
         # a broken group refuses at once
         start = time.monotonic()
         with pytest.raises(GroupBroken):
