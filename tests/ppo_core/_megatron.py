@@ -1,5 +1,5 @@
-"""A tiny megatron model shape and random Hugging Face weights shared by the CPU megatron tests (imported as
-``from _megatron import ...``)."""
+"""A tiny megatron model shape, random Hugging Face weights and a pool of spawned ranks shared by the CPU megatron
+tests (imported as ``from _megatron import ...``)."""
 
 from __future__ import annotations
 
@@ -84,19 +84,105 @@ def cpu_tensor_parallel(rank: int, world: int, port: int) -> Iterator[Any]:
         destroy_megatron_parallel()
 
 
-def spawn_ranks(main: Any, world: int, *args: Any) -> dict:
-    """Run ``main(rank, world, port, *args, out)`` in ``world`` spawned processes (gloo on 127.0.0.1, a free port)
-    and return ``out``, the dict the ranks filled (``out[rank] = ...``). Spawned, not forked: a child forked after
-    this process ran megatron and gloo can deadlock."""
-    import multiprocessing
-    import socket
+class RankPool:
+    """``size`` spawned processes that keep their imports (torch, megatron) from one job to the next.
 
-    import torch.multiprocessing as mp
+    :meth:`run` calls ``main(rank, world, port, *args, out)`` on the first ``world`` of them, like a fresh spawn
+    per job but without importing megatron again each time (~5 s a process on the 2-core CI machine). The processes
+    are spawned, not forked: a child forked after this process ran megatron and gloo can deadlock. Every job starts
+    from the torch RNG state of a fresh process. A job that fails, hangs past ``timeout_s`` or loses a process
+    stops them all (the next job starts new ones), so no rank is left blocked in a collective.
+    """
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with multiprocessing.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(main, args=(world, port, *args, out), nprocs=world, start_method="spawn")
-        return dict(out)
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+
+    def run(self, main: Any, world: int, *args: Any, timeout_s: float = 240.0) -> dict:
+        """``out``, the dict the ranks filled (``out[rank] = ...``); a rank's exception is raised here with its
+        traceback."""
+        import multiprocessing.connection
+        import pickle
+        import socket
+        import time
+
+        if not 1 <= world <= self.size:
+            raise ValueError(f"world must be in [1, {self.size}], got {world}")
+        if not self._procs:
+            self._start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        out: dict = {}
+        try:
+            for rank in range(world):
+                self._conns[rank].send_bytes(pickle.dumps((main, rank, world, port, args)))
+            waiting = set(range(world))
+            deadline = time.monotonic() + timeout_s
+            while waiting:
+                ready = multiprocessing.connection.wait(
+                    [self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                if not ready:
+                    raise TimeoutError(f"ranks {sorted(waiting)} did not finish within {timeout_s} s")
+                for rank in sorted(waiting):
+                    if self._conns[rank] in ready:
+                        ok, value = pickle.loads(self._conns[rank].recv_bytes())
+                        if not ok:
+                            raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
+                        out.update(value)
+                        waiting.discard(rank)
+                    elif self._procs[rank].sentinel in ready:
+                        raise RuntimeError(f"rank {rank} of {world} exited during the job")
+        except BaseException:
+            self.close()
+            raise
+        return out
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        for _ in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_jobs, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+
+    def close(self) -> None:
+        """Stop every process (killed: a rank may be blocked in a collective) and wait for it."""
+        for proc in self._procs:
+            proc.kill()
+        for proc, conn in zip(self._procs, self._conns, strict=True):
+            proc.join(timeout=30.0)
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+def _serve_jobs(conn: Any) -> None:
+    """A :class:`RankPool` process: run jobs until the pool closes its end of the pipe."""
+    import ctypes
+    import pickle
+    import signal
+    import traceback
+
+    with contextlib.suppress(OSError, AttributeError):  # end with the test process, even if it is killed
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    fresh_rng = torch.random.get_rng_state()
+    while True:
+        try:
+            main, rank, world, port, args = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        torch.random.set_rng_state(fresh_rng)
+        out: dict = {}
+        try:
+            main(rank, world, port, *args, out)
+            reply = pickle.dumps((True, dict(out)))
+        except BaseException:
+            reply = pickle.dumps((False, traceback.format_exc()))
+        conn.send_bytes(reply)

@@ -25,3 +25,14 @@ def restore_global_rngs():
     state = capture_rng_state()
     yield
     restore_rng_state(state)
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Two spawned CPU ranks shared by the tensor-parallel tests (``_megatron.RankPool``), stopped at the end."""
+    pytest.importorskip("megatron.core")
+    from _megatron import RankPool
+
+    pool = RankPool(2)
+    yield pool
+    pool.close()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config  # noqa: E402
+from _megatron import cpu_tensor_parallel, tiny_config  # noqa: E402
 from _megatron import random_hf_state as _random_hf  # noqa: E402
 
 from ppo_core.workers.megatron import ParallelConfig, megatron_layout  # noqa: E402
@@ -211,11 +211,11 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, o
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_shards_merge_into_the_same_model(tmp_path):
+def test_two_tensor_parallel_shards_merge_into_the_same_model(rank_pool, tmp_path):
     folder = tmp_path / "actor"
     os.makedirs(folder)
     ids = _ids()
-    logits = spawn_ranks(_tp_rank, 2, str(folder), ids)
+    logits = rank_pool.run(_tp_rank, 2, str(folder), ids)
     torch.testing.assert_close(logits[0], logits[1])
     cfg = tiny_config(qkv_bias=True, seed=11)
     parallel = ParallelConfig(tensor_model_parallel_size=2)

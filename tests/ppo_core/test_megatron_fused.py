@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
-from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
+from _megatron import cpu_tensor_parallel, tiny_config
 
 from ppo_core.kernels import compiled as _compiled
 from ppo_core.workers.megatron.fused import FusedNorm, apply_rotary, rms_norm, rotary_tables
@@ -257,20 +257,16 @@ def _tp_loss(model, ids, group, vocab_parallel_log_probs):
     return -vocab_parallel_log_probs(logits, ids[:, 1:], group, vocab_size=70).mean()
 
 
-def _run_ranks(world: int, hf: dict | None, ids: torch.Tensor) -> dict:
-    return spawn_ranks(_tp_rank_main, world, hf, ids)
-
-
 @pytest.mark.slow
-def test_tensor_parallel_fused_model_matches_one_rank():
+def test_tensor_parallel_fused_model_matches_one_rank(rank_pool):
     """TP = 2 over gloo (our column-parallel linear all-reduces the input gradient): the loss of one rank, and
     the shards' gradients put together are the one-rank gradients."""
     from ppo_core.workers.megatron.hf_loading import megatron_to_hf
 
     ids = torch.randint(0, 70, (3, 10), generator=torch.Generator().manual_seed(4))
-    ref_loss, ref_grads, hf = _run_ranks(1, None, ids)[0]
+    ref_loss, ref_grads, hf = rank_pool.run(_tp_rank_main, 1, None, ids)[0]
     ref = megatron_to_hf([ref_grads], tiny_config())
-    results = _run_ranks(2, hf, ids)
+    results = rank_pool.run(_tp_rank_main, 2, hf, ids)
     for rank in range(2):
         assert results[rank][0] == pytest.approx(ref_loss, rel=1e-5)
     got = megatron_to_hf([results[r][1] for r in range(2)], tiny_config())

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron import cpu_tensor_parallel, spawn_ranks, tiny_config
+from _megatron import cpu_tensor_parallel, tiny_config
 from _packing import mixed_batch, predicted
 
 from ppo_core.keys import KEYS
@@ -201,18 +201,14 @@ def _tp_rank_main(rank: int, world: int, port: int, hf: dict | None, remove_padd
         )
 
 
-def _run_ranks(world: int, hf: dict | None, remove_padding: bool) -> dict:
-    return spawn_ranks(_tp_rank_main, world, hf, remove_padding)
-
-
 @pytest.mark.slow
-def test_tensor_parallel_packed_equals_one_rank_padded() -> None:
+def test_tensor_parallel_packed_equals_one_rank_padded(rank_pool) -> None:
     """TP = 2, packed: vocab-parallel log-probs at the packed output positions, the loss, and the gradient shards
     put together equal one padded rank's."""
     from ppo_core.workers.megatron.hf_loading import megatron_to_hf
 
-    ref_loss, ref_grads, ref_lp, hf = _run_ranks(1, None, remove_padding=False)[0]
-    results = _run_ranks(2, hf, remove_padding=True)
+    ref_loss, ref_grads, ref_lp, hf = rank_pool.run(_tp_rank_main, 1, None, False)[0]
+    results = rank_pool.run(_tp_rank_main, 2, hf, True)  # packed
     where = predicted(mixed_batch(rows=5, vocab=VOCAB, seed=6))
     for rank in range(2):
         loss, _, log_probs, _ = results[rank]

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron import cpu_tensor_parallel, random_hf_state, spawn_ranks, tiny_config
+from _megatron import cpu_tensor_parallel, random_hf_state, tiny_config
 
 from ppo_core.rollout import SamplingConfig
 
@@ -76,11 +76,11 @@ def _rank_main(
     [((False, True), {}), ((True,), {"num_query_groups": 4, "qkv_bias": True})],
     ids=["megatron_forward_and_own_forward", "own_forward_relaid_qkv_bias"],
 )
-def test_tensor_parallel_rollout_equals_one_rank(variants: tuple[bool, ...], shape: dict) -> None:
+def test_tensor_parallel_rollout_equals_one_rank(rank_pool, variants: tuple[bool, ...], shape: dict) -> None:
     # megatron's random initialisation has a zero q/k/v bias: random Hugging Face weights give it one
     hf = random_hf_state(tiny_config(**shape), seed=7) if shape.get("qkv_bias") else None
-    one = spawn_ranks(_rank_main, 1, hf, variants, shape)[0]
-    two = spawn_ranks(_rank_main, 2, hf or one["hf"], variants, shape)
+    one = rank_pool.run(_rank_main, 1, hf, variants, shape)[0]
+    two = rank_pool.run(_rank_main, 2, hf or one["hf"], variants, shape)
     for own_forward in variants:
         want = one["results"][own_forward]
         for rank in range(2):

@@ -102,15 +102,20 @@ SCALARS = {
 }
 
 
+@pytest.fixture(scope="module")
+def tiny_dict() -> dict:
+    """The tiny config without overrides, as a plain dict: loaded once, copied by each example."""
+    return load_job_config(TINY).to_dict()
+
+
 @given(
     st.dictionaries(st.sampled_from(sorted(SCALARS)), st.none(), min_size=1).flatmap(
         lambda keys: st.fixed_dictionaries({k: SCALARS[k] for k in keys})
     )
 )
-def test_overrides_set_exactly_their_keys(values):
+def test_overrides_set_exactly_their_keys(tiny_dict, values):
     """``key=value`` strings give the config a dict with the value at the dotted path gives (a plain reference)."""
-    base = load_job_config(TINY)
-    expected = copy.deepcopy(base.to_dict())
+    expected = copy.deepcopy(tiny_dict)
     for key, value in values.items():
         _set(expected, key, value)
     texts = [f"{k}={'true' if v is True else 'false' if v is False else repr(v)}" for k, v in values.items()]

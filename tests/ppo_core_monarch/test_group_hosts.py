@@ -1,36 +1,74 @@
-"""Two simulated hosts x 2 processes: worker loops on 127.0.0.1 ports, attached, pickled (not shared-memory) path."""
+"""Two simulated hosts x 2 processes: worker loops on 127.0.0.1 ports, attached, pickled (not shared-memory) path;
+last, a host whose worker loop is SIGKILLed surfaces as ``WorkerLost`` within a bound (the fault of
+``test_faults.py`` that needs hosts)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from _monarch_workers import ProbeWorker
-from _procs import remember_pids
+from _procs import pids_alive, remember_pids
 from tensordict import TensorDict
 
-from ppo_core_monarch import MonarchConfig, attach_hosts, start_worker_loops
+from ppo_core_monarch import GroupBroken, MonarchConfig, WorkerLost, attach_hosts, start_worker_loops
 from ppo_core_monarch.group import MonarchWorkerGroup
 
 pytestmark = pytest.mark.monarch
 
 HOSTS, PER_HOST = 2, 2
+HOST_BOUND_S = 15.0  # supervision poll 1 s, host_lost_timeout_s 3 s, with slack for a loaded 2-core machine
+CFG = MonarchConfig(
+    shared_memory=False,
+    call_timeout_s=120.0,
+    ready_timeout_s=180.0,
+    shutdown_timeout_s=15.0,
+    host_lost_timeout_s=3.0,
+    lost_shutdown_timeout_s=2.0,
+)
+
+
+class _Hosts:
+    """Worker loops and a group on them, started on first use and shared by the module's tests; once a test has
+    broken the group (a killed host) the next gets new ones."""
+
+    def __init__(self) -> None:
+        self.loops = None
+        self.group: MonarchWorkerGroup | None = None
+
+    def get(self) -> MonarchWorkerGroup:
+        if self.group is None or self.group.broken is not None:
+            self.stop()
+            self.loops = start_worker_loops(HOSTS)
+            remember_pids(self.loops.pids)
+            self.group = MonarchWorkerGroup(
+                ProbeWorker, procs_per_host=PER_HOST, hosts=attach_hosts(self.loops.addresses), config=CFG
+            )
+        return self.group
+
+    def stop(self) -> None:
+        try:
+            if self.group is not None:
+                self.group.shutdown()
+        finally:
+            if self.loops is not None:
+                self.loops.stop()
+            self.group = self.loops = None
 
 
 @pytest.fixture(scope="module")
-def group():
-    loops = start_worker_loops(HOSTS)
-    remember_pids(loops.pids)
+def hosts():
+    started = _Hosts()
     try:
-        cfg = MonarchConfig(shared_memory=False, call_timeout_s=120.0, ready_timeout_s=180.0)
-        wg = MonarchWorkerGroup(
-            ProbeWorker, procs_per_host=PER_HOST, hosts=attach_hosts(loops.addresses), config=cfg
-        )
-        try:
-            yield wg
-        finally:
-            wg.shutdown()
+        yield started
     finally:
-        loops.stop()
+        started.stop()
+
+
+@pytest.fixture
+def group(hosts):
+    return hosts.get()
 
 
 def test_topology_has_a_host_dimension(group):
@@ -81,3 +119,23 @@ def test_views_are_sent_compactly(group):
     for rank, (r, t) in enumerate(out):
         assert r == rank and t.untyped_storage().nbytes() == t.nbytes
         torch.testing.assert_close(t, base[rank * 2 : rank * 2 + 2])
+
+
+def test_killed_host_becomes_worker_lost(hosts):
+    # last in the module: it breaks the shared group
+    wg = hosts.get()
+    lost = {r for r in range(wg.world_size) if wg.topology.host_of(r) == 1}
+    call = wg.call_all_async("sleep", 30.0)
+    time.sleep(0.5)
+    start = time.monotonic()
+    hosts.loops.kill(1)
+    with pytest.raises(WorkerLost) as info:
+        call.result()
+    elapsed = time.monotonic() - start
+    assert elapsed < HOST_BOUND_S, f"host loss detected after {elapsed:.2f} s"
+    assert lost & set(info.value.ranks)
+    with pytest.raises(GroupBroken):
+        wg.call_all("where")
+    loop_pids = hosts.loops.pids
+    hosts.stop()
+    assert pids_alive(loop_pids) == []
