@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_core.workers.errors import RankLocation, describe_ranks
+from ppo_core.workers.errors import BlockingWaitInEventLoopError, RankLocation, describe_ranks
 from ppo_core.workers.group import PendingCall
 from ppo_core_monarch.errors import CallTimeout, MonarchBackendError, WorkerLost, is_supervision_error
 from ppo_core_monarch.supervision import MeshWatch
@@ -322,7 +322,7 @@ def _in_loop() -> bool:
 def _refuse_inside_loop() -> None:
     if not _in_loop():
         return
-    raise RuntimeError(
+    raise BlockingWaitInEventLoopError(
         "a blocking result() was called inside a running event loop; use `await` on the call (or on the "
         "group's *_async methods) instead"
     )

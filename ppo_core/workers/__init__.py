@@ -65,6 +65,7 @@ from ppo_core.workers.dispatch import (
 )
 from ppo_core.workers.engine import ForwardEngine, StepResult, TrainingEngine
 from ppo_core.workers.errors import (
+    BlockingWaitInEventLoopError,
     CallTimeoutError,
     GroupBrokenError,
     RankLocation,
@@ -94,6 +95,7 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_FAILURE_GRACE_S",
     "TRAINER_METHODS",
+    "BlockingWaitInEventLoopError",
     "CallTimeoutError",
     "ColocatedWorker",
     "CompletedCall",

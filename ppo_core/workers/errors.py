@@ -8,7 +8,9 @@ works for all of them:
 - :class:`WorkerCallError`: a worker method raised on a rank (rank, host, pid, method, remote traceback);
 - :class:`WorkerLostError`: a rank's process or host is gone;
 - :class:`CallTimeoutError`: a call passed its deadline (``broken``) or a shorter wait expired (not broken);
-- :class:`GroupBrokenError`: the group failed earlier (``__cause__``) and refuses further calls.
+- :class:`GroupBrokenError`: the group failed earlier (``__cause__``) and refuses further calls;
+- :class:`BlockingWaitInEventLoopError`: a blocking ``result()`` was asked for inside a running event loop (a usage
+  error, refused before waiting: it neither fails a rank nor breaks the group; ``await`` the call instead).
 
 Every error names its ranks with a :class:`RankLocation` (rank, host, pid): mesh coordinates or rank numbers
 alone do not tell an operator which machine and process to look at.
@@ -26,6 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 
 __all__ = [
+    "BlockingWaitInEventLoopError",
     "CallTimeoutError",
     "GroupBrokenError",
     "RankLocation",
@@ -231,6 +234,11 @@ class CallTimeoutError(WorkerGroupError, TimeoutError):
 class GroupBrokenError(WorkerGroupError):
     """The group lost a worker, passed a deadline or left ranks stuck after a failure (``__cause__``); it
     refuses further calls. Shut it down and start a new one."""
+
+
+class BlockingWaitInEventLoopError(RuntimeError):
+    """A blocking ``result()`` was called inside a running event loop, where it would stall every other task; the
+    call was not waited on and goes on running (``await`` it). Not a failure of any rank: the group stays usable."""
 
 
 def _rebuild_keywords(cls: type, kwargs: dict) -> BaseException:

@@ -43,6 +43,7 @@ from ppo_core.workers.dispatch import (
     resolve_dispatch,
 )
 from ppo_core.workers.errors import (
+    BlockingWaitInEventLoopError,
     CallTimeoutError,
     GroupBrokenError,
     RankLocation,
@@ -291,8 +292,8 @@ class GroupResult:
         self, exc: BaseException, is_deadline: bool, timeout: float | None
     ) -> tuple[BaseException, bool]:
         """The error to raise for ``exc``, and whether the other ranks must be checked for being stuck."""
-        if not isinstance(exc, Exception) or isinstance(exc, GroupBrokenError):
-            return exc, False
+        if not isinstance(exc, Exception) or isinstance(exc, GroupBrokenError | BlockingWaitInEventLoopError):
+            return exc, False  # nothing a rank did: the call goes on, the group stays as it is
         group = self._group
         if isinstance(exc, CallTimeoutError):  # the backend's own deadline error (Monarch's CallTimeout)
             if exc.broken and group is not None:

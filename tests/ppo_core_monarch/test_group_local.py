@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -134,13 +135,23 @@ def test_async_api_from_asyncio(group):
 
 
 def test_blocking_result_inside_event_loop_is_refused(group):
+    """A usage error, refused at once: not a rank's failure, so the group neither waits out its failure grace on
+    the other ranks nor breaks, and the call and later calls go on."""
+    from ppo_core.workers import BlockingWaitInEventLoopError
+
     async def main():
         call = group.call_all_async("dp.first")
-        with pytest.raises(RuntimeError, match="event loop"):
+        start = time.monotonic()
+        with pytest.raises(BlockingWaitInEventLoopError, match="event loop"):
             call.result()
-        return await call
+        refused_in = time.monotonic() - start
+        return refused_in, await call
 
-    assert asyncio.run(main()) == list(range(WORLD))
+    refused_in, out = asyncio.run(main())
+    assert out == list(range(WORLD))
+    assert refused_in < 0.5 * group.failure_grace_s
+    assert group.broken is None
+    assert group.call_all("dp.first") == list(range(WORLD))
 
 
 def test_hosts_from_a_local_monarch_job():
