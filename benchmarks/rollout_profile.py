@@ -107,8 +107,7 @@ def _fused_attention_sweep(
     cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes (slot blocks, warps,
     stages) and splits of the slots: us per call and the cache bandwidth it reaches (``default_split``: the
     split the kernel chooses)."""
-    from ppo_core.rollout.decode_rotary_attention import default_split
-    from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
+    from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
 
     h, g, d = 32, 8, 64
     gen = torch.Generator(device="cuda").manual_seed(0)

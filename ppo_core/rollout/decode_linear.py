@@ -203,9 +203,11 @@ def decode_linear(
 
     Example:
         >>> x, w = torch.ones(2, 4), torch.eye(4)
-        >>> y, sq = decode_linear_reference(x, 2 * w, sumsq=torch.full((2,), 4.0), eps=0.0, residual=x)
-        >>> y[0].tolist(), sq.tolist()
-        ([3.0, 3.0, 3.0, 3.0], [36.0, 36.0])
+        >>> out = decode_linear_reference(
+        ...     x, 2 * w, sumsq=torch.full((2,), 4.0), eps=0.0, residual=x, next_norm_weight=torch.full((4,), 0.5)
+        ... )
+        >>> out.y[0].tolist(), out.sumsq.tolist(), out.scaled[0].tolist()
+        ([3.0, 3.0, 3.0, 3.0], [36.0, 36.0], [1.5, 1.5, 1.5, 1.5])
     """
     if not decode_linear_available(x, weight):
         raise ValueError(
