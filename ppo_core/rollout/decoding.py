@@ -113,6 +113,11 @@ class _State:
     fused: bool | None = None  # the fused Triton rule draws and records (decided on the first logits)
     graphs: dict[int, Any] = dataclasses.field(default_factory=dict)
 
+    @property
+    def prompt_width(self) -> int:
+        """``P``: the cache holds the prompt's ``P`` slots, then one per response token."""
+        return self.cache.length - self.responses.shape[1]
+
 
 class StaticCacheDecoder:
     """Batched generation through a static KV cache (see the module docstring).
@@ -301,8 +306,7 @@ class StaticCacheDecoder:
 
     def _kv_len(self, state: _State, t: int) -> int:
         """The cache length decode step ``t`` attends to (a multiple of ``kv_bucket``: one graph per bucket)."""
-        p = state.cache.length - state.responses.shape[1]
-        return min(-(-(p + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
+        return min(-(-(state.prompt_width + t) // self.kv_bucket) * self.kv_bucket, state.cache.length)
 
     def _decode(self, state: _State, kv_len: int, sample: _Sampler, eager: bool) -> None:
         if not self.cuda_graphs:
@@ -335,8 +339,6 @@ class StaticCacheDecoder:
         """Capture one decode step on the side stream. Unlike ``torch.cuda.graph`` this neither synchronises the
         device nor empties the allocator's cache first, so it may run while earlier work (the prefill) is still
         executing: capturing records launches, it executes nothing."""
-        if not self.cuda_graphs:
-            return None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -360,8 +362,7 @@ class StaticCacheDecoder:
     def _step(self, state: _State, kv_len: int, sample: _Sampler) -> None:
         """One decode step over fixed buffers (what a graph captures)."""
         cache, b = state.cache, state.last_tok.shape[0]
-        p = cache.length - state.responses.shape[1]
-        slot = state.t + (p - 1)
+        slot = state.t + (state.prompt_width - 1)
         # the fed token occupies its slot for every later query if its row was still running when it was drawn
         cache.key_valid.index_copy_(1, slot.view(1), state.last_valid.view(b, 1))
         cache.begin_decode(slot, kv_len)
