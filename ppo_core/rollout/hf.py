@@ -240,17 +240,16 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         ``0 .. L - 1``: each entry is computed from its position alone, so it is the same bits), and a decode step
         gathers its rows from that table (one kernel instead of about ten)."""
         rotary = self.body.rotary_emb
-        like = torch.empty(0, device=h.device, dtype=h.dtype)  # the module reads only its device and dtype
         # rope types whose frequencies depend on the longest position seen are computed per call
         static = "dynamic" not in rotary.rope_type and rotary.rope_type != "longrope"
         key = (cache.length, h.device, h.dtype)
-        if positions.shape[1] > 1:
-            if static and self._rotary_table[0] != key:
-                cos, sin = rotary(like, torch.arange(cache.length, device=h.device)[None])
-                self._rotary_table = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2d]
-        elif static and self._rotary_table[0] == key:
+        if static and positions.shape[1] == 1 and self._rotary_table[0] == key:
             rows = self._rotary_table[1][positions]  # [B, 1, 2d]
             return rows.chunk(2, dim=-1)
+        like = h[:0]  # the module reads only its device and dtype
+        if static and positions.shape[1] > 1 and self._rotary_table[0] != key:
+            cos, sin = rotary(like, torch.arange(cache.length, device=h.device)[None])
+            self._rotary_table = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2d]
         return rotary(like, positions)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
