@@ -172,14 +172,20 @@ class MegatronDecodeForward(DecoderLayerLoop):
         # per layer: q/k/v weight [(H + 2G) d, D] and bias (None without) in [q; k; v] row order
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.fused_decode = bool(fused_decode) and tp_size == 1
+        # with fused_decode, after refresh(): the dtype the fused step's weights share (None: it does not apply)
+        self._fused_dtype: torch.dtype | None = None
 
     def refresh(self) -> None:
         """(Re)lay out every layer's q/k/v weight and bias from the current ones as ``[q; k; v]`` rows, in place
         when they exist (a kept CUDA graph reads them at fixed addresses). With one query group per rank megatron's
-        layout is that already: the parameters themselves are used."""
+        layout is that already: the parameters themselves are used. With ``fused_decode`` it also checks, once per
+        generation rather than at every step, that the fused step can read every weight."""
+        self._qkv = self._laid_out_qkv()
+        self._fused_dtype = self._fused_step_dtype() if self.fused_decode else None
+
+    def _laid_out_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         if self.groups == 1:
-            self._qkv = [self._qkv_parameters(layer) for layer in self.layers]
-            return
+            return [self._qkv_parameters(layer) for layer in self.layers]
         weight = self._qkv_parameters(self.layers[0])[0]
         rows = qkv_row_order(self.heads, self.groups, self.head_dim, weight.device)
         previous = self._qkv
@@ -191,17 +197,25 @@ class MegatronDecodeForward(DecoderLayerLoop):
                     out = None if previous is None else previous[i][j]
                     tensors.append(None if tensor is None else torch.index_select(tensor, 0, rows, out=out))
                 laid_out.append((tensors[0], tensors[1]))
-        self._qkv = laid_out
+        return laid_out
 
     def free(self) -> None:
         """Drop the re-laid out q/k/v weights."""
         self._qkv = None
+        self._fused_dtype = None
 
     def _fused_step_applies(self, x: torch.Tensor) -> bool:
         """With ``fused_decode``: whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear``
-        (Triton on CUDA, ``B <= 64``, half precision; contiguous weights and norm weights of ``x``'s dtype)."""
-        if not self.fused_decode or self._qkv is None or not decode_linear_available(x, self._qkv[0][0]):
-            return False
+        (Triton on CUDA, ``B <= 64``, half precision; the weights checked by :meth:`refresh`)."""
+        return (
+            self._fused_dtype is not None
+            and self._fused_dtype == x.dtype
+            and decode_linear_available(x, self._qkv[0][0])
+        )
+
+    def _fused_step_dtype(self) -> torch.dtype | None:
+        """The dtype every weight and norm weight of the fused decode step has, each contiguous (what
+        ``decode_linear`` reads), or None where they do not."""
         tensors = [self._output_weight(), self._final_norm().weight]
         for layer, (qkv, _) in zip(self.layers, self._qkv, strict=True):
             mlp = layer.mlp
@@ -212,7 +226,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
                 mlp.linear_fc2.weight,
             ]
             tensors += [layer.input_layernorm.weight, layer.pre_mlp_layernorm.weight]
-        return all(t.is_contiguous() and t.dtype == x.dtype for t in tensors)
+        dtype = tensors[0].dtype
+        return dtype if all(t.is_contiguous() and t.dtype == dtype for t in tensors) else None
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """A decode step (``h [B, D]``, one token per row, TP = 1) through
