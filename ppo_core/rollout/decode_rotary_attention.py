@@ -162,9 +162,10 @@ if triton is not None:
             chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_L) * BLOCK_L
             lo = split * chunk
             hi = tl.minimum(lo + chunk, n)
-        # The loop is decode_attention._decode_kernel's, line for line but for the new slot and the chunk's bounds. It is not a shared
-        # @triton.jit helper because inlining one changes that kernel's register allocation (checked on sm_90 SASS),
-        # and the two-launch path must stay the code it was while the two are benchmarked against each other.
+        # The loop is decode_attention._decode_kernel's, line for line but for the new slot and the chunk's bounds.
+        # It is not a shared @triton.jit helper because inlining one changes that kernel's register allocation
+        # (checked on sm_90 SASS), and the two-launch path must stay the code it was while the two are benchmarked
+        # against each other.
         for start in range(lo, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n

@@ -23,9 +23,8 @@ import torch
 __all__ = ["arrival_counters", "sm_count"]
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[
-    torch.Tensor
-] = []  # buffers replaced by larger ones: a CUDA graph captured earlier may still use them
+# buffers replaced by larger ones: a CUDA graph captured earlier may still use them
+_OUTGROWN: list[torch.Tensor] = []
 
 
 @functools.cache
