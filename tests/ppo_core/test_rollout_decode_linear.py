@@ -80,6 +80,32 @@ def test_contract_scaled_copy_is_the_new_residual_times_the_next_norm_weight() -
     assert decode_linear_reference(x, w, b, residual=r).scaled is None
 
 
+def test_first_norm_statistics_are_the_rows_sums_of_squares_and_the_scaled_rows() -> None:
+    from ppo_core.rollout.decode_linear import row_sumsq, row_sumsq_scaled
+
+    x, _, _, _, _ = _inputs(5, 8, 24, torch.bfloat16, "cpu", 3)
+    nw = torch.linspace(0.5, 2.0, 24).to(torch.bfloat16)
+    want = torch.tensor([[sum(float(v) ** 2 for v in row) for row in x.float()]])
+    torch.testing.assert_close(row_sumsq(x), want, rtol=1e-6, atol=0)
+    sq, scaled = row_sumsq_scaled(x, nw)
+    assert sq.shape == (1, 5) and sq.dtype == torch.float32 and torch.equal(sq, row_sumsq(x))
+    assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, (x.float() * nw.float()).to(torch.bfloat16))
+
+
+def test_arrival_counters_are_one_zeroed_buffer_per_device_that_only_grows() -> None:
+    from ppo_core.rollout import split_launch
+
+    cpu = torch.device("cpu")
+    assert split_launch.sm_count(cpu) == 132  # off CUDA: shaped as on an H100/H200
+    small = split_launch.arrival_counters(cpu, 10)
+    assert small.dtype == torch.int32 and small.numel() >= 10 and not small.any()
+    assert split_launch.arrival_counters(cpu, small.numel()) is small
+    grown = split_launch.arrival_counters(cpu, small.numel() + 1)
+    assert grown.numel() > small.numel() and not grown.any()
+    assert split_launch.arrival_counters(cpu, 1) is grown
+    assert any(t is small for t in split_launch._OUTGROWN)  # kept alive for graphs captured with it
+
+
 def test_contract_swiglu_rounds_as_the_model() -> None:
     x, w, b, _, _ = _inputs(4, 32, 16, torch.bfloat16, "cpu", 1, bias=True)
     y, _, _ = decode_linear_reference(x, w, b, swiglu=True)
