@@ -101,7 +101,7 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
 
 
 def _fused_attention_sweep(
-    b: int = 64, filled: int = 320, length: int = 384, layers: int = 8, splits=(1, 2, 4, 8)
+    b: int = 64, filled: int = 320, length: int = 384, layers: int = 8, splits=(1, 2)
 ) -> dict:
     """The one-launch rotation + cache write + attention of a decode step at ``filled`` slots, reading each layer's
     cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes (slot blocks, warps,
@@ -125,7 +125,7 @@ def _fused_attention_sweep(
         "read_us_at_4.2tb": round(read_bytes / 4.2e6, 2),
         "default_split": default_split(b * g, length, 64, torch.device("cuda")),
     }
-    shapes = ((64, 4, 3), (32, 4, 3), (64, 4, 2), (32, 2, 3))
+    shapes = ((64, 4, 3), (64, 4, 2), (64, 4, 1), (128, 4, 2), (128, 8, 2), (32, 4, 2), (64, 2, 2))
     for (block_l, warps, stages), split in itertools.product(shapes, splits):
         i = iter(range(10**9))
 

@@ -62,7 +62,12 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
-__all__ = ["default_split", "rotate_write_attend_triton", "rotate_write_attend_triton_available"]
+__all__ = [
+    "default_split",
+    "default_stages",
+    "rotate_write_attend_triton",
+    "rotate_write_attend_triton_available",
+]
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -253,7 +258,7 @@ def rotate_write_attend_triton(
     model_rounding: bool,
     block_l: int = 64,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     split: int | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
@@ -270,7 +275,8 @@ def rotate_write_attend_triton(
             attended are those below ``min(kv_len, slot + 1)``.
         scale: softmax scale (None: ``1 / sqrt(d)``).
         model_rounding: the rotation's rounding rule (see :mod:`ppo_core.rollout.decode_rotary`).
-        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton``.
+        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (``num_stages``
+            None: :func:`default_stages`).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
             from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
 
@@ -309,6 +315,8 @@ def rotate_write_attend_triton(
     rep = h // g
     if split is None:
         split = default_split(b * g, kv_len, block_l, q.device)
+    if num_stages is None:
+        num_stages = default_stages(b * g * split, q.device)
     if split > 1:
         parts = torch.empty(b, g, split, rep * (d + 2), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, b * g)
@@ -360,6 +368,20 @@ def rotate_write_attend_triton(
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def default_stages(programs: int, device: torch.device) -> int:
+    """The software-pipeline depth :func:`rotate_write_attend_triton` uses by default for a launch of ``programs``
+    programs: 2 where they all run at once at four per SM, else 3. On one H200 (64 slots a block, four warps, 320
+    filled slots of 384; ``benchmarks/rollout_profile.py --attention-sweep``) 64 rows of Llama-3.2-1B (512 programs)
+    took 17.3 us with 2 stages and 18.6 with 3, 256 rows (2048 programs) 61.5 and 57.9
+    (``benchmarks/results_h200_rollout_attention_sweep.json``).
+
+    Example:
+        >>> default_stages(64 * 8, torch.device("cpu")), default_stages(256 * 8, torch.device("cpu"))
+        (2, 3)
+    """
+    return 2 if programs <= 4 * sm_count(device) else 3
 
 
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:

@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -454,7 +454,7 @@ class CachedRolloutEngine:
 
     Subclasses build ``self.decoder`` (through :meth:`_init_decoder`) and may override :meth:`_forwarding` to point
     the module's attention at the cache; :meth:`generate` puts the module in eval mode for the generation and
-    back afterwards.
+    back afterwards, where that changes anything (:meth:`_eval_mode`).
     """
 
     module: nn.Module
@@ -489,6 +489,25 @@ class CachedRolloutEngine:
         default)."""
         return contextlib.nullcontext()
 
+    def _runs_module_forwards(self) -> bool:
+        """Whether the forward calls modules whose output depends on train/eval mode (dropout and the like): True
+        by default; an engine that only applies its own functions to the module's weights returns False."""
+        return True
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The module in eval mode for one generation and back afterwards, where that changes anything: not when it
+        is in eval mode already, nor when the forward runs no module whose output depends on the mode (setting the
+        mode visits every submodule: about 2 ms a call for a 16-layer Hugging Face Llama on a CPU core)."""
+        if not self.module.training or not self._runs_module_forwards():
+            yield
+            return
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(True)
+
     @torch.no_grad()
     def recompute_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The next-token logits after each left-padded sequence, from a full forward of the whole sequence through
@@ -505,13 +524,8 @@ class CachedRolloutEngine:
         b, s = input_ids.shape
         cache = self.decoder.new_cache(b, s)
         cache.begin_prefill(attention_mask)
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with self._forwarding(s):
-                return self.decoder.forward(input_ids, cache.positions, cache)
-        finally:
-            self.module.train(was_training)
+        with self._eval_mode(), self._forwarding(s):
+            return self.decoder.forward(input_ids, cache.positions, cache)
 
     def generate(
         self,
@@ -541,21 +555,16 @@ class CachedRolloutEngine:
                 f"{type(self).__name__} does not compute batch-invariantly "
                 "(HFRolloutEngine(model, batch_invariant=True) and MegatronRolloutEngine(..., batch_invariant=True) do)"
             )
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with self._decoding(prompts, config):
-                return self.decoder.generate(
-                    prompts,
-                    prompt_mask,
-                    max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature,
-                    top_k=getattr(config, "top_k", 0),
-                    top_p=config.top_p,
-                    eos_token_id=config.eos_token_id,
-                    pad_token_id=config.pad_token_id,
-                    generator=generator,
-                    **decode_kwargs,
-                )
-        finally:
-            self.module.train(was_training)
+        with self._eval_mode(), self._decoding(prompts, config):
+            return self.decoder.generate(
+                prompts,
+                prompt_mask,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_k=getattr(config, "top_k", 0),
+                top_p=config.top_p,
+                eos_token_id=config.eos_token_id,
+                pad_token_id=config.pad_token_id,
+                generator=generator,
+                **decode_kwargs,
+            )

@@ -468,6 +468,11 @@ class HFRolloutEngine(CachedRolloutEngine):
         options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
         self._init_decoder(model, self._forward, spec, cfg.vocab_size, keep_cache=keep_cache, **options)
 
+    def _runs_module_forwards(self) -> bool:
+        # the Llama-family path applies its own functions to the weights (the embedding and rotary modules it calls
+        # behave alike in both modes); the generic path runs the model's forward, dropout included
+        return not self.fast_path
+
     def _forwarding(self, length: int) -> contextlib.AbstractContextManager:
         if isinstance(self._forward, _GenericForward):
             return self._forward.attention_implementation()

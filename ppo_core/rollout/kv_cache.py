@@ -80,7 +80,9 @@ class KVCache:
         slot: ``[]`` int64, the slot of the token of the current decode step.
         mode: ``"prefill"`` or ``"decode"``.
         kv_len: slots the current decode step attends to (a multiple of the caller's bucket, ``<= L``).
-        prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`).
+        prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`); None when no
+            prompt is padded (the mask is then the causal one, which SDPA applies itself: ``is_causal``, each
+            key/value head shared by its query heads without a copy, so that CUDA runs its flash kernel).
         batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
             by the forward): each query alone over the slots up to its own, so that a prefill of the whole
             sequence and the decode step of a token give its query the same bits.
@@ -151,7 +153,9 @@ class KVCache:
         mask = prompt_mask.bool()
         self.key_valid.zero_()
         self.key_valid[:, : mask.shape[1]] = mask
-        self.mode, self.prefill_mask = "prefill", prefill_attention_mask(mask)
+        # one host sync per generation, before its first kernel: whether any prompt is padded
+        padded = not bool(mask.all())
+        self.mode, self.prefill_mask = "prefill", prefill_attention_mask(mask) if padded else None
         self.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
 
     def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
@@ -182,6 +186,10 @@ class KVCache:
             return self._attend_invariant(layer, q, scale)
         if self.mode == "prefill":
             h, g = q.shape[1], k.shape[1]
+            if (
+                self.prefill_mask is None
+            ):  # no padding: causal, and the flash kernel shares the key/value heads
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g != h)
             if g != h:  # the padded-mask kernels take one key head per query head
                 k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.prefill_mask, scale=scale)

@@ -145,6 +145,34 @@ def test_prefill_mask_is_causal_over_prompt_tokens_and_keeps_padding_finite():
     assert mask[0][3].tolist() == [False, False, True, True]
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    groups=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+    p=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_unpadded_prefill_attends_as_the_masked_path(b, groups, p, seed):
+    """Without padding the prefill runs SDPA causal with shared key/value heads (no mask, no repeat: CUDA's flash
+    kernel); it computes what the padded path's mask and repeated heads give."""
+    h, g = groups
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, p, 8, generator=gen, dtype=torch.float64) for n in (h, g, g))
+    cache = KVCache.allocate(
+        layers=1, batch=b, kv_heads=g, head_dim=8, length=p + 2, dtype=torch.float64, device="cpu"
+    )
+    cache.begin_prefill(torch.ones(b, p, dtype=torch.long))
+    assert cache.prefill_mask is None
+    got = cache.attend(0, q, k, v, scale=0.3)
+    cache.prefill_mask = prefill_attention_mask(torch.ones(b, p))  # the padded path's mask
+    want = cache.attend(0, q, k, v, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    padded = torch.ones(b, p, dtype=torch.long)
+    padded[0, 0] = 0
+    cache.begin_prefill(padded)
+    assert cache.prefill_mask is not None
+
+
 def test_decode_attention_equals_attention_over_the_valid_prefix():
     """One decode step through the cache == plain softmax attention over the valid slots (grouped heads)."""
     g = torch.Generator().manual_seed(0)
@@ -441,3 +469,32 @@ def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse
     ]
     assert torch.equal(outs[0]["responses"], outs[1]["responses"])
     assert torch.equal(outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"])
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_generation_sets_the_eval_mode_only_where_the_forward_depends_on_it(monkeypatch, fast_path):
+    """A model in training mode with attention dropout samples as in eval mode and is left in training mode; the
+    Llama-family path (its own functions on the weights) never toggles the mode, the generic path (the model's own
+    forward, dropout included) does, and no path toggles a model already in eval mode."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    cfg = _hf("llama").config
+    cfg.attention_dropout = 0.5
+    model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict(_hf("llama").state_dict())
+    ids, mask = _left_padded(3, 5, seed=4)
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    want = HFRolloutEngine(model.eval(), fast_path=fast_path).generate(ids, mask, greedy, generator=None)
+    calls = []
+    train = model.train
+    monkeypatch.setattr(model, "train", lambda mode=True: (calls.append(mode), train(mode))[1])
+    engine = HFRolloutEngine(model, fast_path=fast_path)
+    engine.generate(ids, mask, greedy, generator=None)
+    assert calls == []  # already in eval mode
+    model.train(True)
+    calls.clear()
+    got = engine.generate(ids, mask, greedy, generator=None)
+    assert model.training and all(m.training for m in model.modules())
+    assert calls == ([] if fast_path else [False, True])
+    assert torch.equal(got["responses"], want["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=0, atol=0)

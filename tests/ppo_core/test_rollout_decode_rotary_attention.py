@@ -17,7 +17,11 @@ from test_rollout_decode_rotary import _step as rotary_step
 from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
 from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
 from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
-from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
+from ppo_core.rollout.decode_rotary_attention import (
+    default_split,
+    default_stages,
+    rotate_write_attend_triton,
+)
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.split_launch import arrival_counters
 
@@ -392,6 +396,13 @@ def test_a_bad_split_is_named(device) -> None:
             )
 
 
+@given(programs=st.integers(1, 10_000))
+def test_default_stages_are_two_where_every_program_runs_at_once(programs) -> None:
+    """Two pipeline stages while the launch's programs all fit at four per SM (132 SMs off CUDA), three after."""
+    stages = default_stages(programs, torch.device("cpu"))
+    assert stages == (2 if programs <= 4 * 132 else 3)
+
+
 def test_default_split_fills_the_gpu_with_whole_blocks() -> None:
     """Powers of two until ``B G S`` programs are two per SM (132 off CUDA), never more than the blocks of
     ``kv_len``; 1 where the (row, group) pairs already are that many."""
@@ -415,11 +426,11 @@ def test_default_split_fills_the_gpu_with_whole_blocks() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_graph_replay_equals_the_unsplit_kernel(dtype) -> None:
-    """At the benchmark's shape (64 rows of Llama-3.2-1B's heads, a bucket of 384 slots) the default split is > 1;
-    captured in a CUDA graph and replayed at other slots and inputs, it writes the unsplit kernel's cache and gives
+    """With few rows over a long cache (8 rows of Llama-3.2-1B's heads, a bucket of 2048 slots) the default split is
+    > 1; captured in a CUDA graph and replayed at other slots and inputs, it writes the unsplit kernel's cache and gives
     its outputs within :data:`SPLIT_TOLERANCE`, the same bits on a second replay, its counters zero after each; and
     every explicit split gives the same outputs eagerly."""
-    b, h, g, d, length, kv_len = 64, 32, 8, 64, 400, 384
+    b, h, g, d, length, kv_len = 8, 32, 8, 64, 2100, 2048
     assert default_split(b * g, kv_len, 64, torch.device("cuda")) > 1
     q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, 100, dtype, "cuda", seed=0)
     slot = torch.tensor(100, device="cuda")
@@ -431,7 +442,7 @@ def test_split_graph_replay_equals_the_unsplit_kernel(dtype) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = rotate_write_attend_triton(q, k, v, cos, sin, *cache, slot, bias, model_rounding=False)
-    for step, at in enumerate([0, 63, 64, 200, 319, 383]):
+    for step, at in enumerate([0, 63, 64, 200, 1000, 2047]):
         q2, k2, v2, cos2, sin2, cache2, bias2 = _step(
             b, h, g, d, length, kv_len, at, dtype, "cuda", seed=step + 1
         )
