@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from ppo_core._checks import check_floating, check_mask, check_positive
 from ppo_core._config_base import ConfigBase
+from ppo_core.batch._td import _shallow_copy
 from ppo_core.keys import KEYS
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
@@ -253,7 +254,7 @@ def apply_kl_penalty(
         rewards = scores - beta * kld.to(scores.dtype)
         n_rows = scores.shape[0]
         current_kl = float(masked_mean(kld, mask, dim=-1).mean()) if n_rows else 0.0
-    out = batch.copy()
+    out = _shallow_copy(batch)
     out[KEYS.token_level_rewards] = rewards
     kl_ctrl.update(current_kl, n_steps=n_rows)
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

@@ -15,6 +15,7 @@ from tensordict import TensorDictBase, is_non_tensor
 from ppo_core._checks import check_int
 from ppo_core.batch._td import (
     _check_batch,
+    _copy,
     _field_values,
     _key_name,
     _leaves,
@@ -136,7 +137,7 @@ def concat(batches: Sequence[TensorDictBase]) -> TensorDictBase:
                     f"batches[{i}]; all dimensions after the batch dimension must match"
                 )
     if len(batches) == 1:
-        return batches[0].clone()
+        return _copy(batches[0])
     return torch.cat(list(batches), dim=0)
 
 
@@ -165,7 +166,7 @@ def split(batch: TensorDictBase, split_size: int) -> list[TensorDictBase]:
     size = _check_batch("batch", batch)
     check_int("split_size", split_size, 1)
     if size == 0:
-        return [batch.clone()]
+        return [_copy(batch)]
     return [_slice(batch, start, min(start + split_size, size)) for start in range(0, size, split_size)]
 
 
@@ -294,7 +295,7 @@ def union(a: TensorDictBase, b: TensorDictBase) -> TensorDictBase:
     if size_a != size_b:
         raise ValueError(f"a has batch size {size_a} but b has batch size {size_b}; they must match")
     leaves_a = _leaves(a)
-    out = a.clone()
+    out = _copy(a)
     for key, value in _leaves(b).items():
         if key not in leaves_a:
             out.set(key, value.clone())

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from tensordict import NonTensorStack, TensorDictBase, is_non_tensor
 
 from ppo_core.advantages import get_advantage_estimator
+from ppo_core.batch._td import _shallow_copy
 from ppo_core.config import AlgorithmConfig
 from ppo_core.keys import KEYS
 
@@ -29,7 +30,7 @@ def assign_uids(batch: TensorDictBase, prefix: str) -> TensorDictBase:
         >>> assign_uids(TensorDict({"x": torch.zeros(2)}, batch_size=[2]), "7").get("uid").tolist()
         ['7:0', '7:1']
     """
-    out = batch.clone(False)
+    out = _shallow_copy(batch)
     out.set(KEYS.uid, NonTensorStack.from_list([f"{prefix}:{i}" for i in range(int(batch.batch_size[0]))]))
     return out
 
@@ -59,7 +60,7 @@ def merge_generation(prompts: TensorDictBase, generated: TensorDictBase) -> Tens
     for key in (KEYS.responses, KEYS.attention_mask):
         if key not in generated:
             raise KeyError(f"generate_sequences output has no {key!r}; it has {sorted(generated.keys())}")
-    out = generated.clone(False)
+    out = _shallow_copy(generated)
     if KEYS.response_mask not in out:
         # slice from P = total - R, not from -R: with R = 0, [:, -0:] would be the whole attention mask
         start = out[KEYS.attention_mask].shape[-1] - out[KEYS.responses].shape[-1]
@@ -85,7 +86,7 @@ def take_outputs(
     """
     if int(output.batch_size[0]) != int(batch.batch_size[0]):
         raise ValueError(f"{method} returned {int(output.batch_size[0])} rows for {int(batch.batch_size[0])}")
-    out = batch.clone(False)
+    out = _shallow_copy(batch)
     for key in keys:
         if key not in output:
             raise KeyError(f"{method} must return {key!r}; it returned {sorted(output.keys())}")
@@ -121,7 +122,7 @@ def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> Ten
         if key in batch:
             kwargs[arg] = batch[key]
     advantages, returns = fn(**kwargs)
-    out = batch.clone(False)
+    out = _shallow_copy(batch)
     out.set(KEYS.advantages, advantages)
     out.set(KEYS.returns, returns)
     return out

@@ -13,9 +13,11 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from ppo_core.batch._td import (
     _check_batch,
+    _copy,
     _field_values,
     _key_name,
     _leaves,
+    _shallow_copy,
     _slice,
     _tensors_equal,
     _values_equal,
@@ -110,3 +112,48 @@ def test_slice_is_compact_but_view_is_not():
     view_bytes = len(pickle.dumps(big[:10]))
     compact_bytes = len(pickle.dumps(_slice(big, 0, 10)))
     assert compact_bytes * 20 < view_bytes
+
+
+@FEW
+@given(td_batches(min_batch=1), st.data())
+def test_slices_and_copies_are_independent_of_the_batch(batch, data):
+    """What ``clone()`` promised: the rows, in new storage, with the rows' Python objects copied, so that assigning
+    rows or mutating an object of the copy leaves the batch alone."""
+    size = batch.batch_size[0]
+    start = data.draw(st.integers(0, size - 1))
+    stop = data.draw(st.integers(start + 1, size))
+    before = pickle.dumps(batch.clone())
+    for copy, rows in (
+        (_slice(batch, start, stop), list(range(start, stop))),
+        (_copy(batch), list(range(size))),
+    ):
+        assert_batch_rows(copy, batch, rows)
+        assert all(
+            copy.get(key).data_ptr() != value.data_ptr()
+            for key, value in _leaves(batch).items()
+            if isinstance(value, torch.Tensor) and value.numel()
+        )
+        copy[0:1] = copy[1:2] if copy.batch_size[0] > 1 else copy[0:1].apply(torch.zeros_like)
+        for value in copy.get("extra").tolist():
+            if isinstance(value, (dict, list)):
+                value.clear()
+    assert_batch_rows(batch, pickle.loads(before), list(range(size)))
+
+
+def test_shallow_copy_shares_leaves_but_not_keys():
+    batch = TensorDict(
+        {"x": torch.zeros(3), "u": NonTensorStack("a", "b", "c"), "n": {"y": torch.ones(3)}}, batch_size=[3]
+    )
+    out = _shallow_copy(batch)
+    assert list(_leaves(out)) == list(_leaves(batch))
+    assert out.get("x") is batch.get("x") and out.get(("n", "y")) is batch.get(("n", "y"))
+    out.set("x", torch.ones(3))
+    out.set("v", NonTensorStack("p", "q", "r"))
+    del out["u"]
+    assert (
+        torch.equal(batch["x"], torch.zeros(3))
+        and "v" not in batch
+        and batch.get("u").tolist() == ["a", "b", "c"]
+    )
+    lazy = torch.stack([TensorDict({"x": torch.zeros(2)}, []), TensorDict({"x": torch.ones(2)}, [])])
+    assert type(_shallow_copy(lazy)) is type(lazy)  # not a plain TensorDict: its own clone(False)
