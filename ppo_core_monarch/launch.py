@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -167,54 +168,67 @@ def start_worker_loops(
     """Start ``count`` worker loops on this machine, each on a free port (a port taken meanwhile is retried).
 
     Each loop runs ``python -m ppo_core_monarch.serve --address tcp://host:port`` in its own session, so
-    :meth:`WorkerLoops.stop` also ends the processes it spawns.
+    :meth:`WorkerLoops.stop` also ends the processes it spawns; started from the main thread, a loop is also sent
+    SIGTERM when this process dies (Linux). The loops start together (each takes seconds to import its libraries),
+    and ``ready_timeout_s`` bounds each round of starts; a loop that did not start is retried up to ``retries``
+    times.
     """
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
-    loops = WorkerLoops(addresses=[])
     tmpdir = tempfile.mkdtemp(prefix="ppo_core_monarch-loops-")
+    started: dict[int, tuple[str, subprocess.Popen]] = {}
+    spawned: list[subprocess.Popen] = []
+    pending = dict.fromkeys(range(count), 0)  # loop index -> attempts made
+    preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
     try:
-        for _ in range(count):
-            for attempt in range(retries + 1):
+        while pending:
+            round_: dict[int, tuple[str, str, subprocess.Popen]] = {}
+            for index, attempt in pending.items():
                 address = f"tcp://{host}:{_free_port(host)}"
-                ready = os.path.join(tmpdir, f"loop-{len(loops.processes)}-{attempt}")
+                ready = os.path.join(tmpdir, f"loop-{index}-{attempt}")
+                command = [sys.executable, "-m", "ppo_core_monarch.serve", "--address", address]
+                # preexec: one prctl call in the child before exec (PR_SET_PDEATHSIG)
                 proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "ppo_core_monarch.serve",
-                        "--address",
-                        address,
-                        "--ready-file",
-                        ready,
-                    ],
+                    [*command, "--ready-file", ready],
                     start_new_session=True,
                     stdout=subprocess.DEVNULL,
+                    preexec_fn=preexec,
                 )
-                if _wait_ready(proc, ready, ready_timeout_s):
-                    loops.addresses.append(address)
-                    loops.processes.append(proc)
-                    break
+                spawned.append(proc)
+                round_[index] = (address, ready, proc)
+            deadline = time.monotonic() + ready_timeout_s
+            failed = {}
+            for index, (address, ready, proc) in round_.items():
+                if _wait_ready(proc, ready, deadline - time.monotonic()):
+                    started[index] = (address, proc)
+                    continue
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
-                logger.warning("worker loop at %s did not start (attempt %d); retrying", address, attempt + 1)
-            else:
-                raise RuntimeError(f"could not start a worker loop on {host} after {retries + 1} attempts")
+                attempt = pending[index] + 1
+                if attempt > retries:
+                    raise RuntimeError(
+                        f"could not start a worker loop on {host} after {retries + 1} attempts"
+                    )
+                logger.warning("worker loop at %s did not start (attempt %d); retrying", address, attempt)
+                failed[index] = attempt
+            pending = failed
     except BaseException:
-        loops.stop()
+        WorkerLoops(addresses=[], processes=spawned).stop()
         raise
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    return loops
+    ordered = [started[index] for index in range(count)]
+    return WorkerLoops(addresses=[a for a, _ in ordered], processes=[p for _, p in ordered])
 
 
 def _wait_ready(proc: subprocess.Popen, ready_file: str, timeout_s: float) -> bool:
     """Whether the loop wrote its ready file within ``timeout_s`` (False if it exited first: port taken)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         if os.path.exists(ready_file):
             return True
+        if time.monotonic() >= deadline:
+            return False
         if proc.poll() is not None:
             return False
         time.sleep(0.02)
-    return False

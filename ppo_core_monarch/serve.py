@@ -2,7 +2,9 @@
 
 Start one on every machine of a cluster (or several on one machine to simulate hosts), then attach to them
 with :func:`ppo_core_monarch.attach_hosts`. Once it listens it writes its address to ``--ready-file`` (if
-given) and runs until the controller shuts the hosts down (or it is terminated).
+given) and runs until the controller shuts the hosts down (or it is terminated). A loop that cannot listen (the port
+is taken) exits with the error before writing the file: the loop fails at once rather than looking ready, so
+:func:`ppo_core_monarch.start_worker_loops` retries it on another port.
 
 Example:
     $ python -m ppo_core_monarch.serve --address tcp://$(hostname):$PORT
@@ -16,6 +18,9 @@ import os
 import ppo_core_monarch  # noqa: F401  (sets Monarch's supervision environment before Monarch is imported)
 
 __all__ = ["main"]
+
+LISTEN_CHECK_S = 0.5
+"""How long the loop waits for its listener to fail before it counts as listening (a taken port fails in ~2 ms)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     from ppo_core_monarch.launch import CA
 
     done = start_worker_loop_forever(ca=CA, address=ns.address)
+    try:  # the loop listens in the background; a port already taken ends it within milliseconds
+        done.get(timeout=LISTEN_CHECK_S)
+    except TimeoutError:
+        pass  # still running: listening
+    else:
+        raise SystemExit(f"the worker loop at {ns.address} ended before serving")
     if ns.ready_file:
         tmp = ns.ready_file + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
