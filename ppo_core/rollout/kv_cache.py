@@ -82,7 +82,8 @@ class KVCache:
         kv_len: slots the current decode step attends to (a multiple of the caller's bucket, ``<= L``).
         prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`); None when no
             prompt is padded (the mask is then the causal one, which SDPA applies itself: ``is_causal``, each
-            key/value head shared by its query heads without a copy, so that CUDA runs its flash kernel).
+            key/value head shared by its query heads without a copy, so that CUDA runs a flash kernel: cuDNN's on an
+            H200).
         batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
             by the forward): each query alone over the slots up to its own, so that a prefill of the whole
             sequence and the decode step of a token give its query the same bits.
@@ -186,9 +187,8 @@ class KVCache:
             return self._attend_invariant(layer, q, scale)
         if self.mode == "prefill":
             h, g = q.shape[1], k.shape[1]
-            if (
-                self.prefill_mask is None
-            ):  # no padding: causal, and the flash kernel shares the key/value heads
+            # no padding: causal, and the flash kernel shares the key/value heads among their query heads
+            if self.prefill_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g != h)
             if g != h:  # the padded-mask kernels take one key head per query head
                 k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
