@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
         "shallow_copy": (lambda: _shallow_copy(batch), lambda: batch.clone(False)),
     }
     times: dict[str, list[float]] = {f"{n}:{side}": [] for n in pairs for side in ("ours", "clone")}
-    for name, (ours, former) in pairs.items():  # warm-up, and both give the same rows
+    for ours, former in pairs.values():  # warm-up, and both give the same rows
         got, want = ours(), former()
-        for g, w in zip(got if isinstance(got, list) else [got], want if isinstance(want, list) else [want]):
+        got, want = (x if isinstance(x, list) else [x] for x in (got, want))
+        for g, w in zip(got, want, strict=True):
             assert g["ground_truth"].tolist() == w["ground_truth"].tolist()
             assert torch.equal(g["input_ids"], w["input_ids"])
     for _ in range(args.repeats):
