@@ -398,6 +398,7 @@ if triton is not None:
                 acc_up = _dot(acc_up, x, w_up, UPCAST)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
+        last = True  # whether this program runs the epilogue: every program unless K is split
         if SPLIT > 1:
             # publish this split's partials; the last program of the column block to arrive sums them in order
             width = tl.num_programs(0) * BLOCK_N
@@ -407,7 +408,8 @@ if triton is not None:
                 tl.store(part + BLOCK_M * width, acc_up)
             tl.debug_barrier()
             arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
+            last = arrived == SPLIT - 1
+            if last:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(SPLIT):
@@ -416,36 +418,7 @@ if triton is not None:
                     if SWIGLU:
                         acc_up += tl.load(base + BLOCK_M * width, cache_modifier=".cg")
                 tl.store(Counters + pid_n, 0)
-                _epilogue(
-                    acc,
-                    acc_up,
-                    pid_n,
-                    rows,
-                    cols,
-                    row_in,
-                    col_in,
-                    Bias,
-                    Y,
-                    Res,
-                    SqIn,
-                    SqOut,
-                    NormW,
-                    Scaled,
-                    M,
-                    N,
-                    K,
-                    stride_r,
-                    P_IN,
-                    eps,
-                    BLOCK_M,
-                    BLOCK_P,
-                    NORM,
-                    RESIDUAL,
-                    SCALED,
-                    SWIGLU,
-                    HAS_BIAS,
-                )
-        else:
+        if last:
             _epilogue(
                 acc,
                 acc_up,
