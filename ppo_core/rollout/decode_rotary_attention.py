@@ -387,8 +387,8 @@ def default_stages(programs: int, device: torch.device) -> int:
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
     """The split :func:`rotate_write_attend_triton` uses by default for ``programs = B G`` (row, key/value head)
     pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
-    programs are at least two per SM (about what fits at once: a program takes ~195 registers a thread at four
-    warps), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
+    programs are at least two per SM (four fit at once: compiled for sm_90 by Triton 3.6 a program of four warps takes
+    112 registers a thread with three pipeline stages, 128 with two), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
     of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
     Llama-3.2-1B (512 pairs, 320 filled slots, the cache read from HBM) ``S = 2`` took 21.9 us a call against
     18.3 for ``S = 1`` (4: 25.9, 8: 34.3; ``benchmarks/results_h200_rollout_split_attention.json``), so the split
