@@ -186,10 +186,18 @@ def start_worker_loops(
             for index, attempt in pending.items():
                 address = f"tcp://{host}:{_free_port(host)}"
                 ready = os.path.join(tmpdir, f"loop-{index}-{attempt}")
-                command = [sys.executable, "-m", "ppo_core_monarch.serve", "--address", address]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "ppo_core_monarch.serve",
+                    "--address",
+                    address,
+                    "--ready-file",
+                    ready,
+                ]
                 # preexec: one prctl call in the child before exec (PR_SET_PDEATHSIG)
                 proc = subprocess.Popen(
-                    [*command, "--ready-file", ready],
+                    command,
                     start_new_session=True,
                     stdout=subprocess.DEVNULL,
                     preexec_fn=preexec,
