@@ -28,6 +28,11 @@ arrives last computes ``M = max_s m_s`` and ``out = sum_s e^(m_s - M) acc_s / su
 ``s = 0, ..., S - 1`` in that order whichever program combines, so the result does not depend on the order of
 arrival (two calls give the same bits), and resets the counter to zero for the next call (or graph replay).
 
+**Prefetch before the wait** (with PDL): a program reads the slot before waiting for the previous kernel (the q/k/v
+product) and fetches its first block of cached keys and values into the L2 (``prefetch.global.L2``, no registers
+held for the data): the slot is written by the step's first kernels and the cached slots by earlier steps, all
+finished before the previous kernel started, so the first block's memory latency overlaps that kernel's end.
+
 With ``S = 1`` (the default where ``B G`` programs already fill the GPU) the kernel is the unsplit one: every value
 entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model dtype there
 by its store, here by the rotation itself), so the two paths give the same outputs and cache; the tests check it
@@ -49,6 +54,7 @@ import os
 
 import torch
 
+from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton_available
 from ppo_core.rollout.pdl import pdl_enabled
 from ppo_core.rollout.split_launch import arrival_counters, sm_count
@@ -68,6 +74,13 @@ __all__ = [
     "rotate_write_attend_triton",
     "rotate_write_attend_triton_available",
 ]
+
+
+MAX_REGISTERS = 128
+"""Registers a thread of a four-warp program may take: four programs fit an SM (the rules of :func:`default_split`
+and :func:`default_stages` assume it). Compiled for sm_90 by Triton 3.6 the kernel needs 128 with two pipeline
+stages and 114 with three without the cap, but 134 with two once it prefetches its first block before waiting
+(PDL), where the cap gives 128 with no spill."""
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -118,10 +131,9 @@ if triton is not None:
         PRECISION: tl.constexpr,
         SPLIT: tl.constexpr,
         PDL: tl.constexpr,
+        LINES: tl.constexpr,
+        LINE_ELEMS: tl.constexpr,
     ):
-        if PDL:  # everything this program reads or writes comes after the previous kernel (its q/k/v)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         split = 0
@@ -129,11 +141,27 @@ if triton is not None:
             split = tl.program_id(2)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
+        k_base = KCache + b * skc_b + g * skc_g
+        v_base = VCache + b * svc_b + g * svc_g
+        slot = tl.load(Slot).to(tl.int32)
+        n = tl.minimum(kv_len, slot + 1)  # nothing past the new slot is filled: do not read it
+        lo = 0
+        hi = n
+        if SPLIT > 1:  # this program's chunk: whole blocks, so the blocks are those of the unsplit loop
+            chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_L) * BLOCK_L
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, n)
+        if PDL:
+            # The slot and the cached slots below it were written before the step's previous kernel (by the step's
+            # first kernels and by earlier steps): the first block's keys and values are fetched into the L2 while
+            # the q/k/v product finishes, then everything else waits for it.
+            _prefetch_l2(k_base, v_base, lo, n, skc_l, svc_l, BLOCK_L, LINES, LINE_ELEMS)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
         sign = tl.where(d < D // 2, -1.0, 1.0)
         cos = tl.load(Cos + b * sc_b + d).to(tl.float32)
         sin = tl.load(Sin + b * sc_b + d).to(tl.float32)
-        slot = tl.load(Slot).to(tl.int32)
 
         # the group's query heads, rotated and rounded to the model dtype as the unfused path stores them
         heads = g * REP + r
@@ -158,15 +186,6 @@ if triton is not None:
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
-        k_base = KCache + b * skc_b + g * skc_g
-        v_base = VCache + b * svc_b + g * svc_g
-        n = tl.minimum(kv_len, slot + 1)  # nothing past the new slot is filled: do not read it
-        lo = 0
-        hi = n
-        if SPLIT > 1:  # this program's chunk: whole blocks, so the blocks are those of the unsplit loop
-            chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_L) * BLOCK_L
-            lo = split * chunk
-            hi = tl.minimum(lo + chunk, n)
         # The loop is decode_attention._decode_kernel's, line for line but for the new slot and the chunk's bounds.
         # It is not a shared @triton.jit helper because inlining one changes that kernel's register allocation
         # (checked on sm_90 SASS), and the two-launch path must stay the code it was while the two are benchmarked
@@ -241,6 +260,43 @@ if triton is not None:
             tl.store(
                 Out + b * so_b + heads[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty), mask=q_ok
             )
+
+    @triton.jit
+    def _prefetch_l2(
+        k_base,
+        v_base,
+        start,
+        n,
+        skc_l,
+        svc_l,
+        BLOCK_L: tl.constexpr,
+        LINES: tl.constexpr,
+        LINE_ELEMS: tl.constexpr,
+    ):
+        """Fetch the cached keys and values of slots ``start .. start + BLOCK_L`` below ``n`` into the L2 (one
+        ``prefetch.global.L2`` per 128-byte line: ``LINES`` lines of ``LINE_ELEMS`` entries a row); no data comes
+        back to the program, so it holds no registers for it."""
+        slots = start + tl.arange(0, BLOCK_L)
+        # past the filled slots: slot 0's row again (always in the buffer)
+        slots = tl.where(slots < n, slots, 0)
+        line = tl.arange(0, LINES) * LINE_ELEMS
+        rows = slots[:, None].to(tl.int64)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];",
+            "=r,l",
+            [k_base + rows * skc_l + line[None, :]],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];",
+            "=r,l",
+            [v_base + rows * svc_l + line[None, :]],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 def rotate_write_attend_triton(
@@ -363,9 +419,12 @@ def rotate_write_attend_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=split,
         PDL=pdl,
+        LINES=max(1, d * keys.element_size() // 128),
+        LINE_ELEMS=max(1, 128 // keys.element_size()),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
+        **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and not _interpreting() else {}),
     )
     return out
 

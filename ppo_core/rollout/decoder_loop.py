@@ -65,15 +65,25 @@ class DecoderLayerLoop:
         """The layers and the logits from the embedded tokens ``h [B, S, D]`` (a subclass that decodes some
         steps otherwise embeds once and picks)."""
         attend = self._attention(h, positions, cache)
+        layers = self._layers()
         delta = None  # what the previous sub-layer adds to the residual stream h
-        for i, layer in enumerate(self._layers()):
+        for i, layer in enumerate(layers):
             norm1, norm2 = self._norms(layer)
             if delta is None:
                 x = self._rms_norm(h, norm1)
             else:  # the previous layer's residual add fused with this layer's norm
                 h, x = self._add_rms_norm(h, delta, norm1)
             q, k, v = self._projections(i, layer, x)
-            attn_out = self._attention_output(layer, attend(i, layer, q, k, v))
+            # the last layer's keys and values go to the cache for every position, but only the last position's
+            # output reaches the logits: its attention, output projection and MLP run for that position alone
+            last_only = i == len(layers) - 1 and h.shape[1] > 1
+            cache.last_query_only = last_only
+            try:
+                attn_out = self._attention_output(layer, attend(i, layer, q, k, v))
+            finally:
+                cache.last_query_only = False
+            if last_only:
+                h = h[:, -1:]
             h, x = self._add_rms_norm(h, attn_out, norm2)
             delta = self._mlp(i, layer, x)
         if delta is None:

@@ -51,6 +51,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_mask, check_ndim, check_tensor
+from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.fused_sampling import fused_sample_record, fused_sampling_available
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
@@ -362,11 +363,10 @@ class StaticCacheDecoder:
     def _step(self, state: _State, kv_len: int, sample: _Sampler) -> None:
         """One decode step over fixed buffers (what a graph captures)."""
         cache, b = state.cache, state.last_tok.shape[0]
-        slot = state.t + (state.prompt_width - 1)
+        slot, positions = _slot_and_positions(state.t, state.prompt_len, state.prompt_width)
         # the fed token occupies its slot for every later query if its row was still running when it was drawn
-        cache.key_valid.index_copy_(1, slot.view(1), state.last_valid.view(b, 1))
-        cache.begin_decode(slot, kv_len)
-        cache.positions = (state.prompt_len + state.t - 1).view(b, 1)
+        cache.begin_decode(slot, kv_len, fed_valid=state.last_valid)
+        cache.positions = positions
         logits = self.forward(state.last_tok.view(b, 1), cache.positions, cache)
         self._record(state, logits, sample)
 
@@ -428,6 +428,15 @@ class StaticCacheDecoder:
             state.seed = torch.zeros((), dtype=torch.int64, device=device)
         else:
             state.noise = torch.empty(logits.shape[0], self.vocab_size, device=device)
+
+
+@cuda_compiled
+def _slot_and_positions(
+    t: torch.Tensor, prompt_len: torch.Tensor, prompt_width: int
+) -> tuple[torch.Tensor, ...]:
+    """Decode step ``t``'s cache slot ``P + t - 1`` and rotary positions ``[B, 1]`` (the fed token is the
+    ``t``-th after each row's ``prompt_len`` real prompt tokens): one kernel on CUDA."""
+    return t + (prompt_width - 1), (prompt_len + t - 1)[:, None]
 
 
 @dataclasses.dataclass(frozen=True)

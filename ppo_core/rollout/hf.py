@@ -253,7 +253,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return rotary(like, positions)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
-        b, s = positions.shape
+        b = positions.shape[0]
         cos, sin = self._rotary(h, positions, cache)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, d]
         cos_bhsd, sin_bhsd = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, 1, S, d], against [B, H, S, d]
@@ -275,7 +275,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
                 attn.scaling,
                 model_rounding=True,
             )
-            return out.transpose(1, 2).reshape(b, s, -1)
+            return out.transpose(1, 2).reshape(b, out.shape[2], -1)  # S or, attending the last query only, 1
 
         return attend
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_attention
 from ppo_core.rollout.decode_attention import decode_attention
 from ppo_core.rollout.decode_rotary import rotate_and_write_triton, rotate_and_write_triton_available
@@ -68,6 +69,20 @@ def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     return allowed | torch.eye(p, dtype=torch.bool, device=valid.device)
 
 
+@cuda_compiled
+def _decode_inputs(
+    key_valid: torch.Tensor, slot: torch.Tensor, fed_valid: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_valid [B, L]`` with ``fed_valid [B]`` written at ``slot`` (in place), the filled count ``slot + 1`` and
+    the additive mask ``[B, L]`` in ``dtype`` (0 on valid slots, -inf elsewhere)."""
+    valid = torch.where(
+        torch.arange(key_valid.shape[1], device=slot.device) == slot, fed_valid[:, None], key_valid
+    )
+    key_valid.copy_(valid)
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    return slot + 1, torch.where(valid, zero, float("-inf"))
+
+
 @dataclass(eq=False)
 class KVCache:
     """Per-layer key/value buffers and what they hold (see the module docstring).
@@ -87,6 +102,10 @@ class KVCache:
         batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
             by the forward): each query alone over the slots up to its own, so that a prefill of the whole
             sequence and the decode step of a token give its query the same bits.
+        last_query_only: in a prefill, :meth:`attend` writes every position's key and value but attends only the
+            last position's queries (``[B, H, 1, d]`` out; set by the forward around its last layer, whose outputs
+            are used at the last position only). That query sees every valid slot, so it gets what it gets in
+            the full attention (up to the kernel's summation order).
     """
 
     keys: list[torch.Tensor]
@@ -98,6 +117,7 @@ class KVCache:
     kv_len: int = 0
     prefill_mask: torch.Tensor | None = None
     batch_invariant: bool = False
+    last_query_only: bool = False
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _filled: torch.Tensor | None = field(default=None, repr=False)
     _per_forward: dict = field(default_factory=dict, repr=False)
@@ -159,14 +179,16 @@ class KVCache:
         self.mode, self.prefill_mask = "prefill", prefill_attention_mask(mask) if padded else None
         self.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
 
-    def begin_decode(self, slot: torch.Tensor, kv_len: int) -> None:
-        """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots."""
+    def begin_decode(self, slot: torch.Tensor, kv_len: int, fed_valid: torch.Tensor | None = None) -> None:
+        """Prepare a decode forward that writes ``slot`` and attends to the first ``kv_len`` slots; with
+        ``fed_valid [B]`` (bool) first record in :attr:`key_valid` whether each row's fed token, which goes to
+        ``slot``, is a real one (one kernel on CUDA for the record, the mask and the filled count)."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len
-        self._filled = slot + 1
+        if fed_valid is None:
+            fed_valid = self.key_valid.gather(1, slot.view(1, 1).expand(self.key_valid.shape[0], 1))[:, 0]
         # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
-        valid = self.key_valid[:, None, None, :kv_len]
-        zero = torch.zeros((), dtype=self.keys[0].dtype, device=valid.device)
-        self._decode_mask = torch.where(valid, zero, float("-inf"))
+        self._filled, mask = _decode_inputs(self.key_valid, slot, fed_valid, self.keys[0].dtype)
+        self._decode_mask = mask[:, None, None, :kv_len]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
@@ -180,19 +202,28 @@ class KVCache:
             scale: softmax scale (None: ``1 / sqrt(d)``).
 
         Returns:
-            ``[B, H, S, d]`` attention outputs.
+            ``[B, H, S, d]`` attention outputs (``[B, H, 1, d]`` with :attr:`last_query_only`).
         """
         self._write(layer, k, v)
+        last_only = self.mode == "prefill" and self.last_query_only
+        if last_only:
+            q = q[:, :, -1:]
         if self.batch_invariant:
-            return self._attend_invariant(layer, q, scale)
+            return self._attend_invariant(layer, q, scale, written=k.shape[2])
         if self.mode == "prefill":
             h, g = q.shape[1], k.shape[1]
-            # no padding: causal, and the flash kernel shares the key/value heads among their query heads
-            if self.prefill_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g != h)
+            mask = self.prefill_mask
+            # no padding: causal (the last query alone sees every key), and the flash kernel shares the key/value
+            # heads among their query heads
+            if mask is None:
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=not last_only, scale=scale, enable_gqa=g != h
+                )
             if g != h:  # the padded-mask kernels take one key head per query head
                 k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.prefill_mask, scale=scale)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, :, -1:] if last_only else mask, scale=scale
+            )
         return self._decode_attention(layer, q, scale)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -285,13 +316,15 @@ class KVCache:
             q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled
         )
 
-    def _attend_invariant(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _attend_invariant(
+        self, layer: int, q: torch.Tensor, scale: float | None, written: int
+    ) -> torch.Tensor:
         """:meth:`attend`'s attention, once the keys and values are written, by
-        :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes)."""
+        :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes; ``written``: the slots this
+        forward wrote, the last ``q.shape[2]`` of which hold the queries' own tokens in a prefill)."""
         keys, values = self.keys[layer], self.values[layer]
         if self.mode == "prefill":
-            s = q.shape[2]
-            slots, length = torch.arange(s, device=q.device), s
+            slots, length = torch.arange(written - q.shape[2], written, device=q.device), written
         else:
             slots, length = self.slot.view(1), self.kv_len
         q = q if q.stride(-1) == 1 else q.contiguous()

@@ -173,6 +173,66 @@ def test_unpadded_prefill_attends_as_the_masked_path(b, groups, p, seed):
     assert cache.prefill_mask is not None
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    groups=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+    p=st.integers(1, 9),
+    padding=st.sampled_from(["none", "left", "invariant"]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_of_the_last_query_only_is_the_last_row_of_the_full_attention(b, groups, p, padding, seed):
+    """``last_query_only`` (the prefill's last layer): every key and value is written as in the full prefill, and
+    the output is the last query's row of the full attention (causal, left-padded and batch-invariant paths)."""
+    h, g = groups
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, p, 8, generator=gen, dtype=torch.float64) for n in (h, g, g))
+    mask = torch.ones(b, p, dtype=torch.long)
+    if padding == "left":
+        mask[:, : p - 1] = (torch.rand(b, p - 1, generator=gen) > 0.5).long().cummin(-1).values.flip(-1)
+    results = []
+    for last_only in (False, True):
+        cache = KVCache.allocate(
+            layers=1, batch=b, kv_heads=g, head_dim=8, length=p + 2, dtype=torch.float64, device="cpu"
+        )
+        cache.batch_invariant = padding == "invariant"
+        cache.begin_prefill(mask)
+        cache.last_query_only = last_only
+        results.append((cache.attend(0, q, k, v, scale=0.3), cache.keys[0], cache.values[0]))
+    (full, keys, values), (last, last_keys, last_values) = results
+    assert last.shape == (b, h, 1, 8)
+    torch.testing.assert_close(last, full[:, :, -1:], rtol=1e-12, atol=1e-12)
+    assert torch.equal(last_keys, keys) and torch.equal(last_values, values)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 4), length=st.integers(1, 12), data=st.data())
+def test_begin_decode_records_the_fed_token_and_masks_the_valid_slots(b, length, data):
+    """``begin_decode(slot, kv_len, fed_valid)`` writes ``fed_valid`` into ``key_valid`` at ``slot`` (nothing else),
+    and the step's mask is 0 on the valid slots below ``kv_len``, -inf elsewhere, in the cache's dtype."""
+    slot = data.draw(st.integers(0, length - 1))
+    kv_len = data.draw(st.integers(slot + 1, length))
+    before = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * length, max_size=b * length))).view(
+        b, length
+    )
+    fed = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    cache = KVCache.allocate(
+        layers=1, batch=b, kv_heads=1, head_dim=2, length=length, dtype=torch.bfloat16, device="cpu"
+    )
+    cache.key_valid.copy_(before)
+    cache.begin_decode(torch.tensor(slot), kv_len, fed_valid=fed)
+    expected = before.clone()
+    expected[:, slot] = fed
+    assert torch.equal(cache.key_valid, expected)
+    mask = cache._decode_mask
+    assert mask.shape == (b, 1, 1, kv_len) and mask.dtype == torch.bfloat16
+    assert torch.equal(mask[:, 0, 0] == 0, expected[:, :kv_len])
+    assert torch.isneginf(mask[:, 0, 0][~expected[:, :kv_len]]).all()
+    assert int(cache._filled) == slot + 1
+    cache.begin_decode(torch.tensor(slot), kv_len)  # no fed token to record: key_valid unchanged
+    assert torch.equal(cache.key_valid, expected)
+
+
 def test_decode_attention_equals_attention_over_the_valid_prefix():
     """One decode step through the cache == plain softmax attention over the valid slots (grouped heads)."""
     g = torch.Generator().manual_seed(0)
@@ -469,6 +529,28 @@ def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse
     ]
     assert torch.equal(outs[0]["responses"], outs[1]["responses"])
     assert torch.equal(outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"])
+
+
+def test_prefill_runs_the_last_layers_mlp_for_the_last_position_only(monkeypatch):
+    """Only the last position's output of the last layer reaches the logits: the prefill's other layers run their
+    MLP over every position, the last one over one position per row (and decode steps over their one token)."""
+    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+
+    seen = []
+    mlp = _LlamaFamilyForward._mlp
+
+    def recording(self, i, layer, x):
+        seen.append((i, x.shape[1]))
+        return mlp(self, i, layer, x)
+
+    monkeypatch.setattr(_LlamaFamilyForward, "_mlp", recording)
+    model = _hf("llama")
+    ids, mask = _left_padded(3, 6, seed=2)
+    engine = HFRolloutEngine(model)
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=2, temperature=0.0))
+    assert seen == [(0, 6), (1, 1), (0, 1), (1, 1)]  # prefill (2 layers), then one decode step
+    ref = _recompute_greedy(lambda i, m: _hf_logits(model, i, m), ids, mask, 2, None)
+    assert torch.equal(out["responses"], ref)
 
 
 @pytest.mark.parametrize("fast_path", [True, False])

@@ -316,14 +316,16 @@ class MegatronDecodeForward(DecoderLayerLoop):
         return split_qkv(qkv, self.heads, self.groups, self.head_dim)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
-        b, s = positions.shape
+        b = positions.shape[0]
 
         def attend(
             i: int, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             core: SDPACoreAttention = layer.self_attention.core_attention
             out = core.attend_cache(cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return out.transpose(1, 2).reshape(b, s, -1)  # [B, S, H d]
+            return out.transpose(1, 2).reshape(
+                b, out.shape[2], -1
+            )  # [B, S, H d] ([B, 1, H d]: last query only)
 
         return attend
 
