@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight, row_sumsq
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, row_sumsq
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
@@ -89,12 +90,9 @@ def _concatenated(
     if scale is None:
         weight = torch.cat([layer.weight for layer in layers], out=weight_out)
     else:
-        rows = [layer.weight.shape[0] for layer in layers]
-        weight = (
-            weight_out if weight_out is not None else layers[0].weight.new_empty(sum(rows), scale.shape[0])
-        )
-        for layer, part in zip(layers, weight.split(rows), strict=True):
-            fold_norm_weight(layer.weight, scale, out=part)
+        rows = sum(layer.weight.shape[0] for layer in layers)
+        weight = weight_out if weight_out is not None else layers[0].weight.new_empty(rows, scale.shape[0])
+        _fold_into(weight, scale, *(layer.weight for layer in layers))
     if all(layer.bias is None for layer in layers):
         return weight, None
     biases = [
@@ -102,6 +100,15 @@ def _concatenated(
         for layer in layers
     ]
     return weight, torch.cat(biases, out=bias_out)
+
+
+@cuda_compiled
+def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -> None:
+    """Write ``weights`` (``[N_i, K]`` each) stacked along their rows into ``out [sum N_i, K]``, each column
+    multiplied by ``scale [K]`` and rounded as :func:`~ppo_core.rollout.decode_linear.fold_norm_weight` rounds it:
+    one kernel for the group on CUDA (a rollout folds every layer's two groups: ~30 launches instead of one per
+    projection, whose host time left the GPU idle before the prefill)."""
+    out.copy_(torch.cat(weights) * scale.to(out.dtype))
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:

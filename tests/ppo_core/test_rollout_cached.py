@@ -531,6 +531,28 @@ def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse
     assert torch.equal(outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"])
 
 
+_DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.integers(1, 9), min_size=1, max_size=3), k=st.integers(1, 12), seed=st.integers(0, 2**16)
+)
+def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed):
+    """The HF engine's refresh writes a group's weights stacked, each column times the norm's weight, in one call
+    (compiled on CUDA): the same bits as ``fold_norm_weight`` of each weight into its rows."""
+    from ppo_core.rollout.decode_linear import fold_norm_weight
+    from ppo_core.rollout.hf import _fold_into
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for n in rows]
+    scale = (torch.randn(k, generator=gen) * 3).to(torch.bfloat16).to(device)
+    out = torch.full((sum(rows), k), float("nan"), dtype=torch.bfloat16, device=device)
+    _fold_into(out, scale, *weights)
+    assert torch.equal(out, torch.cat([fold_norm_weight(w, scale) for w in weights]))
+
+
 def test_prefill_runs_the_last_layers_mlp_for_the_last_position_only(monkeypatch):
     """Only the last position's output of the last layer reaches the logits: the prefill's other layers run their
     MLP over every position, the last one over one position per row (and decode steps over their one token)."""
