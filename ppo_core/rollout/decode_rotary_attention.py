@@ -281,21 +281,14 @@ if triton is not None:
         slots = tl.where(slots < n, slots, 0)
         line = tl.arange(0, LINES) * LINE_ELEMS
         rows = slots[:, None].to(tl.int64)
+        _prefetch_line(k_base + rows * skc_l + line[None, :])
+        _prefetch_line(v_base + rows * svc_l + line[None, :])
+
+    @triton.jit
+    def _prefetch_line(pointers):
+        """``prefetch.global.L2`` of the 128-byte line holding each of ``pointers`` (a hint: nothing is returned)."""
         tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];",
-            "=r,l",
-            [k_base + rows * skc_l + line[None, :]],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];",
-            "=r,l",
-            [v_base + rows * svc_l + line[None, :]],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
+            "prefetch.global.L2 [$1];", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1
         )
 
 
