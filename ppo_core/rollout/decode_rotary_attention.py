@@ -70,15 +70,17 @@ except ImportError:  # Triton is optional
 
 __all__ = [
     "default_split",
+    "default_stages",
     "rotate_write_attend_triton",
     "rotate_write_attend_triton_available",
 ]
 
 
 MAX_REGISTERS = 128
-"""Registers a thread of a four-warp program may take: four programs fit an SM (:func:`default_split` assumes it).
-Compiled for sm_90 by Triton 3.6 without the cap the kernel takes 134 with two pipeline stages and 114 with three; with
-it 128 either way, no spill."""
+"""Registers a thread of a four-warp program may take: four programs fit an SM (the rules of :func:`default_split`
+and :func:`default_stages` assume it). Compiled for sm_90 by Triton 3.6 the kernel needs 128 with two pipeline
+stages and 114 with three without the cap, but 134 with two once it prefetches its first block before waiting
+(PDL), where the cap gives 128 with no spill."""
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -305,7 +307,7 @@ def rotate_write_attend_triton(
     model_rounding: bool,
     block_l: int = 64,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     split: int | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
@@ -322,10 +324,8 @@ def rotate_write_attend_triton(
             attended are those below ``min(kv_len, slot + 1)``.
         scale: softmax scale (None: ``1 / sqrt(d)``).
         model_rounding: the rotation's rounding rule (see :mod:`ppo_core.rollout.decode_rotary`).
-        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton``. Three pipeline
-            stages by default: on one H200 at B = 64 of Llama-3.2-1B (512 programs, 320 filled slots) 16.7 us a call
-            against 17.1 with two, and a decode step 1.306-1.314 ms against 1.317-1.319 in the rollout (two rounds
-            of one call each; ``benchmarks/results_h200_rollout_diagnostics.json``); at B = 256 57.9 us against 61.5.
+        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (``num_stages``
+            None: :func:`default_stages`).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
             from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
 
@@ -364,6 +364,8 @@ def rotate_write_attend_triton(
     rep = h // g
     if split is None:
         split = default_split(b * g, kv_len, block_l, q.device)
+    if num_stages is None:
+        num_stages = default_stages(b * g * split, q.device)
     if split > 1:
         parts = torch.empty(b, g, split, rep * (d + 2), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, b * g)
@@ -420,11 +422,28 @@ def rotate_write_attend_triton(
     return out
 
 
+def default_stages(programs: int, device: torch.device) -> int:
+    """The software-pipeline depth :func:`rotate_write_attend_triton` uses by default for a launch of ``programs``
+    programs: 2 where they all run at once at four per SM, else 3. On one H200 (64 slots a block, four warps, 320
+    filled slots of 384; ``benchmarks/rollout_profile.py --attention-sweep``) 64 rows of Llama-3.2-1B (512 programs)
+    took 17.3 us with 2 stages and 18.6 with 3, 256 rows (2048 programs) 61.5 and 57.9
+    (``benchmarks/results_h200_rollout_attention_sweep.json``). Since the launch caps a program at
+    :data:`MAX_REGISTERS`, three stages measured faster at 512 programs too (16.7 against 17.1 us alone, a decode step
+    1.306-1.314 ms against 1.317-1.319; ``benchmarks/results_h200_rollout_diagnostics.json``); the rule changes once
+    the kernel's GPU tests have run at three stages for launches that small.
+
+    Example:
+        >>> default_stages(64 * 8, torch.device("cpu")), default_stages(256 * 8, torch.device("cpu"))
+        (2, 3)
+    """
+    return 2 if programs <= 4 * sm_count(device) else 3
+
+
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
     """The split :func:`rotate_write_attend_triton` uses by default for ``programs = B G`` (row, key/value head)
     pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
-    programs are at least two per SM (four fit at once: a program of four warps takes at most :data:`MAX_REGISTERS`
-    registers a thread), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
+    programs are at least two per SM (four fit at once: compiled for sm_90 by Triton 3.6 a program of four warps takes
+    112 registers a thread with three pipeline stages, 128 with two), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
     of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
     Llama-3.2-1B (512 pairs, 320 filled slots, the cache read from HBM) ``S = 2`` took 21.9 us a call against
     18.3 for ``S = 1`` (4: 25.9, 8: 34.3; ``benchmarks/results_h200_rollout_split_attention.json``), so the split

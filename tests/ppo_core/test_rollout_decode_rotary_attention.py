@@ -19,6 +19,7 @@ from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_atte
 from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
 from ppo_core.rollout.decode_rotary_attention import (
     default_split,
+    default_stages,
     rotate_write_attend_triton,
 )
 from ppo_core.rollout.kv_cache import KVCache
@@ -393,6 +394,13 @@ def test_a_bad_split_is_named(device) -> None:
             rotate_write_attend_triton(
                 q, k, v, cos, sin, *cache, slot, bias, model_rounding=False, split=split
             )
+
+
+@given(programs=st.integers(1, 10_000))
+def test_default_stages_are_two_where_every_program_runs_at_once(programs) -> None:
+    """Two pipeline stages while the launch's programs all fit at four per SM (132 SMs off CUDA), three after."""
+    stages = default_stages(programs, torch.device("cpu"))
+    assert stages == (2 if programs <= 4 * 132 else 3)
 
 
 def test_default_split_fills_the_gpu_with_whole_blocks() -> None:
