@@ -70,7 +70,9 @@ def _two_launches(q, k, v, cos, sin, cache, slot, bias, scale, model_rounding, b
     return decode_attention_triton(q, keys, values, bias, scale, filled=slot + 1, block_l=block_l)
 
 
-def _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding, block_l, seed) -> None:
+def _check_equal(
+    b, h, g, d, length, kv_len, slot, dtype, device, model_rounding, block_l, seed, num_stages=None
+) -> None:
     q, k, v, cos, sin, cache, bias = _step(b, h, g, d, length, kv_len, slot, dtype, device, seed)
     if model_rounding:
         cos, sin = cos.to(dtype), sin.to(dtype)
@@ -89,6 +91,7 @@ def _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding
         0.3,
         model_rounding=model_rounding,
         block_l=block_l,
+        num_stages=num_stages,
         split=1,
     )
     assert got.isfinite().all()
@@ -119,6 +122,33 @@ def test_one_launch_equals_the_two(
     device, dtype, model_rounding, b, h, g, d, length, kv_len, slot, block_l
 ) -> None:
     _check_equal(b, h, g, d, length, kv_len, slot, dtype, device, model_rounding, block_l, seed=b * h + slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("b", "h", "g", "d", "length", "kv_len", "slot", "block_l"), CASES)
+def test_one_launch_equals_the_two_at_every_pipeline_depth(
+    num_stages, dtype, b, h, g, d, length, kv_len, slot, block_l
+) -> None:
+    """The compiled kernel's software pipeline (with the L2 prefetch before the PDL wait and the register cap) gives
+    the same bits at any depth, whatever ``default_stages`` picks for a launch."""
+    _check_equal(
+        b,
+        h,
+        g,
+        d,
+        length,
+        kv_len,
+        slot,
+        dtype,
+        "cuda",
+        True,
+        block_l,
+        seed=b * h + slot,
+        num_stages=num_stages,
+    )
 
 
 @pytest.mark.skipif(not INTERPRET, reason="random shapes under TRITON_INTERPRET=1 (the CPU)")
