@@ -71,14 +71,15 @@ def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
 
 @cuda_compiled
 def _decode_inputs(
-    key_valid: torch.Tensor, slot: torch.Tensor, fed_valid: torch.Tensor, dtype: torch.dtype
+    key_valid: torch.Tensor, slot: torch.Tensor, fed_valid: torch.Tensor | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key_valid [B, L]`` with ``fed_valid [B]`` written at ``slot`` (in place), the filled count ``slot + 1`` and
-    the additive mask ``[B, L]`` in ``dtype`` (0 on valid slots, -inf elsewhere)."""
-    valid = torch.where(
-        torch.arange(key_valid.shape[1], device=slot.device) == slot, fed_valid[:, None], key_valid
-    )
-    key_valid.copy_(valid)
+    """``key_valid [B, L]`` with ``fed_valid [B]`` (when given) written at ``slot`` (in place), the filled count
+    ``slot + 1`` and the additive mask ``[B, L]`` in ``dtype`` (0 on valid slots, -inf elsewhere)."""
+    valid = key_valid
+    if fed_valid is not None:
+        at_slot = torch.arange(key_valid.shape[1], device=slot.device) == slot
+        valid = torch.where(at_slot, fed_valid[:, None], key_valid)
+        key_valid.copy_(valid)
     zero = torch.zeros((), dtype=dtype, device=valid.device)
     return slot + 1, torch.where(valid, zero, float("-inf"))
 
@@ -184,8 +185,6 @@ class KVCache:
         ``fed_valid [B]`` (bool) first record in :attr:`key_valid` whether each row's fed token, which goes to
         ``slot``, is a real one (one kernel on CUDA for the record, the mask and the filled count)."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len
-        if fed_valid is None:
-            fed_valid = self.key_valid.gather(1, slot.view(1, 1).expand(self.key_valid.shape[0], 1))[:, 0]
         # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
         self._filled, mask = _decode_inputs(self.key_valid, slot, fed_valid, self.keys[0].dtype)
         self._decode_mask = mask[:, None, None, :kv_len]
