@@ -442,9 +442,9 @@ def default_stages(programs: int, device: torch.device) -> int:
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
     """The split :func:`rotate_write_attend_triton` uses by default for ``programs = B G`` (row, key/value head)
     pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
-    programs are at least two per SM (four fit at once: compiled for sm_90 by Triton 3.6 a program of four warps takes
-    112 registers a thread with three pipeline stages, 128 with two), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at least one block
-    of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
+    programs are at least two per SM (four fit at once: a four-warp program takes at most :data:`MAX_REGISTERS`
+    registers a thread), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at
+    least one block of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
     Llama-3.2-1B (512 pairs, 320 filled slots, the cache read from HBM) ``S = 2`` took 21.9 us a call against
     18.3 for ``S = 1`` (4: 25.9, 8: 34.3; ``benchmarks/results_h200_rollout_split_attention.json``), so the split
     is for few rows over long caches (8 rows of 8 heads over 4096 slots: ``S = 64``), which was not timed.

@@ -323,9 +323,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
         ) -> torch.Tensor:
             core: SDPACoreAttention = layer.self_attention.core_attention
             out = core.attend_cache(cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return out.transpose(1, 2).reshape(
-                b, out.shape[2], -1
-            )  # [B, S, H d] ([B, 1, H d]: last query only)
+            # [B, S, H d], or [B, 1, H d] where the cache attends the last query only
+            return out.transpose(1, 2).reshape(b, out.shape[2], -1)
 
         return attend
 
