@@ -33,6 +33,18 @@ product) and fetches its first block of cached keys and values into the L2 (``pr
 held for the data): the slot is written by the step's first kernels and the cached slots by earlier steps, all
 finished before the previous kernel started, so the first block's memory latency overlaps that kernel's end.
 
+**The loop's cost.** At 64 rows the kernel is bound by its loop's arithmetic rather than its reads (with the cache
+loads replaced by constants it kept 14.3 of its 17.1 us on one H200): per block of slots two 16-row MMAs for the
+group's query heads, the softmax's reductions across the warps and the layout changes between them. A program
+therefore walks the blocks wholly below the new slot with a body of its own: every slot in them is cached and
+attended, so the loads take no masks and no slot is swapped for the new key or value (the values are the ones the
+general body computes, so the bits are too); only the block holding the new slot, and a chunk's last block, run the
+general body. Compiled for sm_90 the plain body is 272 instructions against 456; alone at B = 64 and 320 filled
+slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one
+call, two rounds; ``benchmarks/results_h200_rollout_peel.json``). The pipeline is three stages deep (the default
+``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 14.9 against
+15.1 us; B = 256: 57.9 against 61.5 before the peel).
+
 With ``S = 1`` (the default where ``B G`` programs already fill the GPU) the kernel is the unsplit one: every value
 entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model dtype there
 by its store, here by the rotation itself), so the two paths give the same outputs and cache; the tests check it
@@ -70,17 +82,16 @@ except ImportError:  # Triton is optional
 
 __all__ = [
     "default_split",
-    "default_stages",
     "rotate_write_attend_triton",
     "rotate_write_attend_triton_available",
 ]
 
 
 MAX_REGISTERS = 128
-"""Registers a thread of a four-warp program may take: four programs fit an SM (the rules of :func:`default_split`
-and :func:`default_stages` assume it). Compiled for sm_90 by Triton 3.6 the kernel needs 128 with two pipeline
-stages and 114 with three without the cap, but 134 with two once it prefetches its first block before waiting
-(PDL), where the cap gives 128 with no spill."""
+"""Registers a thread of a four-warp program may take: four programs fit an SM (the rule of :func:`default_split`
+assumes it). Compiled for sm_90 by Triton 3.6 the kernel took 134 with two pipeline stages once it prefetched its
+first block before waiting (PDL); under the cap it takes 125-128 with two or three stages, split or not, with no
+spill."""
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -186,11 +197,29 @@ if triton is not None:
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
-        # The loop is decode_attention._decode_kernel's, line for line but for the new slot and the chunk's bounds.
-        # It is not a shared @triton.jit helper because inlining one changes that kernel's register allocation
-        # (checked on sm_90 SASS), and the two-launch path must stay the code it was while the two are benchmarked
-        # against each other.
-        for start in range(lo, hi, BLOCK_L):
+        # The blocks wholly below the new slot first: every slot in them is cached and inside the range, so they
+        # load without masks and select no new key or value (the same values, so the same bits, as the general
+        # body below gives them; on sm_90 a block is 272 instructions instead of 456).
+        plain_end = lo + (tl.maximum(tl.minimum(hi, slot) - lo, 0) // BLOCK_L) * BLOCK_L
+        for start in range(lo, plain_end, BLOCK_L):
+            slots = start + tl.arange(0, BLOCK_L)
+            k = tl.load(k_base + slots[None, :] * skc_l + d[:, None])  # [D, L]
+            s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
+            bias = tl.load(Bias + b * sb_b + slots * sb_l).to(tl.float32)
+            s = s + bias[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * svc_l + d[None, :])  # [L, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        # The rest (the block holding the new slot, and the range's end) is decode_attention._decode_kernel's loop,
+        # line for line but for the new slot and the chunk's bounds. It is not a shared @triton.jit helper because
+        # inlining one changes that kernel's register allocation (checked on sm_90 SASS), and the two-launch path
+        # must stay the code it was while the two are benchmarked against each other.
+        for start in range(plain_end, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
             new = slots == slot
@@ -307,7 +336,7 @@ def rotate_write_attend_triton(
     model_rounding: bool,
     block_l: int = 64,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int = 3,
     split: int | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
@@ -324,8 +353,8 @@ def rotate_write_attend_triton(
             attended are those below ``min(kv_len, slot + 1)``.
         scale: softmax scale (None: ``1 / sqrt(d)``).
         model_rounding: the rotation's rounding rule (see :mod:`ppo_core.rollout.decode_rotary`).
-        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (``num_stages``
-            None: :func:`default_stages`).
+        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (three stages:
+            see the module docstring).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
             from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
 
@@ -364,8 +393,6 @@ def rotate_write_attend_triton(
     rep = h // g
     if split is None:
         split = default_split(b * g, kv_len, block_l, q.device)
-    if num_stages is None:
-        num_stages = default_stages(b * g * split, q.device)
     if split > 1:
         parts = torch.empty(b, g, split, rep * (d + 2), dtype=torch.float32, device=q.device)
         counters = arrival_counters(q.device, b * g)
@@ -420,23 +447,6 @@ def rotate_write_attend_triton(
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and not _interpreting() else {}),
     )
     return out
-
-
-def default_stages(programs: int, device: torch.device) -> int:
-    """The software-pipeline depth :func:`rotate_write_attend_triton` uses by default for a launch of ``programs``
-    programs: 2 where they all run at once at four per SM, else 3. On one H200 (64 slots a block, four warps, 320
-    filled slots of 384; ``benchmarks/rollout_profile.py --attention-sweep``) 64 rows of Llama-3.2-1B (512 programs)
-    took 17.3 us with 2 stages and 18.6 with 3, 256 rows (2048 programs) 61.5 and 57.9
-    (``benchmarks/results_h200_rollout_attention_sweep.json``). Since the launch caps a program at
-    :data:`MAX_REGISTERS`, three stages measured faster at 512 programs too (16.7 against 17.1 us alone, a decode step
-    1.306-1.314 ms against 1.317-1.319; ``benchmarks/results_h200_rollout_diagnostics.json``); the rule changes once
-    the kernel's GPU tests have run at three stages for launches that small.
-
-    Example:
-        >>> default_stages(64 * 8, torch.device("cpu")), default_stages(256 * 8, torch.device("cpu"))
-        (2, 3)
-    """
-    return 2 if programs <= 4 * sm_count(device) else 3
 
 
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:
