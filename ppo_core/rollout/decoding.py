@@ -87,6 +87,7 @@ class DecodeStats:
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    """The decode steps, and the assembly of the outputs queued after them."""
     decode_steps: int = 0
     new_tokens: int = 0
     cache_bytes: int = 0
@@ -247,16 +248,18 @@ class StaticCacheDecoder:
                 state.noise.uniform_(generator=generator)
             self._decode(state, self._kv_len(state, t), sample, eager=t == 1 and not warm)
             steps += 1
-        _sync(device)
-        self.stats.decode_s = time.perf_counter() - start
-        self.stats.decode_steps = steps
-        self._warm.add(state.key)
-
+        # the outputs are assembled (queued after the last step) while the device still decodes: the host's work
+        # on them overlaps the decoding instead of following it (about 1 ms a call otherwise)
         response_mask = state.response_mask.long()
         out = rollout_batch(
             prompts, mask.long(), state.responses.clone(), response_mask, state.log_probs.clone()
         )
-        self.stats.new_tokens = int(response_mask.sum())
+        new_tokens = response_mask.sum()
+        _sync(device)
+        self.stats.decode_s = time.perf_counter() - start
+        self.stats.decode_steps = steps
+        self._warm.add(state.key)
+        self.stats.new_tokens = int(new_tokens)
         if device.type == "cuda":
             self.stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
         if not self.keep_cache:

@@ -303,6 +303,8 @@ def test_hf_cached_eos_masks_and_pads_and_stops_when_every_row_is_done():
         assert (resp[row, end:] == VOCAB - 1).all()
         assert (out["rollout_log_probs"][row, end:] == 0).all()
     assert torch.equal(out["attention_mask"][:, ids.shape[1] :], out["response_mask"])
+    # counted from the response mask the generation assembled (queued before the final sync)
+    assert engine.stats.new_tokens == int(rmask.sum()) < 5 * 12
     if bool((expected == eos).any(1).all()):
         assert engine.stats.decode_steps < 11
 

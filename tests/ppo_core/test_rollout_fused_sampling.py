@@ -89,6 +89,23 @@ def test_masked_vocabulary_and_zero_noise_are_never_drawn(device) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=10, deadline=None)
+@given(below=st.floats(20.0, 200.0), winner=st.integers(0, 8999), seed=st.integers(0, 2**16))
+def test_the_largest_noise_cannot_lift_an_entry_far_below(device, below, winner, seed) -> None:
+    """The kernel ranks by ``exp(x - m) / (-log u)``, in which an entry more than ~87 below its block's largest
+    underflows to 0: it still draws what the Gumbel rule draws when such entries get the largest noise the kernel can
+    make (the rule cannot lift them either), whichever block holds the largest logit."""
+    logits, noise = _case(2, 9000, seed, device)
+    logits = logits - below * (torch.arange(9000, device=device) % 2)  # every odd entry far below
+    logits[:, winner] = 10.0
+    noise[:, 1::2] = 1.0 - 2.0**-24  # the largest u: a Gumbel score of +16.6
+    tokens, log_probs = fused_sample(logits, noise, 1.0)
+    want_tokens, want_lp = _reference(logits, noise, 1.0)
+    assert torch.equal(tokens.cpu(), want_tokens)
+    torch.testing.assert_close(log_probs.double().cpu(), want_lp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_noise_is_named_and_no_rows_is_fine(device) -> None:
     logits, noise = _case(2, 10, 0, device)
     with pytest.raises(ValueError, match="noise"):
