@@ -5,11 +5,11 @@ usual setting of RL rollouts): with ``x = logits / T``,
 
 - the token is ``argmax(x - log(-log u))`` (``x`` computed as ``logits * (1 / T)``) (Gumbel-max with uniform noise
   ``u``; greedy: ``argmax(logits)``; ties go to the lowest index, as ``torch.argmax``). The kernel ranks a block's
-  entries by ``exp(x - m) / (-log u)`` (``m`` the block's largest ``x``), which orders them as the Gumbel scores do:
-  one logarithm an entry instead of two, and ``exp(x - m)`` is the softmax's term it needs anyway (on one H200 at
-  ``B = 64``, ``V = 128256``: the step's draw 26 us against 34). Rounding can order two entries whose scores agree
-  to about ``1e-6`` differently from the PyTorch rule; an entry whose ``exp(x - m)`` underflows to 0 is more than
-  87 below the block's largest, where no noise (at most 16.6 in this kernel) can lift it,
+  entries by ``exp(x - m) / (-log u)`` (``m`` the block's largest ``x``), which orders them as the Gumbel scores
+  do: one logarithm an entry instead of two, and ``exp(x - m)`` is the softmax's term it needs anyway (on one H200
+  at ``B = 64``, ``V = 128256``: the step's draw 28 us against 34, the same tokens). Rounding can order two entries
+  whose scores agree to about ``1e-6`` differently from the PyTorch rule; an entry whose ``exp(x - m)`` underflows
+  to 0 is more than 87 below the block's largest, where no noise (at most 16.6 in this kernel) can lift it,
 - its log-probability is ``x[token] - logsumexp(x)`` (greedy: at ``T = 1``).
 
 Unfused, PyTorch reads the ``[B, V]`` logits and noise several times (log-softmax, noise transform, argmax,

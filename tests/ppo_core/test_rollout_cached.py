@@ -495,6 +495,41 @@ def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
     assert all(layer.kv_cache is None for layer in engine.attention)
 
 
+@pytest.mark.parametrize("own_forward", [True, False])
+def test_megatron_generation_sets_the_eval_mode_only_for_gptmodels_forward(
+    cpu_megatron, monkeypatch, own_forward
+):
+    """The own forward (its functions on the weights) samples from a module in training mode without switching it to
+    eval mode and back; ``GPTModel.forward`` (dropout included) switches it; both draw what eval mode draws."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _megatron import tiny_config
+
+    from ppo_core.workers.megatron import ParallelConfig
+    from ppo_core.workers.megatron.model import build_gpt_model
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    cfg = tiny_config()
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    ids, mask = _left_padded(3, 5, seed=8)
+    ids = ids % cfg.vocab_size
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    engine = MegatronRolloutEngine(model, cfg, own_forward=own_forward)
+    want = engine.generate(ids, mask, greedy)
+    calls = []
+    train = model.train
+    monkeypatch.setattr(model, "train", lambda mode=True: (calls.append(mode), train(mode))[1])
+    model.train(True)
+    calls.clear()
+    got = engine.generate(ids, mask, greedy)
+    assert model.training and all(m.training for m in model.modules())
+    assert calls == ([] if own_forward else [False, True])
+    assert torch.equal(got["responses"], want["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=0, atol=0)
+
+
 def test_per_forward_values_are_shared_by_the_layers_of_one_forward_only():
     """What the layers of one forward share (the rotary tables at its positions) is made once per forward: a new
     assignment of ``positions`` (the next forward) starts afresh."""

@@ -157,6 +157,12 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         forward = self._own if self._own is not None else self._forward
         self._init_decoder(module, forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
 
+    def _runs_module_forwards(self) -> bool:
+        # the own forward applies its own functions to the weights (the word-embedding lookup it calls has no dropout
+        # of its own), so a module in training mode is not switched to eval mode and back around each generation
+        # (that visits every submodule: host time with the GPU idle); GPTModel.forward runs megatron's dropout
+        return self._own is None
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.batch_invariant = self.batch_invariant
         for layer in self.attention:
