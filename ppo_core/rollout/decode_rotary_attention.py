@@ -42,8 +42,8 @@ general body computes, so the bits are too); only the block holding the new slot
 general body. Compiled for sm_90 the plain body is 272 instructions against 456; alone at B = 64 and 320 filled
 slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one
 call, two rounds; ``benchmarks/results_h200_rollout_peel.json``). The pipeline is three stages deep (the default
-``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 14.9 against
-15.1 us; B = 256: 57.9 against 61.5 before the peel).
+``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 15.0 against
+15.3 us; B = 256: 57.9 against 61.5 before the plain blocks).
 
 With ``S = 1`` (the default where ``B G`` programs already fill the GPU) the kernel is the unsplit one: every value
 entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model dtype there
