@@ -61,6 +61,18 @@ def triton_available(device: torch.device) -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def _softmax_block(s, m_i, l_i):
+        """One block's step of the online softmax over scores ``s [R, L]`` (fp32, ``-inf`` where masked) with the
+        running maximum ``m_i`` and sum ``l_i`` ``[R]``: ``(m_new, alpha, p, l_new)``, the new maximum, the factor
+        that rescales what was accumulated, the block's unnormalised probabilities and the new sum (a block with
+        nothing visible yet keeps a maximum of ``-inf`` and adds nothing)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
     @triton.jit(do_not_specialize=["kv_len"])
     def _decode_kernel(
         Q,
@@ -113,11 +125,7 @@ if triton is not None:
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
             bias = tl.load(Bias + b * sb_b + slots * sb_l, mask=inside, other=float("-inf")).to(tl.float32)
             s = s + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = _softmax_block(s, m_i, l_i)
             v = tl.load(
                 v_base + slots[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0
             )  # [L, D]

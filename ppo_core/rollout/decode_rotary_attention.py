@@ -75,6 +75,7 @@ try:
     import triton
     import triton.language as tl
 
+    from ppo_core.rollout.decode_attention import _softmax_block
     from ppo_core.rollout.decode_rotary import _rotary
 except ImportError:  # Triton is optional
     triton = None
@@ -207,18 +208,16 @@ if triton is not None:
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
             bias = tl.load(Bias + b * sb_b + slots * sb_l).to(tl.float32)
             s = s + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = _softmax_block(s, m_i, l_i)
             v = tl.load(v_base + slots[:, None] * svc_l + d[None, :])  # [L, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         # The rest (the block holding the new slot, and the range's end) is decode_attention._decode_kernel's loop,
-        # line for line but for the new slot and the chunk's bounds. It is not a shared @triton.jit helper because
-        # inlining one changes that kernel's register allocation (checked on sm_90 SASS), and the two-launch path
-        # must stay the code it was while the two are benchmarked against each other.
+        # line for line but for the new slot and the chunk's bounds. The three loops share the online softmax's
+        # step (_softmax_block: the sm_90 SASS of both kernels is the same as with it written out, checked with
+        # Triton 3.6); the whole loop is not one shared helper because inlining that changed the two-launch
+        # kernel's register allocation (sm_90 SASS), and that path must stay the code it was while the two are
+        # benchmarked against each other.
         for start in range(plain_end, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
@@ -231,11 +230,7 @@ if triton is not None:
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
             bias = tl.load(Bias + b * sb_b + slots * sb_l, mask=inside, other=float("-inf")).to(tl.float32)
             s = s + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = _softmax_block(s, m_i, l_i)
             v = tl.load(
                 v_base + slots[:, None] * svc_l + d[None, :], mask=cached[:, None], other=0.0
             )  # [L, D]
