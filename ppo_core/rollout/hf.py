@@ -39,7 +39,7 @@ from torch import nn
 
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, row_sumsq
+from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight, row_sumsq
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
@@ -104,11 +104,11 @@ def _concatenated(
 
 @cuda_compiled
 def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -> None:
-    """Write ``weights`` (``[N_i, K]`` each) stacked along their rows into ``out [sum N_i, K]``, each column
-    multiplied by ``scale [K]`` and rounded as :func:`~ppo_core.rollout.decode_linear.fold_norm_weight` rounds it:
-    one kernel for the group on CUDA (a rollout folds every layer's two groups: ~30 launches instead of one per
+    """Write ``weights`` (``[N_i, K]`` each, of ``out``'s dtype) stacked along their rows into ``out [sum N_i, K]``
+    through :func:`~ppo_core.rollout.decode_linear.fold_norm_weight` (each column times ``scale [K]``, rounded): one
+    kernel for the group on CUDA (a rollout folds every layer's two groups: ~30 launches instead of one per
     projection, whose host time left the GPU idle before the prefill)."""
-    out.copy_(torch.cat(weights) * scale.to(out.dtype))
+    fold_norm_weight(torch.cat(weights), scale, out=out)
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:
