@@ -18,14 +18,20 @@ __all__ = ["clip_cov_policy_loss", "kl_cov_policy_loss"]
 def _token_covariance(inp: _LossInputs) -> torch.Tensor:
     """``[B, T]`` per-token ``(A − mean A)·(log_prob − mean log_prob)``, means over valid tokens, in float64.
 
-    In float64 the mean of a constant (float32 or narrower) row set is the constant itself, so a constant advantage
-    or log-prob gives a covariance of exactly 0. In the inputs' dtype it is rounding noise of either sign, and that
-    sign alone would decide whether a token is a candidate when a bound is 0. (float32 on MPS, which has no
-    float64.)
+    Each quantity is centred about its first valid token's value before its mean is taken
+    (``x − mean x = (x − x₀) − mean(x − x₀)``): a constant advantage or log-prob then gives a covariance of exactly
+    0 in any dtype, where the mean of ``n`` equal values is in general not that value (rounding noise of either
+    sign, and that sign alone would decide whether a token is a candidate when a bound is 0, and ``kl_cov``'s
+    order). float32 on MPS, which has no float64.
     """
     dtype = torch.float32 if inp.adv.device.type == "mps" else torch.float64
-    adv, new = inp.adv.detach().to(dtype), inp.new.detach().to(dtype)
-    return (adv - _mean(adv, inp.mask)) * (new - _mean(new, inp.mask))
+    first = inp.mask.flatten().to(torch.uint8).argmax()  # the first valid token (index 0 when none is valid)
+
+    def centred(values: torch.Tensor) -> torch.Tensor:
+        shifted = values - values.flatten()[first]
+        return shifted - _mean(shifted, inp.mask)
+
+    return centred(inp.adv.detach().to(dtype)) * centred(inp.new.detach().to(dtype))
 
 
 def _num_selected(ratio: float, n_valid: int) -> int:

@@ -397,9 +397,19 @@ def geo_mean_policy_loss_oracle(
 
 
 def _covariance(a: Grid, n: Grid, cells: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    mean_a = sum(a[i][t] for i, t in cells) / max(len(cells), 1)
-    mean_n = sum(n[i][t] for i, t in cells) / max(len(cells), 1)
-    return {(i, t): (a[i][t] - mean_a) * (n[i][t] - mean_n) for i, t in cells}
+    """Per-cell ``(a − mean a)(n − mean n)``, each centred about the first cell's value before its mean is taken
+    (so that constant values give exactly 0)."""
+
+    def centred(g: Grid) -> dict[tuple[int, int], float]:
+        if not cells:
+            return {}
+        ref = g[cells[0][0]][cells[0][1]]
+        shifted = {c: g[c[0]][c[1]] - ref for c in cells}
+        mean = sum(shifted.values()) / len(cells)
+        return {c: x - mean for c, x in shifted.items()}
+
+    ca, cn = centred(a), centred(n)
+    return {c: ca[c] * cn[c] for c in cells}
 
 
 def _n_selected(ratio: float, n_valid: int) -> int:

@@ -329,22 +329,32 @@ def test_is_weights_multiply_the_per_token_loss_and_are_not_differentiated():
     value=st.floats(-50.0, 50.0, allow_nan=False, width=32),
     n=st.integers(2, 40),
     seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    masked=st.integers(0, 3),
 )
-def test_a_constant_advantage_has_exactly_zero_covariance(value: float, n: int, seed: int):
+def test_a_constant_advantage_has_exactly_zero_covariance(
+    value: float, n: int, seed: int, dtype: torch.dtype, masked: int
+):
     # In exact arithmetic every token's covariance is 0, so with clip_cov_lb = 0 (a strict bound) no token is a
-    # candidate and kl_cov's top-k is the first k tokens. Means taken in float32 leave rounding noise of either sign
-    # (150 of 266 (value, n) pairs tried), which decided both.
+    # candidate and kl_cov's top-k is the first k valid tokens. Means taken in float32 leave rounding noise of
+    # either sign (150 of 266 (value, n) pairs tried), which decided both; so do float64 means of float64 values
+    # (7 copies of -0.03667438052116943 average to a different number). The first ``masked`` tokens are padding.
     gen = torch.Generator().manual_seed(seed)
-    log_prob = -torch.rand(1, n, generator=gen) * 3
-    old = log_prob + 0.01 * torch.randn(1, n, generator=gen)
-    adv, mask = torch.full((1, n), value), torch.ones(1, n, dtype=torch.bool)
+    value = torch.tensor(value, dtype=dtype).item() if dtype == torch.float32 else value + value / 3
+    log_prob = (-torch.rand(1, n + masked, generator=gen) * 3).to(dtype)
+    old = log_prob + 0.01 * torch.randn(1, n + masked, generator=gen).to(dtype)
+    adv = torch.full((1, n + masked), value, dtype=dtype)
+    adv[0, :masked] = 7.0  # padding: a different value, which must not enter the covariance
+    mask = torch.ones(1, n + masked, dtype=torch.bool)
+    mask[0, :masked] = False
     config = PolicyLossConfig(loss_mode="clip_cov", clip_cov_lb=0.0, clip_cov_ratio=1.0, clip_ratio=10.0)
     _, metrics = clip_cov_policy_loss(old, log_prob, adv, mask, config=config, generator=torch.Generator())
     assert float(metrics["pg_clipfrac"]) == 0.0
-    # kl_cov: all covariances tie at 0, so the earliest k = 1 token is penalised (a loss that differs from the
-    # unpenalised one only through that token)
+    # kl_cov: all covariances tie at 0, so the earliest valid k = 1 token is penalised (a loss that differs from
+    # the unpenalised one only through that token)
     config = PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=1e-9, ppo_kl_coef=1.0)
     loss, _ = kl_cov_policy_loss(old, log_prob, adv, mask, config=config, loss_agg_mode="token-mean")
     delta = (log_prob - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    expected = (-adv * delta.exp()).mean() + delta[0, 0].abs() / n
+    valid = mask[0]
+    expected = (-adv[0, valid] * delta[0, valid].exp()).mean() + delta[0, masked].abs() / n
     torch.testing.assert_close(loss, expected)
