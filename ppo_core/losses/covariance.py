@@ -25,6 +25,8 @@ def _token_covariance(inp: _LossInputs) -> torch.Tensor:
     order). float32 on MPS, which has no float64.
     """
     dtype = torch.float32 if inp.adv.device.type == "mps" else torch.float64
+    if inp.mask.numel() == 0:
+        return torch.zeros(inp.mask.shape, dtype=dtype, device=inp.adv.device)
     first = inp.mask.flatten().to(torch.uint8).argmax()  # the first valid token (index 0 when none is valid)
 
     def centred(values: torch.Tensor) -> torch.Tensor:
