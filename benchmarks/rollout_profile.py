@@ -5,7 +5,9 @@ over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (`
 time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
 and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--unfused`` the HF engine with
 ``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF engines);
-``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes of the one-launch attention.
+``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes of the one-launch attention;
+``--host-gaps`` where a whole ``generate`` call's time goes outside its prefill and decode (both engines): the
+call's host marks, and the GPU's idle gaps longer than 15 us with the CPU operations that ran in them.
 """
 
 from __future__ import annotations
@@ -98,6 +100,60 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
         "first_layers": rows[:40],
         "last": rows[-12:],
     }
+
+
+def _host_gaps(engine, ids, mask, cfg, gen) -> dict:
+    """One ``generate`` call: wall, prefill and decode times (no profiler), then under ``torch.profiler`` the GPU's
+    idle gaps (> 15 us) between kernels, the largest 25 with the CPU operations that overlap each."""
+    import tempfile
+
+    for _ in range(2):
+        engine.generate(ids, mask, cfg, generator=gen)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(ids, mask, cfg, generator=gen)
+    torch.cuda.synchronize()
+    stats = engine.stats
+    res = {
+        "wall_ms": round((time.perf_counter() - t0) * 1e3, 2),
+        "prefill_ms": round(stats.prefill_s * 1e3, 2),
+        "decode_ms": round(stats.decode_s * 1e3, 2),
+    }
+    res["outside_ms"] = round(res["wall_ms"] - res["prefill_ms"] - res["decode_ms"], 2)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.generate(ids, mask, cfg, generator=gen)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    cpu = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "cpu_op"]
+    start = min(c[0] for c in cpu)
+    gaps, end = [], kernels[0][1]
+    for a, b, name in kernels[1:]:
+        if a - end > 15:
+            inside: dict[str, float] = {}
+            for c0, c1, op in cpu:
+                if c0 < a and c1 > end:
+                    inside[op] = inside.get(op, 0.0) + min(c1, a) - max(c0, end)
+            top = sorted(inside.items(), key=lambda x: -x[1])[:6]
+            gaps.append(
+                {
+                    "at_ms": round((end - start) / 1e3, 3),
+                    "gap_us": round(a - end, 1),
+                    "next_kernel": name[:50],
+                    "cpu": [(op[:60], round(us, 1)) for op, us in top],
+                }
+            )
+        end = max(end, b)
+    res["profiled_gaps_total_ms"] = round(sum(g["gap_us"] for g in gaps) / 1e3, 3)
+    res["largest_gaps"] = sorted(gaps, key=lambda g: -g["gap_us"])[:25]
+    return res
 
 
 def _fused_attention_sweep(
@@ -246,6 +302,11 @@ def main() -> None:
         "--attention-sweep", action="store_true", help="only the one-launch attention's launch shapes"
     )
     ap.add_argument(
+        "--host-gaps",
+        action="store_true",
+        help="only the GPU's idle gaps in one generate call (both engines)",
+    )
+    ap.add_argument(
         "--timeline",
         action="store_true",
         help="only the kernels of one decode step of the HF engines, in order",
@@ -275,6 +336,23 @@ def main() -> None:
     if args.attention_sweep:
         result["fused_attention_b64"] = _fused_attention_sweep(64)
         result["fused_attention_b256"] = _fused_attention_sweep(256, layers=2, splits=(1, 2))
+        print(json.dumps(result, indent=1))
+        save()
+        return
+    if args.host_gaps:
+        from benchmarks.rollout import _megatron_model
+        from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+        ids, mask = _prompts(64, 256, MODEL["vocab_size"])
+        cfg = SamplingConfig(max_new_tokens=128, temperature=1.0)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        model = _hf_model()
+        result["hf"] = _host_gaps(HFRolloutEngine(model), ids, mask, cfg, gen)
+        save()
+        del model
+        torch.cuda.empty_cache()
+        megatron, megatron_cfg = _megatron_model()
+        result["megatron"] = _host_gaps(MegatronRolloutEngine(megatron, megatron_cfg), ids, mask, cfg, gen)
         print(json.dumps(result, indent=1))
         save()
         return

@@ -307,17 +307,27 @@ def decode_linear(
 
 def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> DecodeLinearConfig:
     """From a sweep on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
-    products, 64 for wide or deep ones, 128 for a vocabulary; ``K`` split while there are fewer programs than half
-    the SMs (each split keeping at least four ``block_k`` iterations)."""
-    block_n = 128 if width >= 65536 else 64 if width > 4096 or k >= 4096 else 32
+    products, 64 for wide or deep ones, 128 for a vocabulary (64 with SwiGLU's two weights); ``K`` split while
+    there are fewer programs than half the SMs (each split keeping at least four ``block_k`` iterations).
+
+    Pipeline depth (``stages + 1`` tiles in shared memory, the first loaded before the loop): three stages with
+    128 columns or SwiGLU's two weights (four do not fit the 227 KiB of shared memory); six where one program per
+    column block leaves SMs idle (the q/k/v product of a Llama-3.2-1B layer: 96 programs), so that each streams more
+    of its weight at once (a 16-layer chain of a decode step's products: 50.0 against 50.8 us a layer,
+    ``benchmarks/results_h200_rollout_persistent_tail.json``); four otherwise."""
+    block_n = 128 if width >= 65536 and not swiglu else 64 if width > 4096 or k >= 4096 else 32
     block_k = 128
     n_blocks = -(-width // block_n)
-    want = sm_count(device) // 2
+    sms = sm_count(device)
     split = 1
-    while n_blocks * split < want and k // (2 * split) >= 4 * block_k:
+    while n_blocks * split < sms // 2 and k // (2 * split) >= 4 * block_k:
         split *= 2
-    # three stages of tiles, not four, fit the 227 KiB of shared memory with 128 columns or SwiGLU's two weights
-    stages = 3 if block_n > 64 or swiglu else 4
+    if block_n > 64 or swiglu:
+        stages = 3
+    elif split == 1 and n_blocks < sms:
+        stages = 6
+    else:
+        stages = 4
     return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 

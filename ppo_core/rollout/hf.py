@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight, row_sumsq
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
@@ -102,13 +101,16 @@ def _concatenated(
     return weight, torch.cat(biases, out=bias_out)
 
 
-@cuda_compiled
 def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -> None:
     """Write ``weights`` (``[N_i, K]`` each, of ``out``'s dtype) stacked along their rows into ``out [sum N_i, K]``
     through :func:`~ppo_core.rollout.decode_linear.fold_norm_weight` (each column times ``scale [K]``, rounded): one
-    kernel for the group on CUDA (a rollout folds every layer's two groups: ~30 launches instead of one per
-    projection, whose host time left the GPU idle before the prefill)."""
-    fold_norm_weight(torch.cat(weights), scale, out=out)
+    launch per weight, straight into its rows of ``out``. (A compiled function per group, one launch each, cost
+    100-200 us of host time per call against a few to 30 us of GPU work: the GPU waited ~3 ms for a rollout's 32
+    groups, ``benchmarks/results_h200_rollout_host_gaps.json``.)"""
+    row = 0
+    for weight in weights:
+        fold_norm_weight(weight, scale, out=out[row : row + weight.shape[0]])
+        row += weight.shape[0]
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:

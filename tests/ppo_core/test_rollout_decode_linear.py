@@ -364,3 +364,29 @@ def test_engine_with_folded_norms_samples_what_the_default_engine_samples_on_the
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=tol, rtol=0)
     assert engine._forward._fused is None  # dropped after the generation (no keep_cache)
+
+
+def test_default_launch_shapes_of_a_llama_layer() -> None:
+    cpu = torch.device("cpu")  # sized as for an H100/H200's 132 SMs
+    qkv, o = dl._default_config(3072, 2048, False, cpu), dl._default_config(2048, 2048, False, cpu)
+    gate_up, down = dl._default_config(8192, 2048, True, cpu), dl._default_config(2048, 8192, False, cpu)
+    head = dl._default_config(128256, 2048, False, cpu)
+    # q/k/v: 96 programs of one column block each, so a deeper pipeline; the others fill the SMs by splitting K
+    assert (qkv.block_n, qkv.split_k, qkv.num_stages) == (32, 1, 6)
+    assert (o.block_n, o.split_k, o.num_stages) == (32, 2, 4)
+    assert (gate_up.block_n, gate_up.split_k, gate_up.num_stages) == (64, 1, 3)
+    assert (down.block_n, down.split_k, down.num_stages) == (64, 4, 4)
+    assert (head.block_n, head.split_k, head.num_stages) == (128, 1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.integers(1, 200_000), k=st.integers(1, 20_000), swiglu=st.booleans())
+def test_default_launch_shape_fits_shared_memory(width, k, swiglu) -> None:
+    """Every default shape's tiles in shared memory (``stages + 1`` of them: 64 rows of x and the weight's block,
+    twice with SwiGLU; what Triton allocates for these loops) fit the 227 KiB of an H100/H200, and a split keeps at
+    least four K blocks per program."""
+    cfg = dl._default_config(width, k, swiglu, torch.device("cpu"))
+    tile_bytes = (MAX_ROWS + cfg.block_n * (2 if swiglu else 1)) * cfg.block_k * 2
+    assert (cfg.num_stages + 1) * tile_bytes <= 227 * 1024
+    assert cfg.split_k == 1 or k // cfg.split_k >= 4 * cfg.block_k
+    assert cfg.num_stages in (3, 4, 6)
