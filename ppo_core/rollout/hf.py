@@ -107,10 +107,8 @@ def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -
     launch per weight, straight into its rows of ``out``. (A compiled function per group, one launch each, cost
     100-200 us of host time per call against a few to 30 us of GPU work: the GPU waited ~3 ms for a rollout's 32
     groups, ``benchmarks/results_h200_rollout_host_gaps.json``.)"""
-    row = 0
-    for weight in weights:
-        fold_norm_weight(weight, scale, out=out[row : row + weight.shape[0]])
-        row += weight.shape[0]
+    for weight, rows in zip(weights, out.split([w.shape[0] for w in weights]), strict=True):
+        fold_norm_weight(weight, scale, out=rows)
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:

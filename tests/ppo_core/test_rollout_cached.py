@@ -465,7 +465,9 @@ def test_generic_path_restores_the_attention_implementation():
     assert not any(hasattr(m, "_ppo_core_kv_cache") for m in model.modules())
 
 
-def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
+def _tiny_megatron():
+    """The tests' tiny megatron ``GPTModel`` (eval mode) and its config (megatron's parallel state set up by the
+    ``cpu_megatron`` fixture)."""
     import sys
     from pathlib import Path
 
@@ -473,12 +475,17 @@ def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
     from _megatron import tiny_config
 
     from ppo_core.workers.megatron import ParallelConfig
-    from ppo_core.workers.megatron.engine import megatron_attention_mask, position_ids
     from ppo_core.workers.megatron.model import build_gpt_model
-    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 
     cfg = tiny_config()
-    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    return build_gpt_model(cfg, ParallelConfig()).eval(), cfg
+
+
+def test_megatron_cached_greedy_equals_recomputation(cpu_megatron):
+    from ppo_core.workers.megatron.engine import megatron_attention_mask, position_ids
+    from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+    model, cfg = _tiny_megatron()
 
     @torch.no_grad()
     def logits(ids, mask):
@@ -501,18 +508,9 @@ def test_megatron_generation_sets_the_eval_mode_only_for_gptmodels_forward(
 ):
     """The own forward (its functions on the weights) samples from a module in training mode without switching it to
     eval mode and back; ``GPTModel.forward`` (dropout included) switches it; both draw what eval mode draws."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _megatron import tiny_config
-
-    from ppo_core.workers.megatron import ParallelConfig
-    from ppo_core.workers.megatron.model import build_gpt_model
     from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
 
-    cfg = tiny_config()
-    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    model, cfg = _tiny_megatron()
     ids, mask = _left_padded(3, 5, seed=8)
     ids = ids % cfg.vocab_size
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
