@@ -42,6 +42,7 @@ engines differ from a full recomputation on near-ties already); the batch-invari
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -67,6 +68,7 @@ __all__ = [
     "decode_linear_available",
     "decode_linear_reference",
     "fold_norm_weight",
+    "fold_norm_weights",
     "row_sumsq",
     "row_sumsq_scaled",
 ]
@@ -123,6 +125,78 @@ def fold_norm_weight(
     """``W diag w``: the weight ``[N, K]`` of a product that follows an RMSNorm with weight ``w [K]``, each column
     scaled by the norm's weight and rounded to the weight's dtype (written into ``out`` when given)."""
     return torch.mul(weight, norm_weight.to(weight.dtype), out=out)
+
+
+FOLD_MAX_WEIGHTS = 4
+"""Most weights :func:`fold_norm_weights` stacks in one launch."""
+
+
+def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """Stack ``weights`` (``[N_i, K]`` each) along their rows into ``out [sum N_i, K]``, each column times
+    ``scale [K]``: :func:`fold_norm_weight` of each weight into its rows of ``out``, the same bits (one product,
+    rounded to ``out``'s dtype, as ``torch.mul`` rounds it).
+
+    On CUDA, with contiguous tensors of one dtype and at most :data:`FOLD_MAX_WEIGHTS` weights, one Triton launch
+    writes the whole stack; elsewhere one ``torch.mul`` per weight. (``torch.mul`` with
+    the ``[K]`` scale broadcast over the rows runs PyTorch's unvectorised element-wise kernel: on one H200 the
+    HF engine's refresh of Llama-3.2-1B, 32 groups, took ~1.7 ms of GPU time per generation that way.)
+
+    Example:
+        >>> out = torch.empty(3, 2)
+        >>> fold_norm_weights(out, torch.tensor([2.0, 3.0]), [torch.ones(1, 2), torch.ones(2, 2)])
+        >>> out.tolist()
+        [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0]]
+    """
+    rows = [w.shape[0] for w in weights]
+    if out.dim() != 2 or sum(rows) != out.shape[0] or any(w.shape[1:] != out.shape[1:] for w in weights):
+        raise ValueError(
+            f"out must be [sum N_i, K] = [{sum(rows)}, K] for weights {[tuple(w.shape) for w in weights]}, "
+            f"got {tuple(out.shape)}"
+        )
+    if tuple(scale.shape) != (out.shape[1],):
+        raise ValueError(f"scale must be [{out.shape[1]}], got {tuple(scale.shape)}")
+    one_launch = (
+        triton is not None
+        and out.is_cuda
+        and 1 <= len(weights) <= FOLD_MAX_WEIGHTS
+        and out.is_contiguous()
+        and scale.is_contiguous()
+        and all(w.is_contiguous() and w.dtype == out.dtype and w.device == out.device for w in weights)
+        and scale.device == out.device
+    )
+    if one_launch:
+        _fold_norm_weights_triton(out, scale, weights)
+        return
+    for weight, part in zip(weights, out.split(rows), strict=True):
+        fold_norm_weight(weight, scale, out=part)
+
+
+def _fold_norm_weights_triton(
+    out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]
+) -> None:
+    """:func:`fold_norm_weights`' launch (contiguous tensors, 1 to :data:`FOLD_MAX_WEIGHTS` weights; on CPU tensors
+    under ``TRITON_INTERPRET=1``, whose fp32 -> bf16 conversion truncates where the GPU rounds to nearest)."""
+    n, k = out.shape
+    if n == 0 or k == 0:
+        return
+    rows = [w.shape[0] for w in weights]
+    ends = [sum(rows[: i + 1]) for i in range(len(rows))] + [n] * (FOLD_MAX_WEIGHTS - len(rows))
+    padded = list(weights) + [weights[0]] * (FOLD_MAX_WEIGHTS - len(weights))
+    block_r, block_k = 16, 256
+    _fold_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_k))](
+        out,
+        scale,
+        *padded,
+        ends[0],
+        ends[1],
+        ends[2],
+        n,
+        k,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        NUM=len(weights),
+        num_warps=4,
+    )
 
 
 @cuda_compiled
@@ -458,6 +532,49 @@ if triton is not None:
                 SWIGLU,
                 HAS_BIAS,
             )
+
+    @triton.jit
+    def _fold_kernel(
+        Out,
+        Scale,
+        W0,
+        W1,
+        W2,
+        W3,
+        E0,
+        E1,
+        E2,
+        N,
+        K,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM: tl.constexpr,
+    ):
+        """Rows ``[E_{i-1}, E_i)`` of ``Out`` are weight ``i`` times ``Scale`` (rounded to ``Out``'s dtype first, as
+        :func:`fold_norm_weight` casts it), rounded: one ``[BLOCK_R, BLOCK_K]`` tile a program."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        row_ok = rows < N
+        dtype = Out.dtype.element_ty
+        scale = tl.load(Scale + cols, mask=col_ok, other=0.0).to(dtype).to(tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        # each row reads its own weight (a select, not a sum of masked loads: -0.0 stays -0.0)
+        w = tl.load(W0 + rows[:, None] * K + cols[None, :], mask=ok & (rows < E0)[:, None], other=0.0)
+        if NUM > 1:
+            mine = (rows >= E0) & (rows < E1)
+            w1 = tl.load(W1 + (rows - E0)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w1, w)
+        if NUM > 2:
+            mine = (rows >= E1) & (rows < E2)
+            w2 = tl.load(W2 + (rows - E1)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w2, w)
+        if NUM > 3:
+            mine = rows >= E2
+            w3 = tl.load(W3 + (rows - E2)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w3, w)
+        y = (w.to(tl.float32) * scale[None, :]).to(dtype)
+        tl.store(Out + rows[:, None] * K + cols[None, :], y, mask=ok)
 
     @triton.jit
     def _dot(acc, x, w, UPCAST: tl.constexpr):

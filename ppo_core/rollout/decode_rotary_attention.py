@@ -10,8 +10,11 @@ layer, the second waiting on the first. Here the programs of a (row ``b``, key/v
 2. write the rotated key and the value into the cache at ``slot`` (one program of the ``(b, g)`` does, so each
    cache row is written once);
 3. attend over the slots ``< n = min(kv_len, slot + 1)`` as :mod:`ppo_core.rollout.decode_attention`'s kernel does
-   (same blocks, same online softmax), except that the new slot's key and value come from registers: the cache
-   loads skip that slot, so no program depends on seeing a store (its own or another program's).
+   (same blocks, same online softmax). Unsplit (``S = 1``, below), the program has written the new slot's key and
+   value itself before a barrier, so its threads read them back from the cache like any other slot (a CTA's
+   barrier orders its threads' global stores before their later loads); split, the program whose chunk holds the
+   slot takes them from its registers instead (another program wrote the cache, and nothing orders that store
+   before this program's loads), and its loads skip that slot.
 
 **Split over the slots** (flash-decoding). With one program per ``(b, g)`` a step of 64 rows of Llama-3.2-1B (8
 key/value heads) is 512 programs, each walking its ~5 blocks of 64 slots one after the other: too few loads in
@@ -40,8 +43,13 @@ therefore walks the blocks wholly below the new slot with a body of its own: eve
 attended, so the loads take no masks and no slot is swapped for the new key or value (the values are the ones the
 general body computes, so the bits are too); only the block holding the new slot, and a chunk's last block, run the
 general body. Compiled for sm_90 the plain body is 272 instructions against 456; alone at B = 64 and 320 filled
-slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one
-call, two rounds; ``benchmarks/results_h200_rollout_peel.json``). The pipeline is three stages deep (the default
+slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one call,
+two rounds; ``benchmarks/results_h200_rollout_peel.json``). Unsplit, the block holding the new slot reads it from
+the cache (step 3) rather than selecting the registers' key and value into the loaded tiles: that select kept the
+tiles in registers and made the general body 456 instructions; without it the unsplit kernel is 1,256 instructions
+instead of 1,600 and takes 114 registers instead of 128, and alone at B = 64 it took 14.1 / 14.5 / 16.2 us against
+14.9 / 15.1 / 16.9 at 260 / 320 / 380 filled slots, the same bits
+(``benchmarks/results_h200_rollout_tail_read.json``). The pipeline is three stages deep (the default
 ``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 15.0 against
 15.3 us; B = 256: 57.9 against 61.5 before the plain blocks).
 
@@ -92,7 +100,7 @@ MAX_REGISTERS = 128
 """Registers a thread of a four-warp program may take: four programs fit an SM (the rule of :func:`default_split`
 assumes it). Compiled for sm_90 by Triton 3.6 the kernel took 134 with two pipeline stages once it prefetched its
 first block before waiting (PDL); under the cap it takes 125-128 with two or three stages, split or not, with no
-spill."""
+spill (unsplit, since the new slot is read back from the cache: 114 at three stages)."""
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -194,6 +202,10 @@ if triton is not None:
         if split == 0:
             tl.store(KCache + b * skc_b + g * skc_g + slot.to(tl.int64) * skc_l + d, k_new)
             tl.store(VCache + b * svc_b + g * svc_g + slot.to(tl.int64) * svc_l + d, v_new)
+        if SPLIT == 1:
+            # the program's own stores are visible to all its threads after a barrier: the block holding the new
+            # slot then reads it from the cache like any other slot (no select of registers into the tile)
+            tl.debug_barrier()
 
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
@@ -221,12 +233,13 @@ if triton is not None:
         for start in range(plain_end, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
-            new = slots == slot
-            cached = inside & (slots != slot)
+            # unsplit, the new slot is read from the cache too (written by this program before its barrier)
+            cached = inside if SPLIT == 1 else inside & (slots != slot)
             k = tl.load(
                 k_base + slots[None, :] * skc_l + d[:, None], mask=cached[None, :], other=0.0
             )  # [D, L]
-            k = tl.where(new[None, :], k_new[:, None], k)
+            if SPLIT > 1:
+                k = tl.where((slots == slot)[None, :], k_new[:, None], k)
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
             bias = tl.load(Bias + b * sb_b + slots * sb_l, mask=inside, other=float("-inf")).to(tl.float32)
             s = s + bias[None, :]
@@ -234,7 +247,8 @@ if triton is not None:
             v = tl.load(
                 v_base + slots[:, None] * svc_l + d[None, :], mask=cached[:, None], other=0.0
             )  # [L, D]
-            v = tl.where(new[:, None], v_new[None, :], v)
+            if SPLIT > 1:
+                v = tl.where((slots == slot)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if SPLIT > 1:

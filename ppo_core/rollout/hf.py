@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, fold_norm_weight, row_sumsq
+from ppo_core.rollout.decode_linear import (
+    decode_linear,
+    decode_linear_available,
+    fold_norm_weights,
+    row_sumsq,
+)
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
@@ -102,13 +107,12 @@ def _concatenated(
 
 
 def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -> None:
-    """Write ``weights`` (``[N_i, K]`` each, of ``out``'s dtype) stacked along their rows into ``out [sum N_i, K]``
-    through :func:`~ppo_core.rollout.decode_linear.fold_norm_weight` (each column times ``scale [K]``, rounded): one
-    launch per weight, straight into its rows of ``out``. (A compiled function per group, one launch each, cost
-    100-200 us of host time per call against a few to 30 us of GPU work: the GPU waited ~3 ms for a rollout's 32
-    groups, ``benchmarks/results_h200_rollout_host_gaps.json``.)"""
-    for weight, rows in zip(weights, out.split([w.shape[0] for w in weights]), strict=True):
-        fold_norm_weight(weight, scale, out=rows)
+    """Write ``weights`` (``[N_i, K]`` each, of ``out``'s dtype) stacked along their rows into ``out [sum N_i, K]``,
+    each column times ``scale [K]``, rounded: :func:`~ppo_core.rollout.decode_linear.fold_norm_weights`, one Triton
+    launch per group on CUDA. (A compiled function per group, one launch each, cost 100-200 us of host time per
+    call against a few to 30 us of GPU work: the GPU waited ~3 ms for a rollout's 32 groups,
+    ``benchmarks/results_h200_rollout_host_gaps.json``; ``torch.mul`` per weight, ~1.7 ms of GPU time.)"""
+    fold_norm_weights(out, scale, weights)
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:

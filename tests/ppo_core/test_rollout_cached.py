@@ -576,7 +576,7 @@ _DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cud
 )
 def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed):
     """The HF engine's refresh writes a group's weights stacked, each column times the norm's weight, in one call
-    (compiled on CUDA): the same bits as ``fold_norm_weight`` of each weight into its rows."""
+    (one Triton launch on CUDA): the same bits as ``fold_norm_weight`` of each weight into its rows."""
     from ppo_core.rollout.decode_linear import fold_norm_weight
     from ppo_core.rollout.hf import _fold_into
 

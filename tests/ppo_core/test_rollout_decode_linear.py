@@ -390,3 +390,74 @@ def test_default_launch_shape_fits_shared_memory(width, k, swiglu) -> None:
     assert (cfg.num_stages + 1) * tile_bytes <= 227 * 1024
     assert cfg.split_k == 1 or k // cfg.split_k >= 4 * cfg.block_k
     assert cfg.num_stages in (3, 4, 6)
+
+
+def _same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-equal outside NaNs, NaN at the same places (a NaN's payload differs between Triton and PyTorch)."""
+    nan = want.isnan()
+    if not torch.equal(got.isnan(), nan):
+        return False
+    bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
+    return torch.equal(got.masked_fill(nan, 0).view(bits), want.masked_fill(nan, 0).view(bits))
+
+
+def _fold_case(rows, k, dtype, device, seed, specials):
+    gen = torch.Generator().manual_seed(seed)
+    weights = [(torch.randn(n, k, generator=gen) * 4).to(dtype) for n in rows]
+    # fp32: cast to the weights' dtype first, as fold_norm_weight does
+    scale = torch.randn(k, generator=gen) * 3
+    if specials and k >= 4 and sum(rows):
+        scale[:4] = torch.tensor([-0.0, float("inf"), float("nan"), 1e-30])
+        first = next(w for w in weights if w.shape[0])
+        first[0, : min(k, 3)] = torch.tensor([-0.0, float("-inf"), 0.0])[: min(k, 3)].to(dtype)
+    return [w.to(device) for w in weights], scale.to(device)
+
+
+_FOLD_DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+@pytest.mark.parametrize("device", _FOLD_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 37), min_size=1, max_size=5),
+    k=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+    specials=st.booleans(),
+)
+def test_fold_norm_weights_is_each_weight_folded_into_its_rows(
+    device, dtype, rows, k, seed, specials
+) -> None:
+    """One launch on CUDA (up to four weights; five take the per-weight path): the same bits as
+    ``fold_norm_weight`` of each weight, including -0.0, infinities and NaN."""
+    weights, scale = _fold_case(rows, k, dtype, device, seed, specials)
+    out = torch.full((sum(rows), k), 7.0, dtype=dtype, device=device)
+    dl.fold_norm_weights(out, scale, weights)
+    want = torch.cat([fold_norm_weight(w, scale) for w in weights])
+    assert _same_values(out, want)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("rows", "k"),
+    [((3,), 5), ((16, 0, 17), 256), ((2048 // 64, 512 // 64, 512 // 64), 300), ((1, 2, 3, 40), 513)],
+)
+def test_fold_kernel_is_each_weight_folded_into_its_rows(device, rows, k) -> None:
+    """The Triton launch itself (under the interpreter on CPU too), with row ranges that straddle its 16-row tiles
+    and a width that is not a multiple of its 256 columns. The interpreter converts fp32 -> bf16 by truncation, so
+    bf16 is checked on CUDA only."""
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        weights, scale = _fold_case(rows, k, dtype, device, 3, specials=True)
+        out = torch.full((sum(rows), k), 7.0, dtype=dtype, device=device)
+        dl._fold_norm_weights_triton(out, scale, weights)
+        assert _same_values(out, torch.cat([fold_norm_weight(w, scale) for w in weights])), dtype
+
+
+def test_fold_norm_weights_names_bad_shapes() -> None:
+    w = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"out must be \[sum N_i, K\] = \[4, K\]"):
+        dl.fold_norm_weights(torch.empty(5, 3), torch.ones(3), [w, w])
+    with pytest.raises(ValueError, match=r"scale must be \[3\]"):
+        dl.fold_norm_weights(torch.empty(4, 3), torch.ones(4), [w, w])
