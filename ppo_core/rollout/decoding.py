@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -86,6 +87,9 @@ class DecodeStats:
     """Measurements of the last :meth:`StaticCacheDecoder.generate` call (seconds, bytes)."""
 
     prefill_s: float = 0.0
+    """The prefill, with the first decode step's capture where the host is still capturing when the device is done.
+    On CUDA both spans are the device's time between events: the host does not wait for the prefill before it
+    queues the first decode steps."""
     decode_s: float = 0.0
     """The decode steps, and the assembly of the outputs queued after them."""
     decode_steps: int = 0
@@ -230,16 +234,15 @@ class StaticCacheDecoder:
         self.stats.cache_bytes = state.cache.nbytes
         sample = _Sampler(*settings[:5], hook=step_hook)
 
-        start = time.perf_counter()
+        clock = _SpanClock(device)
         self._prefill(state, prompts, mask, sample, generator)
         warm = state.key in self._warm
         if warm and self.cuda_graphs and r > 1:
             # the host is idle while the GPU runs the prefill: capture the first decode step's graph meanwhile
             self._graph(state, self._kv_len(state, 1), sample)
-        _sync(device)
-        self.stats.prefill_s = time.perf_counter() - start
+        # no synchronisation here: the host queues the first decode steps while the device finishes the prefill
+        clock.mark()
 
-        start = time.perf_counter()
         steps = 0
         for t in range(1, r):
             if eos_token_id is not None and t % self.check_every == 0 and bool(state.done.all()):
@@ -255,8 +258,9 @@ class StaticCacheDecoder:
             prompts, mask.long(), state.responses.clone(), response_mask, state.log_probs.clone()
         )
         new_tokens = response_mask.sum()
+        clock.mark()
         _sync(device)
-        self.stats.decode_s = time.perf_counter() - start
+        self.stats.prefill_s, self.stats.decode_s = clock.spans()
         self.stats.decode_steps = steps
         self._warm.add(state.key)
         self.stats.new_tokens = int(new_tokens)
@@ -459,6 +463,32 @@ class _Sampler:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _SpanClock:
+    """Consecutive spans of a generation (seconds) without synchronising between them: on CUDA, events recorded on
+    the current stream (the device's time from one mark to the next, read once the caller has synchronised); on
+    other devices, the host's clock (the work is done when the host returns)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """The seconds between consecutive marks (after a synchronisation on CUDA)."""
+        pairs = list(itertools.pairwise(self.marks))
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
 
 
 class CachedRolloutEngine:

@@ -637,3 +637,25 @@ def test_generation_sets_the_eval_mode_only_where_the_forward_depends_on_it(monk
     assert calls == ([] if fast_path else [False, True])
     assert torch.equal(got["responses"], want["responses"])
     torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=0, atol=0)
+
+
+def test_generate_waits_for_the_device_once_and_times_prefill_and_decode(monkeypatch):
+    """The host does not wait for the prefill before it queues the decode steps: one synchronisation per
+    ``generate`` (at its end), and the two spans of the stats (events on CUDA) are positive and fit in the call."""
+    import time
+
+    from ppo_core.rollout import decoding
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _hf("llama")
+    ids, mask = _left_padded(3, 5, seed=2)
+    engine = HFRolloutEngine(model)
+    syncs = []
+    real = decoding._sync
+    monkeypatch.setattr(decoding, "_sync", lambda device: (syncs.append(device), real(device))[1])
+    start = time.perf_counter()
+    engine.generate(ids, mask, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    wall = time.perf_counter() - start
+    assert len(syncs) == 1
+    stats = engine.stats
+    assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.prefill_s + stats.decode_s <= wall
