@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.testing import PPOBatch, ppo_batches
 from ppo_core.testing.advantage_oracles import ADVANTAGE_ORACLES, advantage_inputs_from_batch
+
+# at most 60 examples (the dev profile's 30 stay 30): each example is slow, and the ci profile's 200 kept the
+# suite over its 10-minute budget on the 2-core CI machine
+_CI_EXAMPLES = min(60, settings.default.max_examples)
 
 NAMES = sorted(ADVANTAGE_ORACLES)
 TOKEN_LEVEL = ("gae", "reinforce_plus_plus", "remax")
@@ -66,6 +70,7 @@ def test_masked_inputs_never_change_token_level_outputs(batch: PPOBatch, seed: i
         assert_pair_equal(clean, dirty, name)
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=f64_batches, data=st.data())
 def test_outcome_estimators_only_see_row_sums(batch: PPOBatch, data: st.DataObject) -> None:
     """Moving a row's outcome reward to any column, masked or not, changes nothing: outcome estimators sum every position."""
@@ -82,6 +87,7 @@ def test_outcome_estimators_only_see_row_sums(batch: PPOBatch, data: st.DataObje
         )
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=f64_batches, extra=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_appending_padding_columns_changes_nothing(batch: PPOBatch, extra: int, seed: int) -> None:
     pad_mask = torch.zeros(batch.batch_size, extra, dtype=torch.bool)
@@ -104,6 +110,7 @@ def test_appending_padding_columns_changes_nothing(batch: PPOBatch, extra: int, 
             assert torch.equal(long[:, batch.seq_len :], torch.zeros_like(long[:, batch.seq_len :])), name
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=f64_batches, data=st.data())
 def test_splitting_by_group_and_concatenating_changes_nothing(batch: PPOBatch, data: st.DataObject) -> None:
     """Group estimators without batch-global steps are per-group: any split along groups gives the same rows."""
@@ -128,6 +135,7 @@ def test_splitting_by_group_and_concatenating_changes_nothing(batch: PPOBatch, d
                 torch.testing.assert_close(whole[rows], piece, atol=1e-12, rtol=0)
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=f64_batches, data=st.data())
 def test_row_permutation_permutes_outputs(batch: PPOBatch, data: st.DataObject) -> None:
     perm = data.draw(st.permutations(range(batch.batch_size)))
@@ -190,6 +198,7 @@ def test_removing_gaps_changes_no_valid_output(batch: PPOBatch) -> None:
             torch.testing.assert_close(gapped[mask], compact[compact_mask], atol=1e-12, rtol=0)
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=ppo_batches(dtype=torch.float64, min_batch=2, max_batch=8, max_len=8, id_kind="str"))
 def test_label_kind_does_not_change_outputs(batch: PPOBatch) -> None:
     labels = list(batch.index)
@@ -207,6 +216,7 @@ def test_label_kind_does_not_change_outputs(batch: PPOBatch) -> None:
             assert_pair_equal(base, run(name, **{**inputs(batch, name), "index": index}), name, atol=1e-15)
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(batch=ppo_batches(dtype=torch.float64, min_batch=2, max_batch=6, max_len=6))
 def test_mask_dtypes_and_inputs_untouched_and_no_grad(batch: PPOBatch) -> None:
     for name in NAMES:

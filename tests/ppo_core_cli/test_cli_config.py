@@ -7,7 +7,7 @@ import copy
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("omegaconf")
@@ -15,6 +15,10 @@ pytest.importorskip("omegaconf")
 from ppo_core.trainer import PPOConfig
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.loading import dump_job_config, load_job_config
+
+# at most 60 examples (the dev profile's 30 stay 30): each example is slow, and the ci profile's 200 kept the
+# suite over its 10-minute budget on the 2-core CI machine
+_CI_EXAMPLES = min(60, settings.default.max_examples)
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
 TINY = os.path.join(CONFIGS, "tiny_cpu.yaml")
@@ -108,6 +112,7 @@ def tiny_dict() -> dict:
     return load_job_config(TINY).to_dict()
 
 
+@settings(max_examples=_CI_EXAMPLES)
 @given(
     st.dictionaries(st.sampled_from(sorted(SCALARS)), st.none(), min_size=1).flatmap(
         lambda keys: st.fixed_dictionaries({k: SCALARS[k] for k in keys})
