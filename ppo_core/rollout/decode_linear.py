@@ -42,6 +42,7 @@ engines differ from a full recomputation on near-ties already); the batch-invari
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -137,9 +138,11 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
     rounded to ``out``'s dtype, as ``torch.mul`` rounds it).
 
     On CUDA, with contiguous tensors of one dtype and at most :data:`FOLD_MAX_WEIGHTS` weights, one Triton launch
-    writes the whole stack; elsewhere one ``torch.mul`` per weight. (``torch.mul`` with
-    the ``[K]`` scale broadcast over the rows runs PyTorch's unvectorised element-wise kernel: on one H200 the
-    HF engine's refresh of Llama-3.2-1B, 32 groups, took ~1.7 ms of GPU time per generation that way.)
+    writes the whole stack; elsewhere one ``torch.mul`` per weight. On one H200 the HF engine's refresh of
+    Llama-3.2-1B (32 groups) took ~1.7 ms of GPU time per generation through ``torch.mul`` per weight (the ``[K]``
+    scale broadcast over the rows runs PyTorch's unvectorised element-wise kernel), and a compiled function per
+    group cost 100-200 us of host time per call with the GPU idle
+    (``benchmarks/results_h200_rollout_host_gaps.json``).
 
     Example:
         >>> out = torch.empty(3, 2)
@@ -179,8 +182,7 @@ def _fold_norm_weights_triton(
     n, k = out.shape
     if n == 0 or k == 0:
         return
-    rows = [w.shape[0] for w in weights]
-    ends = [sum(rows[: i + 1]) for i in range(len(rows))] + [n] * (FOLD_MAX_WEIGHTS - len(rows))
+    ends = list(itertools.accumulate(w.shape[0] for w in weights)) + [n] * (FOLD_MAX_WEIGHTS - len(weights))
     padded = list(weights) + [weights[0]] * (FOLD_MAX_WEIGHTS - len(weights))
     block_r, block_k = 16, 256
     _fold_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_k))](

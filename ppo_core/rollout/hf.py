@@ -89,14 +89,15 @@ def _concatenated(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
     none has one); written into ``out`` (weight, bias) when given. With ``scale [K]`` each weight's columns are
-    multiplied by it as they are copied (:func:`~ppo_core.rollout.decode_linear.fold_norm_weight`)."""
+    multiplied by it as they are copied (:func:`~ppo_core.rollout.decode_linear.fold_norm_weights`: one Triton
+    launch per group on CUDA)."""
     weight_out, bias_out = out if out is not None else (None, None)
     if scale is None:
         weight = torch.cat([layer.weight for layer in layers], out=weight_out)
     else:
         rows = sum(layer.weight.shape[0] for layer in layers)
         weight = weight_out if weight_out is not None else layers[0].weight.new_empty(rows, scale.shape[0])
-        _fold_into(weight, scale, *(layer.weight for layer in layers))
+        fold_norm_weights(weight, scale, [layer.weight for layer in layers])
     if all(layer.bias is None for layer in layers):
         return weight, None
     biases = [
@@ -104,15 +105,6 @@ def _concatenated(
         for layer in layers
     ]
     return weight, torch.cat(biases, out=bias_out)
-
-
-def _fold_into(out: torch.Tensor, scale: torch.Tensor, *weights: torch.Tensor) -> None:
-    """Write ``weights`` (``[N_i, K]`` each, of ``out``'s dtype) stacked along their rows into ``out [sum N_i, K]``,
-    each column times ``scale [K]``, rounded: :func:`~ppo_core.rollout.decode_linear.fold_norm_weights`, one Triton
-    launch per group on CUDA. (A compiled function per group, one launch each, cost 100-200 us of host time per
-    call against a few to 30 us of GPU work: the GPU waited ~3 ms for a rollout's 32 groups,
-    ``benchmarks/results_h200_rollout_host_gaps.json``; ``torch.mul`` per weight, ~1.7 ms of GPU time.)"""
-    fold_norm_weights(out, scale, weights)
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:

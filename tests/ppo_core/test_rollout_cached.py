@@ -577,14 +577,13 @@ _DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cud
 def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed):
     """The HF engine's refresh writes a group's weights stacked, each column times the norm's weight, in one call
     (one Triton launch on CUDA): the same bits as ``fold_norm_weight`` of each weight into its rows."""
-    from ppo_core.rollout.decode_linear import fold_norm_weight
-    from ppo_core.rollout.hf import _fold_into
+    from ppo_core.rollout.decode_linear import fold_norm_weight, fold_norm_weights
 
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for n in rows]
     scale = (torch.randn(k, generator=gen) * 3).to(torch.bfloat16).to(device)
     out = torch.full((sum(rows), k), float("nan"), dtype=torch.bfloat16, device=device)
-    _fold_into(out, scale, *weights)
+    fold_norm_weights(out, scale, weights)
     assert torch.equal(out, torch.cat([fold_norm_weight(w, scale) for w in weights]))
 
 
