@@ -50,21 +50,26 @@ def _profile_top(engine, ids, mask, cfg, gen) -> list[str]:
     )
 
 
+def _trace_events(prof) -> list[dict]:
+    """The events of a finished ``torch.profiler`` session, as its Chrome trace lists them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return json.loads(trace.read_text())["traceEvents"]
+
+
 def _timeline(engine, ids, mask, cfg, gen) -> dict:
     """The kernels of one decode step in the middle of a ``generate`` call, in launch order: name, duration and the
     idle time before each (us), with the step's busy and idle totals (from ``torch.profiler``'s trace)."""
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     engine.generate(ids, mask, cfg, generator=gen)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(ids, mask, cfg, generator=gen)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+    events = _trace_events(prof)
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: float(e["ts"])
     )
@@ -105,8 +110,6 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
 def _host_gaps(engine, ids, mask, cfg, gen) -> dict:
     """One ``generate`` call: wall, prefill and decode times (no profiler), then under ``torch.profiler`` the GPU's
     idle gaps (> 15 us) between kernels, the largest 25 with the CPU operations that overlap each."""
-    import tempfile
-
     for _ in range(2):
         engine.generate(ids, mask, cfg, generator=gen)
     torch.cuda.synchronize()
@@ -124,9 +127,7 @@ def _host_gaps(engine, ids, mask, cfg, gen) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         engine.generate(ids, mask, cfg, generator=gen)
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    events = _trace_events(prof)
     kernels = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
         for e in events
