@@ -40,7 +40,11 @@ import torch.nn.functional as F
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_attention
 from ppo_core.rollout.decode_attention import decode_attention
-from ppo_core.rollout.decode_rotary import rotate_and_write_triton, rotate_and_write_triton_available
+from ppo_core.rollout.decode_rotary import (
+    rotate_and_write_prompt_triton,
+    rotate_and_write_triton,
+    rotate_and_write_triton_available,
+)
 from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
 
 __all__ = ["FUSED_DECODE", "KVCache", "prefill_attention_mask"]
@@ -204,6 +208,13 @@ class KVCache:
             ``[B, H, S, d]`` attention outputs (``[B, H, 1, d]`` with :attr:`last_query_only`).
         """
         self._write(layer, k, v)
+        return self._attend_written(layer, q, k, v, scale)
+
+    def _attend_written(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """:meth:`attend` once this forward's keys and values ``k``/``v`` (``[B, G, S, d]``, the cache's slots or
+        the tensors written there) are in the cache."""
         last_only = self.mode == "prefill" and self.last_query_only
         if last_only:
             q = q[:, :, -1:]
@@ -253,31 +264,44 @@ class KVCache:
     ) -> torch.Tensor:
         """:meth:`attend` for queries and keys not rotated yet.
 
-        ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding; in a decode step on CUDA it is replaced by
-        Triton kernels that rotate by ``tables() -> (cos, sin)`` ``[B, d]`` (the step's row positions) with the same
-        rule (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`): with :data:`FUSED_DECODE` (and the
-        Triton decode attention not turned off by ``PPO_CORE_DECODE_ATTENTION=sdpa``), one launch rotates, writes
-        the key and value into the cache and attends (:mod:`ppo_core.rollout.decode_rotary_attention`); otherwise
-        one rotates and writes, and the attention follows. Both write the same cache; their outputs are the same
-        bits unless the one launch splits each row's slots over several programs (few rows: see
-        :func:`~ppo_core.rollout.decode_rotary_attention.default_split`), which changes the order of the softmax's
-        fp32 sums (the outputs are still the same at every call).
+        ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding. On CUDA it is replaced by Triton kernels that
+        rotate by ``tables() -> (cos, sin)`` ``[B, S, d]`` (the forward's token positions) with the same rule
+        (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`) and write the rotated keys and the values
+        into the cache in the same launch:
+
+        - a prefill rotates and writes its ``S`` tokens in one launch
+          (:func:`~ppo_core.rollout.decode_rotary.rotate_and_write_prompt_triton`), then attends over the cache's
+          first ``S`` slots;
+        - a decode step, with :data:`FUSED_DECODE` (and the Triton decode attention not turned off by
+          ``PPO_CORE_DECODE_ATTENTION=sdpa``), rotates, writes and attends in one launch
+          (:mod:`ppo_core.rollout.decode_rotary_attention`); otherwise one launch rotates and writes, and the
+          attention follows. Both write the same cache; their outputs are the same bits unless the one launch
+          splits each row's slots over several programs (few rows: see
+          :func:`~ppo_core.rollout.decode_rotary_attention.default_split`), which changes the order of the
+          softmax's fp32 sums (the outputs are still the same at every call).
+
+        With :attr:`batch_invariant` the caller's rotation always runs (its bits are the contract there).
 
         Args:
             layer, scale: as in :meth:`attend`.
             q: ``[B, H, S, d]``; k, v: ``[B, G, S, d]`` (any strides).
             rotate: the caller's rotation of ``q`` and ``k``.
-            tables: the decode step's ``cos``/``sin`` ``[B, d]`` (called only when the kernel runs).
+            tables: the forward's ``cos``/``sin`` ``[B, S, d]`` (called only when a kernel runs).
             model_rounding: whether ``rotate`` rounds each product and the sum to the model dtype.
         """
-        if (
-            self.mode == "decode"
-            and not self.batch_invariant  # the fused kernel rotates as the prefill's rotation does not
-            and q.shape[2] == 1
+        kernel = (
+            not self.batch_invariant
             and rotate_and_write_triton_available(q)
             and all(t.stride(-1) == 1 for t in (q, k, v))
-        ):
+        )
+        if kernel and self.mode == "prefill":
             cos, sin = tables()
+            keys, values = self.keys[layer], self.values[layer]
+            q = rotate_and_write_prompt_triton(q, k, v, cos, sin, keys, values, model_rounding=model_rounding)
+            s = q.shape[2]
+            return self._attend_written(layer, q, keys[:, :, :s], values[:, :, :s], scale)
+        if kernel and self.mode == "decode" and q.shape[2] == 1:
+            cos, sin = (t[:, 0] for t in tables())  # [B, d]: the step's one position
             keys, values = self.keys[layer], self.values[layer]
             if FUSED_DECODE and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa":
                 return rotate_write_attend_triton(

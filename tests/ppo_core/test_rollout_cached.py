@@ -587,6 +587,61 @@ def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed
     assert torch.equal(out, torch.cat([fold_norm_weight(w, scale) for w in weights]))
 
 
+def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
+    """refresh() only marks the concatenated weights stale: the prefill builds each layer's q/k/v and gate/up groups
+    right before their products (so the host's work on layer i + 1's overlaps the device's on layer i), every
+    group once per generation, from the weights of the moment."""
+    from ppo_core.rollout import hf
+    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+
+    events = []
+    concatenated, mlp, projections = (
+        hf._concatenated,
+        _LlamaFamilyForward._mlp,
+        _LlamaFamilyForward._projections,
+    )
+
+    def building(group, out=None, scale=None):
+        events.append(("build", group[0]))
+        return concatenated(group, out=out, scale=scale)
+
+    def running_mlp(self, i, layer, x):
+        events.append(("mlp", i))
+        return mlp(self, i, layer, x)
+
+    def running_qkv(self, i, layer, x):
+        events.append(("qkv", i))
+        return projections(self, i, layer, x)
+
+    monkeypatch.setattr(hf, "_concatenated", building)
+    monkeypatch.setattr(_LlamaFamilyForward, "_mlp", running_mlp)
+    monkeypatch.setattr(_LlamaFamilyForward, "_projections", running_qkv)
+    model = _hf("llama")
+    layers = model.model.layers
+    ids, mask = _left_padded(3, 6, seed=2)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0)
+    separate = HFRolloutEngine(model, fuse_projections=False)
+    for keep_cache in (False, True):
+        engine = HFRolloutEngine(model, keep_cache=keep_cache)
+        for _ in range(2):
+            events.clear()
+            got = engine.generate(ids, mask, cfg)
+            want = []
+            for i, layer in enumerate(layers):
+                want += [
+                    ("qkv", i),
+                    ("build", layer.self_attn.q_proj),
+                    ("mlp", i),
+                    ("build", layer.mlp.gate_proj),
+                ]
+            assert events[: len(want)] == want, keep_cache
+            assert all(kind != "build" for kind, _ in events[len(want) :])  # decode steps build nothing
+            assert torch.equal(got["responses"], separate.generate(ids, mask, cfg)["responses"])
+            with torch.no_grad():  # a training update: the next generation builds from it
+                layers[1].mlp.up_proj.weight.mul_(-1.0)
+        engine.release()
+
+
 def test_prefill_runs_the_last_layers_mlp_for_the_last_position_only(monkeypatch):
     """Only the last position's output of the last layer reaches the logits: the prefill's other layers run their
     MLP over every position, the last one over one position per row (and decode steps over their one token)."""

@@ -7,16 +7,23 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ppo_core.rollout import decode_rotary
-from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
+from ppo_core.rollout.decode_rotary import (
+    rotate_and_write,
+    rotate_and_write_prompt,
+    rotate_and_write_prompt_triton,
+    rotate_and_write_triton,
+)
 from ppo_core.rollout.eager_rounding import rotary_as_model
 
 INTERPRET = decode_rotary.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and decode_rotary.triton is not None
 DEVICES = (["cpu"] if INTERPRET else []) + (["cuda"] if CUDA else [])
 BF16_STEP = 2.0**-7  # relative spacing of bf16 numbers (at most)
-pytestmark = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
+kernel = pytest.mark.skipif(not DEVICES, reason="needs Triton on CUDA, or TRITON_INTERPRET=1 with Triton")
 
 
 def _step(b: int, h: int, g: int, d: int, length: int, dtype: torch.dtype, device: str, seed: int):
@@ -45,6 +52,7 @@ def _tolerance(device: str, dtype: torch.dtype, model_rounding: bool) -> dict:
     return {"atol": 0, "rtol": 0}
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model_rounding", [False, True])
@@ -67,6 +75,7 @@ def test_fused_rotation_and_write_equal_the_contract(device, dtype, model_roundi
     assert torch.equal(cache[1][:, :, slot : slot + 1], v)  # the value as it came
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_rounding_is_the_hf_engines_rotation(device) -> None:
     """``model_rounding=True`` is the rule of the Hugging Face engine's own rotation (bf16, tables in bf16)."""
@@ -81,6 +90,7 @@ def test_model_rounding_is_the_hf_engines_rotation(device) -> None:
     torch.testing.assert_close(cache[0][:, :, 0:1], want_k, **tol)
 
 
+@kernel
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_layouts_are_named(device) -> None:
     q, k, v, cos, sin, cache = _step(2, 4, 2, 16, 4, torch.float32, device, seed=2)
@@ -98,3 +108,103 @@ def test_the_kernel_is_only_offered_for_cuda_and_power_of_two_heads() -> None:
     if CUDA:
         assert decode_rotary.rotate_and_write_triton_available(torch.zeros(1, 2, 1, 64, device="cuda"))
         assert not decode_rotary.rotate_and_write_triton_available(torch.zeros(1, 2, 1, 48, device="cuda"))
+
+
+# ---- a prefill's rotation and cache write ----------------------------------------------------------------------
+
+
+def _prompt(b: int, h: int, g: int, s: int, d: int, length: int, dtype: torch.dtype, device: str, seed: int):
+    """A prefill's q/k/v as views of one projection ``[B, S, (H + 2G) d]``, per-token tables ``[B, S, d]`` (left
+    padding: a row's positions start at 0 late) and a cache of ``length`` slots holding other bits."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, s, (h + 2 * g) * d, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    q, k, v = (t.view(b, s, n, d).transpose(1, 2) for t, n in zip((q, k, v), (h, g, g), strict=True))
+    positions = (torch.arange(s)[None] - torch.randint(0, s + 1, (b, 1), generator=gen)).clamp(min=0)
+    freq = torch.rand(d // 2, generator=gen) * 3
+    angles = positions[..., None] * freq
+    angles = torch.cat((angles, angles), dim=-1)  # [B, S, d]
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    cache = torch.randn(2, b, g, length, d, generator=gen).to(dtype).to(device)
+    return q, k, v, cos, sin, cache
+
+
+@settings(max_examples=min(40, settings.default.max_examples), deadline=None)
+@given(
+    b=st.integers(0, 3),
+    s=st.integers(0, 6),
+    g=st.integers(1, 3),
+    rep=st.integers(1, 3),
+    d=st.sampled_from([4, 8, 16]),
+    spare=st.integers(0, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    model_rounding=st.booleans(),
+)
+def test_prompt_contract_is_the_decode_contract_at_each_position(
+    b, s, g, rep, d, spare, dtype, model_rounding
+):
+    """:func:`rotate_and_write_prompt` of ``S`` tokens equals :func:`rotate_and_write` of each token at its own
+    slot, bit for bit (PyTorch, any device); slots past ``S`` keep their bits."""
+    q, k, v, cos, sin, cache = _prompt(b, g * rep, g, s, d, s + spare, dtype, "cpu", seed=b + s + d)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    got_q = rotate_and_write_prompt(q, k, v, cos, sin, *got_cache, model_rounding=model_rounding)
+    want_q = torch.empty_like(got_q)
+    for t in range(s):
+        step = (x[:, :, t : t + 1] for x in (q, k, v))
+        slot = torch.tensor(t)
+        want_q[:, :, t : t + 1] = rotate_and_write(
+            *step, cos[:, t], sin[:, t], *want_cache, slot, model_rounding=model_rounding
+        )
+    assert got_q.shape == (b, g * rep, s, d)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got_cache[:, :, :, s:], cache[:, :, :, s:])
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_rounding", [False, True])
+@pytest.mark.parametrize(("b", "h", "g", "s", "d"), [(2, 8, 2, 5, 16), (3, 12, 4, 7, 32), (1, 4, 4, 3, 64)])
+def test_prompt_kernel_equals_the_contract(device, dtype, model_rounding, b, h, g, s, d) -> None:
+    """The one-launch prefill rotation and write equals :func:`rotate_and_write_prompt`: exact where both sides
+    round alike (as the decode kernel: see ``_tolerance``), the queries ``[B, H, S, d]`` over a ``[B, S, H, d]``
+    tensor, and no slot past the prompt written."""
+    length = s + 4
+    q, k, v, cos, sin, cache = _prompt(b, h, g, s, d, length, dtype, device, seed=h + s)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    want_q = rotate_and_write_prompt(q, k, v, cos, sin, *want_cache, model_rounding=model_rounding)
+    got_q = rotate_and_write_prompt_triton(q, k, v, cos, sin, *got_cache, model_rounding=model_rounding)
+    tol = _tolerance(device, dtype, model_rounding)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_cache, want_cache, **tol)
+    assert got_q.transpose(1, 2).is_contiguous()
+    assert torch.equal(got_cache[:, :, :, s:], cache[:, :, :, s:])
+    assert torch.equal(got_cache[1][:, :, :s], v)  # the values as they came
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_kernel_of_nothing_writes_nothing(device) -> None:
+    for b, s in ((0, 3), (2, 0)):
+        q, k, v, cos, sin, cache = _prompt(b, 4, 2, s, 16, 5, torch.float32, device, seed=3)
+        before = cache.clone()
+        out = rotate_and_write_prompt_triton(q, k, v, cos, sin, *cache, model_rounding=False)
+        assert out.shape == (b, 4, s, 16)
+        assert torch.equal(cache, before)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_prompt_inputs_are_named(device) -> None:
+    q, k, v, cos, sin, cache = _prompt(2, 4, 2, 5, 16, 6, torch.float32, device, seed=4)
+    with pytest.raises(ValueError, match="v have none"):
+        rotate_and_write_prompt_triton(q, k, v.transpose(-1, -2), cos, sin, *cache, model_rounding=False)
+    with pytest.raises(ValueError, match=r"\[B, S, d\]"):
+        rotate_and_write_prompt_triton(q, k, v, cos[:, :1], sin[:, :1], *cache, model_rounding=False)
+    with pytest.raises(ValueError, match="does not fit a cache of 4 slots"):
+        rotate_and_write_prompt_triton(q, k, v, cos, sin, *cache[:, :, :, :4], model_rounding=False)

@@ -12,12 +12,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_rollout_decode_rotary import _prompt as prompt_step
 from test_rollout_decode_rotary import _step as rotary_step
+from test_rollout_decode_rotary import _tolerance as rotary_tolerance
 
+from ppo_core.kernels.fused import apply_rotary
 from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
 from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
 from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
 from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
+from ppo_core.rollout.eager_rounding import rotary_as_model
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.split_launch import arrival_counters
 
@@ -225,7 +229,7 @@ def test_attend_rotated_gives_the_same_bits_fused_or_not(device, model_rounding,
         cos, sin = cos.to(dtype), sin.to(dtype)
 
     def tables() -> tuple[torch.Tensor, torch.Tensor]:
-        return cos, sin
+        return cos[:, None], sin[:, None]  # [B, S = 1, d]
 
     outs, caches = [], []
     for fused in (True, False):
@@ -490,3 +494,63 @@ def test_split_graph_replay_equals_the_unsplit_kernel(dtype) -> None:
                 q2, k2, v2, cos2, sin2, *cache2.clone(), index, bias2, model_rounding=False, split=split
             )
             torch.testing.assert_close(eager, want, **SPLIT_TOLERANCE[dtype])
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_rounding", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("last_query_only", [False, True])
+def test_attend_rotated_prefill_is_the_same_on_the_kernel_or_not(
+    device, model_rounding, padded, last_query_only, monkeypatch
+) -> None:
+    """``KVCache.attend_rotated`` in a prefill: the one-launch rotation and cache write, then attention over the
+    cache's slots, gives the caller's rotation followed by :meth:`KVCache.attend`: the same cache and outputs
+    (bit for bit where the kernel and the caller's rotation round alike: see ``_tolerance``)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the interpreter truncates to bf16
+    b, h, g, s, d, length = 3, 8, 2, 6, 32, 10
+    q, k, v, cos, sin, _ = prompt_step(b, h, g, s, d, length, dtype, device, seed=5)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    prompt_mask = torch.ones(b, s, dtype=torch.bool, device=device)
+    if padded:
+        prompt_mask[0, :2] = False
+        prompt_mask[2, :5] = False
+
+    def rotate(q, k):
+        rule = rotary_as_model if model_rounding else apply_rotary
+        return rule(q, k, cos[:, None], sin[:, None])
+
+    outs, caches = [], []
+    for offered in (True, False):
+        if device == "cpu" or not offered:
+            monkeypatch.setattr(kv_cache, "rotate_and_write_triton_available", lambda q, on=offered: on)
+        cache = KVCache.allocate(
+            layers=1, batch=b, kv_heads=g, head_dim=d, length=length, dtype=dtype, device=device
+        )
+        cache.begin_prefill(prompt_mask)
+        cache.last_query_only = last_query_only
+        if offered:
+            out = cache.attend_rotated(
+                0, q, k, v, _unused_rotation, lambda: (cos, sin), 0.2, model_rounding=model_rounding
+            )
+        else:
+            out = cache.attend_rotated(0, q, k, v, rotate, _unused_tables, 0.2, model_rounding=model_rounding)
+        outs.append(out)
+        caches.append(torch.stack((cache.keys[0], cache.values[0])))
+    assert outs[0].shape == (b, h, 1 if last_query_only else s, d)
+    tol = rotary_tolerance(device, dtype, model_rounding)
+    torch.testing.assert_close(caches[0], caches[1], **tol)
+    assert torch.equal(caches[0][:, :, :, s:], torch.zeros_like(caches[0][:, :, :, s:]))
+    if tol["atol"] == 0:
+        assert torch.equal(outs[0], outs[1])
+    else:  # the scores move with the keys' last bits: the outputs by a few steps of bf16 at most
+        torch.testing.assert_close(outs[0], outs[1], atol=8 * 2.0**-7, rtol=0)
+
+
+def _unused_rotation(q, k):
+    raise AssertionError("the kernel rotates a prefill on CUDA")
+
+
+def _unused_tables():
+    raise AssertionError("the caller's rotation needs no tables")

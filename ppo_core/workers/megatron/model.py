@@ -175,7 +175,7 @@ class SDPACoreAttention(nn.Module):
     def attend_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [b, h, s, d]``, ``k``/``v [b, g, s, d]`` (any strides) of the tokens being decoded, rotated (with
         ``rotary_base``) at ``cache``'s per-row positions and attended through it as its layer ``kv_cache_layer``
-        (one kernel for the rotation and the cache write when decoding on CUDA) -> ``[b, h, s, d]``."""
+        (one kernel for the rotation and the cache write on CUDA) -> ``[b, h, s, d]``."""
         if self.rotary_base is None:
             return cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
         cos, sin = self._rotary
@@ -190,7 +190,7 @@ class SDPACoreAttention(nn.Module):
 
         def tables() -> tuple[torch.Tensor, torch.Tensor]:
             c, s_ = cache.per_forward(shared, gathered)
-            return c[:, 0, 0], s_[:, 0, 0]  # [b, d] at the step's one position
+            return c[:, 0], s_[:, 0]  # [b, s, d]
 
         return cache.attend_rotated(
             self.kv_cache_layer,
