@@ -13,9 +13,18 @@ Edge cases (a deliberate deviation from verl, see ``docs/semantics.md``):
 - one valid entry: the unbiased variance is 0 (verl raises); the biased one is 0 anyway;
 - ``masked_whiten`` of 0 or 1 valid entries therefore returns ``values - mean`` scaled by ``rsqrt(eps)``, which is
   0 at the single valid entry. No result is ever a silent NaN produced by an empty mask.
+
+Reference centring: ``masked_var`` and ``masked_whiten`` subtract a reference, the value at the first valid entry
+(row-major; per slice reduced over ``dim``), before they take the mean: ``x - mean x = (x - x_ref) - mean(x - x_ref)``.
+The mean of ``n`` equal floats is in general not that value (the sum rounds), and whitening divides by a spread of
+0 plus ``1e-8``: about its own first value a constant is exactly 0 before the sum, so its variance and whitening are
+exactly 0, and a large common offset (``1e4 + noise``) goes before anything is summed (the difference of two floats
+within a factor of two of each other is exact).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -33,7 +42,8 @@ def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _check_finite(total: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
-    """One sync: ``total`` (a masked sum of ``values``) is non-finite iff a valid entry is, or the sum overflowed."""
+    """One sync: ``total`` (a masked sum of ``values``, or of ``values`` minus a valid one) is non-finite iff a valid
+    entry is, or the sum (or a difference) overflowed."""
     if not bool(torch.isfinite(total).all()):
         raise_first_nonfinite(
             {"values": values},
@@ -41,6 +51,59 @@ def _check_finite(total: torch.Tensor, values: torch.Tensor, mask: torch.Tensor)
             "masked statistics need finite values where the mask is 1",
             " valid (mask=1)",
         )
+
+
+def _first_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """0-d int64 index (row-major, as :func:`torch.take` reads it) of the first true entry of a non-empty bool
+    ``mask``; 0 when none is true. No host sync."""
+    flags = mask.view(torch.uint8)
+    if flags.dim() < 2 or flags.device.type != "cpu":
+        return flags.argmax()  # argmax returns the first maximal entry
+    # On CPU an argmax over a whole [B, T] mask is ~50x slower than a max (it is not vectorised): each row's max
+    # finds the first row with a true entry, and the argmax runs over that row only.
+    rows = flags.reshape(-1, flags.shape[-1])
+    row = rows.amax(dim=-1).argmax()
+    return row * rows.shape[1] + rows.index_select(0, row.view(1)).argmax()
+
+
+def _reference(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
+    """The value at the first valid entry (row-major) of each slice reduced over ``dim``, 0 for a slice without
+    one, shaped to broadcast against ``values`` (the reduced dims kept as 1): the reference that
+    :func:`_centred` subtracts. Never a masked entry, so masked NaN/inf never reach it."""
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    dims = _dims(dim, values.dim())
+    if dims is None:
+        if not values.numel():
+            return zero
+        first = _first_valid_index(mask)
+        return torch.where(torch.take(mask, first), torch.take(values, first), zero)
+    kept = [d for d in range(values.dim()) if d not in dims]
+    shape = [1 if d in dims else values.shape[d] for d in range(values.dim())]
+    size = math.prod(values.shape[d] for d in dims)
+    if not values.numel():
+        return zero.expand(shape)
+    # the reduced dims last and flattened: one row per slice, its entries in row-major order
+    flat_values = values.permute(kept + dims).reshape(-1, size)
+    flat_mask = mask.permute(kept + dims).reshape(-1, size)
+    first = flat_mask.view(torch.uint8).argmax(dim=-1, keepdim=True)
+    return torch.where(flat_mask.gather(-1, first), flat_values.gather(-1, first), zero).reshape(shape)
+
+
+def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> list[int] | None:
+    """The reduced dims of ``dim``, non-negative and sorted; None when everything is reduced (``torch.sum`` reduces
+    everything for ``dim=()`` too)."""
+    dims = (dim,) if isinstance(dim, int) else dim
+    return sorted({d % ndim for d in dims}) if dims else None
+
+
+def _centred(
+    acc: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(reference, shifted, total)`` for accumulation-dtype ``acc``: :func:`_reference`, ``acc - reference`` and
+    its masked sum. One implementation of the reference centring, for the variance and the whitening."""
+    reference = _reference(acc, mask, dim)
+    shifted = acc - reference
+    return reference, shifted, _sum(shifted, mask, dim)
 
 
 def _sum(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
@@ -117,7 +180,8 @@ def masked_var(
     unbiased: bool = True,
     dim: int | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Variance of ``values`` over the valid entries (two-pass, centred).
+    """Variance of ``values`` over the valid entries (two-pass, centred, about the first valid value of each slice
+    first: a constant slice has variance exactly 0).
 
     Args:
         values: floating tensor, any shape (typically ``[B, T]``).
@@ -133,10 +197,9 @@ def masked_var(
         tensor(1.)
     """
     values, mask = _prepare(values, mask)
-    acc = values.to(_acc_dtype(values.dtype))
-    total = _sum(acc, mask, dim)
+    _, shifted, total = _centred(values.to(_acc_dtype(values.dtype)), mask, dim)
     _check_finite(total, values, mask)
-    return _var(acc, mask, total, unbiased, dim).to(values.dtype)
+    return _var(shifted, mask, total, unbiased, dim).to(values.dtype)
 
 
 def _var(
@@ -146,13 +209,13 @@ def _var(
     unbiased: bool,
     dim: int | tuple[int, ...] | None,
 ) -> torch.Tensor:
-    """Two-pass variance of accumulation-dtype ``values`` given their masked sum ``total`` (unchecked)."""
+    """Two-pass variance of accumulation-dtype ``values`` given their masked sum ``total`` (unchecked).
+
+    ``values`` are those of :func:`_centred` (about a reference): the variance is unchanged by the shift."""
     count = _count(mask, dim, values.dtype)
     mean = total / count.clamp(min=1)
-    if dim is not None:
-        dims = (dim,) if isinstance(dim, int) else dim
-        for d in sorted(d % values.dim() for d in dims):
-            mean = mean.unsqueeze(d)
+    for d in _dims(dim, values.dim()) or ():
+        mean = mean.unsqueeze(d)
     centred_sq = (values - mean).square()
     sq_sum = _sum(centred_sq, mask, dim)
     denom = count - 1 if unbiased else count
@@ -164,7 +227,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
     ``(values - mean) * rsqrt(var + 1e-8)``, with mean and variance taken over ``mask`` only (batch-global, as in
     verl). The transform is applied to every entry, masked ones included; consumers must keep multiplying by
-    the mask. With ``shift_mean=False`` the mean is added back (scale only).
+    the mask. With ``shift_mean=False`` the mean is added back (scale only). The values are centred about the
+    first valid one before the mean is taken (see the module docstring): constant valid values whiten to exactly 0.
 
     Args:
         values: floating tensor, any shape (typically ``[B, T]``).
@@ -181,10 +245,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         tensor([-1.,  0.,  1.])
     """
     values, mask = _prepare(values, mask)
-    acc = values.to(_acc_dtype(values.dtype))
-    total = _sum(acc, mask, None)
+    reference, shifted, total = _centred(values.to(_acc_dtype(values.dtype)), mask, None)
     _check_finite(total, values, mask)
-    mean = total / _count(mask, None, acc.dtype).clamp(min=1)
-    var = _var(acc, mask, total, True, None)
-    whitened = (acc - mean) * torch.rsqrt(var + WHITEN_EPS)
-    return (whitened if shift_mean else whitened + mean).to(values.dtype)
+    mean = total / _count(mask, None, shifted.dtype).clamp(min=1)  # of the shifted values
+    var = _var(shifted, mask, total, True, None)
+    whitened = (shifted - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return (whitened if shift_mean else whitened + (reference + mean)).to(values.dtype)

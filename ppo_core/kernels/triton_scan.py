@@ -139,33 +139,42 @@ if triton is not None:
         return (valid & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
 
     @triton.jit
-    def _merge_moments(count, mean, m2, x, valid, zero):
+    def _merge_moments(count, mean, m2, ref, x, valid, lanes, zero):
         # Chan et al.'s pairwise update of per-row (count, mean, M2) with the valid lanes of one chunk: the chunk's
-        # own mean and centred sum of squares first, so no sum of squares of raw values (no cancellation).
+        # own mean and centred sum of squares first, so no sum of squares of raw values (no cancellation). All
+        # about the row's reference ``ref``, its first valid value in scan order (its last valid token), taken from
+        # the chunk that holds it: constant valid values are exactly 0 about it, so their mean and M2 are 0 (the
+        # mean of n equal floats, a rounded sum over n, is in general not that value).
+        first = tl.min(tl.where(valid, lanes, 1 << 30), axis=1)
+        ref = tl.where(count > 0, ref, tl.sum(tl.where(lanes == first[:, None], x, zero), axis=1))
+        xs = tl.where(valid, x - ref[:, None], zero)
         n_c = tl.sum(valid.to(x.dtype), axis=1)
-        mean_c = tl.sum(tl.where(valid, x, zero), axis=1) / tl.maximum(n_c, 1.0)
-        d_c = tl.where(valid, x - mean_c[:, None], zero)
+        mean_c = tl.sum(xs, axis=1) / tl.maximum(n_c, 1.0)
+        d_c = tl.where(valid, xs - mean_c[:, None], zero)
         m2_c = tl.sum(d_c * d_c, axis=1)
         n_new = count + n_c
         w = n_c / tl.maximum(n_new, 1.0)
         d = mean_c - mean
-        return n_new, mean + d * w, m2 + m2_c + d * d * count * w
+        return n_new, mean + d * w, m2 + m2_c + d * d * count * w, ref
 
     @triton.jit
-    def _store_moments(stats_ptr, rows, n_rows, count, mean, m2):
+    def _store_moments(stats_ptr, rows, n_rows, count, mean, m2, ref):
         ok = rows < n_rows
-        tl.store(stats_ptr + rows * 3, count, mask=ok)
-        tl.store(stats_ptr + rows * 3 + 1, mean, mask=ok)
-        tl.store(stats_ptr + rows * 3 + 2, m2, mask=ok)
+        tl.store(stats_ptr + rows * 4, count, mask=ok)
+        tl.store(stats_ptr + rows * 4 + 1, mean, mask=ok)
+        tl.store(stats_ptr + rows * 4 + 2, m2, mask=ok)
+        tl.store(stats_ptr + rows * 4 + 3, ref, mask=ok)
 
     @triton.jit
     def _load_moments(stats_ptr, idx, n_rows):
-        # (count, mean, M2) of rows idx as float64; rows past the end count 0
+        # (count, mean, M2, reference) of rows idx as float64, the mean about the reference; rows past the end
+        # count 0
         ok = idx < n_rows
-        n = tl.load(stats_ptr + idx * 3, mask=ok, other=0.0).to(tl.float64)
-        mu = tl.load(stats_ptr + idx * 3 + 1, mask=ok, other=0.0).to(tl.float64)
-        m2 = tl.load(stats_ptr + idx * 3 + 2, mask=ok, other=0.0).to(tl.float64)
-        return n, mu, m2
+        n = tl.load(stats_ptr + idx * 4, mask=ok, other=0.0).to(tl.float64)
+        mu = tl.load(stats_ptr + idx * 4 + 1, mask=ok, other=0.0).to(tl.float64)
+        m2 = tl.load(stats_ptr + idx * 4 + 2, mask=ok, other=0.0).to(tl.float64)
+        ref = tl.load(stats_ptr + idx * 4 + 3, mask=ok, other=0.0).to(tl.float64)
+        return n, mu, m2, ref
 
     @_unspecialised
     def _whiten_kernel(
@@ -181,22 +190,31 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
     ):
         # Every program combines the per-row moments of the scan (float64: the count is exact and the merge of
-        # thousands of rows loses nothing), then normalises its share of the rows.
+        # thousands of rows loses nothing), then normalises its share of the rows. Each row's mean is about its own
+        # reference; the combined mean is about the reference of the first row with a valid token, so that
+        # constant valid values give a mean and a variance of exactly 0, and outputs of exactly 0.
         offs = tl.arange(0, BLOCK_S)
         n_acc = tl.zeros([BLOCK_S], tl.float64)
+        first_acc = tl.zeros([BLOCK_S], tl.int32) + n_rows
+        for start in range(0, n_rows, BLOCK_S):
+            n, _, _, _ = _load_moments(stats_ptr, start + offs, n_rows)
+            n_acc += n
+            first_acc = tl.minimum(first_acc, tl.where(n > 0.0, start + offs, n_rows))
+        total = tl.sum(n_acc, axis=0)
+        _, _, _, base_ref = _load_moments(stats_ptr, tl.min(first_acc, axis=0), n_rows)
         s_acc = tl.zeros([BLOCK_S], tl.float64)
         for start in range(0, n_rows, BLOCK_S):
-            n, mu, _ = _load_moments(stats_ptr, start + offs, n_rows)
-            n_acc += n
-            s_acc += n * mu
-        total = tl.sum(n_acc, axis=0)
+            n, mu, _, ref = _load_moments(stats_ptr, start + offs, n_rows)
+            s_acc += n * ((ref - base_ref) + mu)
         mean = tl.sum(s_acc, axis=0) / tl.maximum(total, 1.0)
         m2_acc = tl.zeros([BLOCK_S], tl.float64)
         for start in range(0, n_rows, BLOCK_S):
-            n, mu, m2 = _load_moments(stats_ptr, start + offs, n_rows)
-            m2_acc += m2 + n * (mu - mean) * (mu - mean)
+            n, mu, m2, ref = _load_moments(stats_ptr, start + offs, n_rows)
+            d = (ref - base_ref) + mu - mean
+            m2_acc += m2 + n * d * d
         # unbiased variance; 0 with fewer than two valid tokens (the output is then exactly 0)
         var = tl.where(total > 1.0, tl.sum(m2_acc, axis=0) / tl.maximum(total - 1.0, 1.0), 0.0)
+        ref_a = base_ref.to(ACC)
         mean_a = mean.to(ACC)
         rstd = 1.0 / tl.sqrt(var.to(ACC) + eps)
         lanes = tl.arange(0, BLOCK_T)
@@ -207,7 +225,7 @@ if triton is not None:
                 ok = t < length
                 x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(ACC)
                 m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
-                y = tl.where(m, (x - mean_a) * rstd, 0.0)
+                y = tl.where(m, ((x - ref_a) - mean_a) * rstd, 0.0)
                 tl.store(out_ptr + base + t, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @_unspecialised
@@ -240,6 +258,7 @@ if triton is not None:
         count = tl.zeros([BLOCK_B], ACC)
         mean = tl.zeros([BLOCK_B], ACC)
         m2 = tl.zeros([BLOCK_B], ACC)
+        ref = tl.zeros([BLOCK_B], ACC)
         # Non-finite inputs seen per lane, OR-ed over the chunks and reduced once after the loop.
         bad_r = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
         bad_v = tl.zeros([BLOCK_B, BLOCK_T], tl.int32)
@@ -276,14 +295,14 @@ if triton is not None:
                 if WITH_RETURNS:
                     tl.store(ret_ptr + base + t, adv + v, mask=ok)
             if STATS:
-                count, mean, m2 = _merge_moments(count, mean, m2, adv, m, zero)
+                count, mean, m2, ref = _merge_moments(count, mean, m2, ref, adv, m, lanes, zero)
             carry_v = tl.sum(tl.where(last_lane, next_v, zero), axis=1)
             carry_adv = tl.sum(tl.where(last_lane, adv, zero), axis=1)
         if CHECKED:
             # bit 0: a reward, bit 1: a value at a valid position is NaN or inf
             tl.store(flag_ptr + tl.program_id(0), tl.max(bad_r) | (tl.max(bad_v) * 2))
         if STATS:
-            _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
+            _store_moments(stats_ptr, rows, n_rows, count, mean, m2, ref)
 
     @_unspecialised
     def _return_kernel(
@@ -314,6 +333,7 @@ if triton is not None:
         count = tl.zeros([BLOCK_B], ACC)
         mean = tl.zeros([BLOCK_B], ACC)
         m2 = tl.zeros([BLOCK_B], ACC)
+        ref = tl.zeros([BLOCK_B], ACC)
         seen = tl.zeros([BLOCK_B], tl.int32)
         if BASELINE:
             baseline = tl.load(b_ptr + rows, mask=rows < n_rows, other=0.0).to(ACC)
@@ -332,7 +352,7 @@ if triton is not None:
                 tl.store(adv_ptr + base + t, tl.where(m, run - baseline[:, None], zero), mask=ok)
                 seen = tl.maximum(seen, tl.max(m.to(tl.int32), axis=1))
             if STATS:
-                count, mean, m2 = _merge_moments(count, mean, m2, run, m, zero)
+                count, mean, m2, ref = _merge_moments(count, mean, m2, ref, run, m, lanes, zero)
             carry = tl.sum(tl.where(last_lane, run, zero), axis=1)
             if CHECKED:
                 bad_r = bad_r | _nonfinite(r, m)
@@ -343,7 +363,7 @@ if triton is not None:
                 flags = flags | (tl.max(_nonfinite(baseline, seen != 0)) * 2)
             tl.store(flag_ptr + tl.program_id(0), flags)
         if STATS:
-            _store_moments(stats_ptr, rows, n_rows, count, mean, m2)
+            _store_moments(stats_ptr, rows, n_rows, count, mean, m2, ref)
 
     _whiten_launcher = DirectLauncher(_whiten_kernel)
     _gae_launcher = DirectLauncher(_gae_kernel)
@@ -465,8 +485,9 @@ def _operand(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
 
 
 def _new_stats(batch: int, acc_fp64: bool, device: torch.device) -> torch.Tensor:
-    """``[B, 3]`` per-row (count, mean, M2) of the valid outputs, written by a scan for :func:`_whiten`."""
-    return torch.empty(batch, 3, dtype=torch.float64 if acc_fp64 else torch.float32, device=device)
+    """``[B, 4]`` per-row (count, mean, M2, reference) of the valid outputs, the mean about the reference (the row's
+    last valid output), written by a scan for :func:`_whiten`."""
+    return torch.empty(batch, 4, dtype=torch.float64 if acc_fp64 else torch.float32, device=device)
 
 
 @functools.lru_cache(maxsize=16)

@@ -56,13 +56,16 @@ def _tensor(rows: Rows, like: torch.Tensor) -> torch.Tensor:
 
 
 def _whiten(rows: Rows, mask: list[list[bool]]) -> Rows:
+    """Batch-global whitening of the valid entries, each centred about the first valid one before the mean is taken
+    (so that constant values give exactly 0, as in :func:`ppo_core.masked.masked_whiten`)."""
     valid = [x for row, mrow in zip(rows, mask, strict=True) for x, m in zip(row, mrow, strict=True) if m]
     n = len(valid)
-    mean = math.fsum(valid) / n if n else 0.0
-    var = math.fsum((x - mean) ** 2 for x in valid) / (n - 1) if n > 1 else 0.0
+    ref = valid[0] if n else 0.0
+    mean = math.fsum(x - ref for x in valid) / n if n else 0.0
+    var = math.fsum((x - ref - mean) ** 2 for x in valid) / (n - 1) if n > 1 else 0.0
     scale = 1.0 / math.sqrt(var + WHITEN_EPS)
     return [
-        [(x - mean) * scale if m else 0.0 for x, m in zip(row, mrow, strict=True)]
+        [(x - ref - mean) * scale if m else 0.0 for x, m in zip(row, mrow, strict=True)]
         for row, mrow in zip(rows, mask, strict=True)
     ]
 

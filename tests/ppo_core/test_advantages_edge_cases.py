@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _constant import constant_cases
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -218,6 +219,27 @@ def test_whitening_with_zero_or_one_valid_token_gives_zero(n_valid: int) -> None
         assert torch.equal(adv, torch.zeros_like(adv)), name  # verl raises ValueError here
     _, ret = compute_gae(rewards, values, mask)
     assert float(ret.sum()) == (2.0 if n_valid else 0.0)  # returns stay informative: r + 0 - V + V = 2
+
+
+@given(case=constant_cases(), lam=st.floats(0.0, 1.0))
+def test_whitening_constant_values_gives_exactly_zero(
+    case: tuple[torch.Tensor, torch.Tensor], lam: float
+) -> None:
+    """What GAE, REINFORCE++ and REINFORCE++-baseline whiten is one value at every valid token: their advantages
+    are exactly 0 (the float32 mean of equal values, a rounded sum over their count, is in general not that value,
+    and whitening multiplied the difference by ``rsqrt(1e-8) = 1e4``)."""
+    rewards, mask = case
+    # gamma = 0: the raw GAE advantages (V = 0) and the returns are the rewards themselves
+    gae, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=0.0, lam=lam, whiten=True)
+    rpp, _ = compute_reinforce_pp_advantage(rewards, mask, gamma=0.0)
+    # every row its own group with the value as its score: baseline 0 (singletons), the centred score is the value
+    scores = torch.zeros_like(rewards)
+    scores[:, 0] = rewards[mask][0]
+    baseline, _ = compute_reinforce_pp_baseline_advantage(scores, mask, list(range(rewards.shape[0])))
+    outputs = {"gae": gae, "reinforce_plus_plus": rpp, "reinforce_plus_plus_baseline": baseline}
+    for name, adv in outputs.items():
+        assert adv.dtype == rewards.dtype, name
+        assert torch.equal(adv, torch.zeros_like(adv)), (name, adv)
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ORACLES))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _constant import constant_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -483,6 +484,21 @@ def test_whitening_of_zero_padded_outputs_is_masked_whiten_bit_for_bit(batch, dt
     got = whiten_valid(x, m)
     assert got.dtype == dtype
     assert torch.equal(got, zero_outside(masked_whiten(x, m), m))
+
+
+@given(case=constant_cases())
+def test_whitening_of_constant_valid_values_is_exactly_zero(case: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, m = case
+    got = whiten_valid(x, m)
+    assert torch.equal(got, torch.zeros_like(x)), got
+
+
+def test_whitening_about_a_large_common_offset_keeps_float32_precision() -> None:
+    # 1e4 + noise of 1e-2: a float32 sum of the raw values would leave an error of about 0.1 after the division
+    r, _, m = _case(batch=8, length=64)
+    x = zero_outside(1e4 + 1e-2 * r, m)
+    want = zero_outside(masked_whiten(x.double(), m), m)
+    torch.testing.assert_close(whiten_valid(x, m).double(), want, rtol=0, atol=1e-5)
 
 
 def test_host_flag_words_are_per_thread_reused_and_grow() -> None:

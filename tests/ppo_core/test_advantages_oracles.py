@@ -65,7 +65,9 @@ def _whitening_is_ill_conditioned(name: str, kwargs: dict, atol: float) -> bool:
     """True when whitening amplifies input rounding beyond ``atol`` (raw values nearly constant on the mask).
 
     Whitening divides by the spread of the raw advantages: its output error is about
-    ``eps(dtype) * T * max|raw| / std(raw)``. Such inputs are compared on returns and finiteness only.
+    ``eps(dtype) * T * max|raw| / std(raw)``. Such inputs are compared on returns and finiteness only. Equal raw
+    values are not: both sides whiten them to exactly 0 (tested for equality, as ``std`` of equal floats can be
+    rounding noise instead of 0).
     """
     if name == "gae" and kwargs["whiten"]:
         raw = ADVANTAGE_ORACLES[name](**{**kwargs, "whiten": False})[0]
@@ -77,7 +79,7 @@ def _whitening_is_ill_conditioned(name: str, kwargs: dict, atol: float) -> bool:
         return False
     rewards = kwargs["token_level_rewards"]
     valid = raw[kwargs["response_mask"].cpu().bool()]
-    if valid.numel() < 2 or float(valid.std()) == 0.0:
+    if valid.numel() < 2 or bool((valid == valid[0]).all()):
         return False
     amplification = float(valid.abs().max()) / float(valid.std())
     return amplification * torch.finfo(rewards.dtype).eps * 10 * max(rewards.shape[1], 1) > atol
@@ -118,6 +120,31 @@ def test_fast_matches_oracle_float64(batch: PPOBatch, opts: dict) -> None:
 def test_fast_float32_matches_oracle(batch: PPOBatch, opts: dict) -> None:
     # epsilon 0 would make float32 rounding in near-tied groups unbounded
     _check_every_estimator(batch, {**opts, "epsilon": 1e-6}, torch.float32, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_valid", [3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_whitened_values_match_the_oracle_exactly(dtype: torch.dtype, n_valid: int) -> None:
+    """What a property test found: REINFORCE++-baseline, a group of three rows of which only the first has valid
+    tokens, so the values whitened are one score at every valid token. Zero spread is not ill-conditioned (the
+    advantages are compared), and the fast path and the oracle both give exactly 0; so do GAE and REINFORCE++
+    (``gamma = 0``: what they whiten is the rewards)."""
+    rewards = torch.full((3, 7), 1 / 3, dtype=dtype)
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[0, :n_valid] = True
+    kwargs = {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "index": ["g"] * 3,
+        "values": torch.zeros_like(rewards),
+        "gamma": 0.0,
+        "lam": 0.5,
+        "whiten": True,
+    }
+    for name in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        assert not _whitening_is_ill_conditioned(name, kwargs, atol=1e-4), name
+        for adv in (get_advantage_estimator(name)(**kwargs)[0], ADVANTAGE_ORACLES[name](**kwargs)[0]):
+            assert torch.equal(adv, torch.zeros_like(adv)), (name, adv)
 
 
 # ---- hand-derived examples; each comment shows the derivation -------------------------------------------------

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from _constant import constant_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,6 +83,27 @@ def test_fused_whitening_across_chunks_and_programs(device) -> None:
     _close(again, returns, m, tol=1e-6)  # another launch shape: another rounding order
     _close(white, whiten_valid(returns.double().cpu(), m.cpu()), m)
     assert abs(white[m].double().mean().item()) < 1e-5 and abs(white[m].double().std().item() - 1) < 1e-4
+
+
+@triton_devices
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=8, deadline=None)
+@given(case=constant_cases(max_size=40), small_blocks=st.booleans())
+def test_fused_whitening_of_constant_values_is_exactly_zero(device, case, small_blocks: bool) -> None:
+    """One value at every valid token: each row's moments are about its own last valid value and the combine is
+    about the reference of the first row with a valid token, so every difference is exactly 0 (the mean of equal
+    floats, a rounded sum over their count, is in general not that value). Small blocks: many chunks per row,
+    several rows per program."""
+    x, m = (t.to(device) for t in case)
+    r = x.masked_fill(~m, float("nan"))
+    v = torch.zeros_like(r).masked_fill(~m, float("inf"))
+    launch = triton_scan.ScanLaunch(block_b=2, block_t=16, num_warps=1) if small_blocks else None
+    # gamma = 0: the raw advantages (V = 0) and the returns are the rewards
+    adv, _, flag = triton_scan.gae_returns_checked_triton(r, v, m, 0.0, 0.5, whiten=True, launch=launch)
+    white, _, flag_r = triton_scan.return_advantages_checked_triton(r, m, 0.0, whiten=True, launch=launch)
+    assert triton_scan.flag_bits(flag) == triton_scan.flag_bits(flag_r) == 0
+    assert torch.equal(adv, torch.zeros_like(adv)), adv
+    assert torch.equal(white, torch.zeros_like(white)), white
 
 
 @triton_devices

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _constant import FLOAT_DTYPES, constant_cases
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -196,3 +197,51 @@ def test_bf16_whiten_over_many_tokens_has_unit_variance() -> None:
     out = masked_whiten(values, mask).float()
     assert out.mean().item() == pytest.approx(0.0, abs=2e-2)
     assert out.var().item() == pytest.approx(1.0, rel=2e-2)
+
+
+@given(constant_cases(min_dims=1, max_dims=3, max_size=6), st.sampled_from([float("nan"), float("inf"), 3.0]))
+def test_constant_valid_values_whiten_to_exactly_zero(
+    case: tuple[torch.Tensor, torch.Tensor], junk: float
+) -> None:
+    # The float32 mean of equal values is in general not that value (their sum rounds): centred about that mean,
+    # whitening multiplied an ulp by rsqrt(1e-8) = 1e4. Centred about a valid value first, each difference is 0.
+    values, mask = case
+    values = values.masked_fill(~mask, junk)
+    out = masked_whiten(values, mask)
+    assert out.dtype == values.dtype
+    assert torch.equal(out[mask], torch.zeros_like(out[mask])), out[mask]
+    # scale only: the true mean, the value itself, comes back
+    assert torch.equal(masked_whiten(values, mask, shift_mean=False)[mask], values[mask])
+    assert masked_var(values, mask).item() == 0.0
+
+
+@given(st.data(), st.sampled_from(FLOAT_DTYPES))
+def test_constant_slices_have_variance_exactly_zero(data: st.DataObject, dtype: torch.dtype) -> None:
+    """Reduced over ``dim``, each slice has its own constant and its own first valid entry."""
+    shape = tuple(data.draw(st.lists(st.integers(min_value=1, max_value=5), min_size=2, max_size=3)))
+    dims = data.draw(
+        st.lists(st.integers(min_value=0, max_value=len(shape) - 1), min_size=1, unique=True).map(tuple)
+    )
+    gen = torch.Generator().manual_seed(data.draw(st.integers(min_value=0, max_value=2**31 - 1)))
+    per_slice = [1 if d in dims else n for d, n in enumerate(shape)]
+    scale = data.draw(st.sampled_from([1e-3, 1.0, 1e4]))
+    values = (scale * (1 + torch.rand(per_slice, generator=gen, dtype=torch.float64))).to(dtype).expand(shape)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    got = masked_var(values.masked_fill(~mask, float("nan")), mask, dim=dims)
+    assert torch.equal(got, torch.zeros_like(got)), got
+
+
+def test_large_common_offset_keeps_float32_precision() -> None:
+    """``1e4`` plus noise of ``1e-2``: a float32 sum of the raw values (``3e6``, an ulp of 0.25) puts an error of
+    about ``1e-3`` in the mean, ``0.1`` once divided by the spread; centred about a valid value first, the offset
+    goes exactly (the difference of two floats within a factor of two is exact) before anything is summed."""
+    gen = torch.Generator().manual_seed(0)
+    values = (1e4 + 1e-2 * torch.randn(8, 50, generator=gen, dtype=torch.float64)).float()
+    mask = torch.rand(8, 50, generator=gen) < 0.8
+    valid = values.double()[mask].tolist()
+    mu, var = _mean(valid), _var(True)(valid)
+    expected = torch.tensor([(x - mu) / math.sqrt(var + WHITEN_EPS) for x in valid], dtype=torch.float64)
+    torch.testing.assert_close(masked_whiten(values, mask).double()[mask], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        masked_var(values, mask).double(), torch.tensor(var, dtype=torch.float64), rtol=1e-5, atol=0
+    )
