@@ -201,7 +201,7 @@ if triton is not None:
             n_acc += n
             first_acc = tl.minimum(first_acc, tl.where(n > 0.0, start + offs, n_rows))
         total = tl.sum(n_acc, axis=0)
-        _, _, _, base_ref = _load_moments(stats_ptr, tl.min(first_acc, axis=0), n_rows)
+        _first_n, _first_mu, _first_m2, base_ref = _load_moments(stats_ptr, tl.min(first_acc, axis=0), n_rows)
         s_acc = tl.zeros([BLOCK_S], tl.float64)
         for start in range(0, n_rows, BLOCK_S):
             n, mu, _, ref = _load_moments(stats_ptr, start + offs, n_rows)
