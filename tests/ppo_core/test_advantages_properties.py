@@ -11,8 +11,8 @@ from ppo_core.advantages import get_advantage_estimator
 from ppo_core.testing import PPOBatch, ppo_batches
 from ppo_core.testing.advantage_oracles import ADVANTAGE_ORACLES, advantage_inputs_from_batch
 
-# at most 60 examples (the dev profile's 30 stay 30): each example is slow, and the ci profile's 200 kept the
-# suite over its 10-minute budget on the 2-core CI machine
+# at most 60 examples under the ci profile (the dev profile's 30 stay 30): each example is slow, and the suite
+# must stay within its 10-minute budget on the 2-core CI machine
 _CI_EXAMPLES = min(60, settings.default.max_examples)
 
 NAMES = sorted(ADVANTAGE_ORACLES)

@@ -21,8 +21,8 @@ from ppo_core.trainer.config import PPOConfig
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 
-# at most 60 examples (the dev profile's 30 stay 30): each example is slow, and the ci profile's 200 kept the
-# suite over its 10-minute budget on the 2-core CI machine
+# at most 60 examples under the ci profile (the dev profile's 30 stay 30): each example is slow, and the suite
+# must stay within its 10-minute budget on the 2-core CI machine
 _CI_EXAMPLES = min(60, settings.default.max_examples)
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "migrating-from-verl.md"

@@ -16,8 +16,8 @@ from ppo_core.trainer import PPOConfig
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.loading import dump_job_config, load_job_config
 
-# at most 60 examples (the dev profile's 30 stay 30): each example is slow, and the ci profile's 200 kept the
-# suite over its 10-minute budget on the 2-core CI machine
+# at most 60 examples under the ci profile (the dev profile's 30 stay 30): each example is slow, and the suite
+# must stay within its 10-minute budget on the 2-core CI machine
 _CI_EXAMPLES = min(60, settings.default.max_examples)
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
