@@ -183,14 +183,16 @@ if triton is not None:
         MODEL_ROUNDING: tl.constexpr,
         PROMPT: tl.constexpr,
     ):
-        # one program per (row, token): a decode step's token goes to the slot held in Slot, a prompt's token at
-        # position s (program_id(1)) to slot s
-        b = tl.program_id(0).to(tl.int64)
+        # one program per (row, token): a decode step's row b = program_id(0), its token to the slot held in Slot;
+        # a prompt's token s = program_id(0) (the grid's long axis: any prompt length) of row b = program_id(1), to
+        # slot s
         if PROMPT:
-            s = tl.program_id(1).to(tl.int64)
+            s = tl.program_id(0).to(tl.int64)
+            b = tl.program_id(1).to(tl.int64)
             slot = s
         else:
             s = 0
+            b = tl.program_id(0).to(tl.int64)
             slot = tl.load(Slot).to(tl.int64)
         d = tl.arange(0, D)
         partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
@@ -205,6 +207,10 @@ if triton is not None:
         tl.store(KCache + b * skc_b + gh[:, None] * skc_g + slot * skc_l + d[None, :], k, mask=k_ok)
         v = tl.load(V + b * sv_b + s * sv_s + gh[:, None] * sv_g + d[None, :], mask=k_ok, other=0.0)
         tl.store(VCache + b * svc_b + gh[:, None] * svc_g + slot * svc_l + d[None, :], v, mask=k_ok)
+
+
+_MAX_GRID_Y = 65535
+"""CUDA's limit on a launch grid's second dimension."""
 
 
 def _check_layouts(
@@ -372,7 +378,7 @@ def rotate_and_write_prompt_triton(
     *,
     model_rounding: bool,
 ) -> torch.Tensor:
-    """:func:`rotate_and_write_prompt` in one Triton launch of one program per (row, token) (the same kernel and
+    """:func:`rotate_and_write_prompt` in one Triton launch of one program per (token, row) (the same kernel and
     rounding as a decode step's :func:`rotate_and_write_triton`; layouts as there). The rotated queries are
     returned as a ``[B, H, S, d]`` view of a ``[B, S, H, d]`` tensor: each token's heads side by side, as the
     projection gave them, which the attention kernels read as they read the projection's views."""
@@ -392,20 +398,23 @@ def rotate_and_write_prompt_triton(
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     if b == 0 or s == 0:
         return out
-    _launch(
-        (b, s),
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        out,
-        keys,
-        values,
-        cos,  # unused: each program's slot is its position
-        (cos.stride(0), cos.stride(1)),
-        (out.stride(0), out.stride(1), out.stride(2)),
-        model_rounding=model_rounding,
-        prompt=True,
-    )
+    # tokens on the grid's first axis (no limit that a prompt reaches), rows on its second (at most 65,535 a launch)
+    for r in range(0, b, _MAX_GRID_Y):
+        rows = slice(r, r + _MAX_GRID_Y)
+        _launch(
+            (s, min(b - r, _MAX_GRID_Y)),
+            q[rows],
+            k[rows],
+            v[rows],
+            cos[rows],
+            sin[rows],
+            out[rows],
+            keys[rows],
+            values[rows],
+            cos,  # unused: each program's slot is its position
+            (cos.stride(0), cos.stride(1)),
+            (out.stride(0), out.stride(1), out.stride(2)),
+            model_rounding=model_rounding,
+            prompt=True,
+        )
     return out

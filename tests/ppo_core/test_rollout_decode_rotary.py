@@ -208,3 +208,33 @@ def test_bad_prompt_inputs_are_named(device) -> None:
         rotate_and_write_prompt_triton(q, k, v, cos[:, :1], sin[:, :1], *cache, model_rounding=False)
     with pytest.raises(ValueError, match="does not fit a cache of 4 slots"):
         rotate_and_write_prompt_triton(q, k, v, cos, sin, *cache[:, :, :, :4], model_rounding=False)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_kernel_launches_rows_in_chunks_of_the_grid_limit(device, monkeypatch) -> None:
+    """More rows than a grid's second dimension holds (65,535 on CUDA; 2 here) run in several launches, each over
+    its own rows, with the contract's result."""
+    monkeypatch.setattr(decode_rotary, "_MAX_GRID_Y", 2)
+    q, k, v, cos, sin, cache = _prompt(5, 4, 2, 3, 16, 4, torch.float32, device, seed=6)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    want_q = rotate_and_write_prompt(q, k, v, cos, sin, *want_cache, model_rounding=False)
+    got_q = rotate_and_write_prompt_triton(q, k, v, cos, sin, *got_cache, model_rounding=False)
+    tol = _tolerance(device, torch.float32, model_rounding=False)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_cache, want_cache, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+def test_prompt_kernel_takes_prompts_longer_than_a_grid_row() -> None:
+    """A prompt of more tokens than a grid's second dimension holds (70,000 > 65,535): every token rotated and
+    written (the tokens run on the grid's first axis)."""
+    s = 70_000
+    q, k, v, cos, sin, cache = _prompt(1, 2, 1, s, 16, s + 1, torch.bfloat16, "cuda", seed=7)
+    cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    want_q = rotate_and_write_prompt(q, k, v, cos, sin, *want_cache, model_rounding=True)
+    got_q = rotate_and_write_prompt_triton(q, k, v, cos, sin, *got_cache, model_rounding=True)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_cache, want_cache)
