@@ -5,7 +5,7 @@ cache slot of the step. Unfused that is a rotation kernel (or several) and two `
 here one program per row reads ``q [H, d]``, ``k [G, d]``, ``v [G, d]`` and the row's ``cos``/``sin [d]`` once,
 writes the rotated query to a fresh ``[B, H, 1, d]`` tensor and the rotated key and the value to the cache at the
 slot held in a device scalar (so the launch is captured in the step's CUDA graph). A prefill does the same for its
-``S`` tokens in one launch of one program per (row, token), token ``s`` going to slot ``s``
+``S`` tokens in one launch of one program per (token, row), token ``s`` going to slot ``s``
 (:func:`rotate_and_write_prompt_triton`); the attention then reads the keys and values from the cache.
 
 Two roundings of ``t cos + rotate_half(t) sin`` (``rotate_half([t1, t2]) = [-t2, t1]``):
@@ -213,12 +213,13 @@ _MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second dimension."""
 
 
-def _check_layouts(
-    tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, caller: str
-) -> None:
+def _check_layouts(caller: str, **tensors: torch.Tensor) -> None:
+    """The kernel's layout rules for ``caller``'s tensors (by name): a contiguous last dimension for each, one
+    layout for ``cos`` and ``sin``."""
     strided = [name for name, t in tensors.items() if t.stride(-1) != 1]
     if strided:
         raise ValueError(f"{caller} needs a contiguous last dimension; {', '.join(strided)} have none")
+    cos, sin = tensors["cos"], tensors["sin"]
     if cos.stride() != sin.stride():
         raise ValueError(f"cos and sin must share one layout, got strides {cos.stride()} and {sin.stride()}")
 
@@ -297,12 +298,7 @@ def rotate_and_write_triton(
     tensor contiguous, ``cos``/``sin`` rows contiguous, a power-of-two head width >= 16)."""
     if triton is None:
         raise RuntimeError("rotate_and_write_triton needs Triton")
-    _check_layouts(
-        {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "keys": keys, "values": values},
-        cos,
-        sin,
-        "rotate_and_write_triton",
-    )
+    _check_layouts("rotate_and_write_triton", q=q, k=k, v=v, cos=cos, sin=sin, keys=keys, values=values)
     if slot.numel() != 1:
         raise ValueError(f"slot must be a device scalar, got shape {tuple(slot.shape)}")
     b, h, _, d = q.shape
@@ -385,14 +381,13 @@ def rotate_and_write_prompt_triton(
     if triton is None:
         raise RuntimeError("rotate_and_write_prompt_triton needs Triton")
     _check_layouts(
-        {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "keys": keys, "values": values},
-        cos,
-        sin,
-        "rotate_and_write_prompt_triton",
+        "rotate_and_write_prompt_triton", q=q, k=k, v=v, cos=cos, sin=sin, keys=keys, values=values
     )
     b, h, s, d = q.shape
     if s > keys.shape[2]:
-        raise ValueError(f"a prompt of {s} tokens does not fit a cache of {keys.shape[2]} slots")
+        raise ValueError(
+            f"a prompt of {s} tokens (q, k, v) does not fit a cache of {keys.shape[2]} slots (keys, values)"
+        )
     if tuple(cos.shape) != (b, s, d):
         raise ValueError(f"cos and sin must be [B, S, d] = {[b, s, d]}, got {list(cos.shape)}")
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
