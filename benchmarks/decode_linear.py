@@ -14,7 +14,11 @@ each call reads its weight from HBM rather than from the 50 MB L2 cache, as in a
   ``add_rms_norm_as_model``, ``F.linear``, ``silu_mul_as_model``);
 - ``weight_read_us``: the weight's bytes over the copy bandwidth measured in this run.
 
-Usage: ``python benchmarks/decode_linear.py [--rows 64] [--no-sweep | --wide-sweep] [--out FILE]`` (CUDA only).
+``--chain``: a decode step's four products in a 16-layer chain (PDL modes); ``--head``: the vocabulary product's
+launch shapes (``HEAD_SHAPES``) against its default.
+
+Usage: ``python benchmarks/decode_linear.py [--rows 64] [--no-sweep | --wide-sweep | --chain | --head]
+[--out FILE]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -199,12 +203,55 @@ def _chain_report(m: int, gen, layers: int = 16) -> dict:
     return out
 
 
+HEAD_SHAPES = (  # (block_n, block_k, num_stages, num_warps) of the vocabulary product
+    (128, 128, 3, 4),  # the default before 256 x 64
+    (128, 64, 6, 4),
+    (128, 64, 8, 4),
+    (256, 64, 3, 8),
+    (256, 64, 4, 8),
+    (256, 64, 4, 4),
+    (64, 128, 4, 4),
+)
+
+
+def _head_report(m: int, gen) -> dict:
+    """The output layer's product (``[128256, 2048]``, with the final norm's row scale in its epilogue, as the
+    engines run it) at its default launch shape and the shapes of :data:`HEAD_SHAPES`: us per call and the largest
+    difference from the default's result (the launch shape changes no arithmetic: 0)."""
+    n, k = SHAPES["lm_head"]
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    weights = [
+        (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16) for _ in range(2)
+    ]
+    sumsq = x.float().square().sum(-1)[None]
+    default = _default_config(n, k, False, x.device)
+    want = decode_linear(x, weights[0], sumsq=sumsq, eps=EPS).y
+    out: dict = {
+        "default_config": dataclass_dict(default),
+        "default_us": _graph_us(lambda w: decode_linear(x, w, sumsq=sumsq, eps=EPS), weights, calls=16),
+    }
+    for block_n, block_k, stages, warps in HEAD_SHAPES:
+        cfg = DecodeLinearConfig(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps)
+        key = f"bn{block_n}_bk{block_k}_st{stages}_w{warps}"
+        try:
+            got = decode_linear(x, weights[0], sumsq=sumsq, eps=EPS, config=cfg).y
+            us = _graph_us(
+                lambda w, c=cfg: decode_linear(x, w, sumsq=sumsq, eps=EPS, config=c), weights, calls=16
+            )
+        except Exception as exc:  # a launch shape that does not fit is reported
+            out[key] = {"error": type(exc).__name__}
+            continue
+        out[key] = {"us": us, "max_diff": float((got.float() - want.float()).abs().max())}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--wide-sweep", action="store_true", help="also 8 warps and 256-column K blocks (slow)")
     ap.add_argument("--chain", action="store_true", help="only the chain of a step's products (PDL modes)")
+    ap.add_argument("--head", action="store_true", help="only the vocabulary product's launch shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -217,8 +264,11 @@ def main(argv: list[str] | None = None) -> dict:
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2),
     }
     gen = torch.Generator(device="cuda").manual_seed(1)
-    if args.chain:
-        result["chain"] = _chain_report(m, gen)
+    if args.chain or args.head:
+        if args.chain:
+            result["chain"] = _chain_report(m, gen)
+        if args.head:
+            result["head"] = _head_report(m, gen)
         print(json.dumps(result, indent=1))
         return result
     for name, (n, k) in SHAPES.items():

@@ -382,23 +382,29 @@ def decode_linear(
 
 
 def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> DecodeLinearConfig:
-    """From a sweep on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
-    products, 64 for wide or deep ones, 128 for a vocabulary (64 with SwiGLU's two weights); ``K`` split while
-    there are fewer programs than half the SMs (each split keeping at least four ``block_k`` iterations).
+    """From sweeps on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
+    products, 64 for wide or deep ones (and with SwiGLU's two weights); for a vocabulary 256 columns of 64-column
+    ``K`` blocks in a four-stage pipeline (Llama-3.2-1B's head: 137 us against 146 for 128 x 128 in three stages,
+    the same bits; ``benchmarks/results_h200_rollout_cdf_sampling.json``): each program reads the rows ``x`` once
+    for twice the columns. ``K`` split while there are fewer programs than half the SMs (each split keeping at
+    least four ``block_k`` iterations).
 
     Pipeline depth (``stages + 1`` tiles in shared memory, the first loaded before the loop): three stages with
-    128 columns or SwiGLU's two weights (four do not fit the 227 KiB of shared memory); six where one program per
+    SwiGLU's two weights (four do not fit the 227 KiB of shared memory); six where one program per
     column block leaves SMs idle (the q/k/v product of a Llama-3.2-1B layer: 96 programs), so that each streams more
     of its weight at once (a 16-layer chain of a decode step's products: 50.0 against 50.8 us a layer,
     ``benchmarks/results_h200_rollout_persistent_tail.json``); four otherwise."""
-    block_n = 128 if width >= 65536 and not swiglu else 64 if width > 4096 or k >= 4096 else 32
-    block_k = 128
+    vocabulary = width >= 65536 and not swiglu
+    block_n = 256 if vocabulary else 64 if width > 4096 or k >= 4096 else 32
+    block_k = 64 if vocabulary else 128
     n_blocks = -(-width // block_n)
     sms = sm_count(device)
     split = 1
     while n_blocks * split < sms // 2 and k // (2 * split) >= 4 * block_k:
         split *= 2
-    if block_n > 64 or swiglu:
+    if vocabulary:
+        stages = 4
+    elif swiglu:
         stages = 3
     elif split == 1 and n_blocks < sms:
         stages = 6

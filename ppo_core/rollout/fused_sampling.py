@@ -1,32 +1,38 @@
 """Temperature sampling (and greedy decoding) of a batch of next-token logits in two Triton kernels.
 
 The rule of :func:`ppo_core.rollout.sampling.sample_tokens` without truncation (``top_k = 0``, ``top_p = 1``, the
-usual setting of RL rollouts): with ``x = logits / T``,
+usual setting of RL rollouts), with ``x = logits / T`` (computed as ``logits * (1 / T)``): a token drawn from
+``softmax(x)`` (greedy: ``argmax(logits)``, ties to the lowest index as ``torch.argmax``), and its log-probability
+``x[token] - logsumexp(x)`` (greedy: at ``T = 1``).
 
-- the token is ``argmax(x - log(-log u))`` (``x`` computed as ``logits * (1 / T)``) (Gumbel-max with uniform noise
-  ``u``; greedy: ``argmax(logits)``; ties go to the lowest index, as ``torch.argmax``). The kernel ranks a block's
-  entries by ``exp(x - m) / (-log u)`` (``m`` the block's largest ``x``), which orders them as the Gumbel scores
-  do: one logarithm an entry instead of two, and ``exp(x - m)`` is the softmax's term it needs anyway (on one H200
-  at ``B = 64``, ``V = 128256``: the step's draw 28 us against 34, the same tokens). Rounding can order two entries
-  whose scores agree to about ``1e-6`` differently from the PyTorch rule; an entry whose ``exp(x - m)`` underflows
-  to 0 is more than 87 below the block's largest, where no noise (at most 16.6 in this kernel) can lift it,
-- its log-probability is ``x[token] - logsumexp(x)`` (greedy: at ``T = 1``).
+The first kernel splits every row into blocks of ``BLOCK_V`` entries, reads each logit once and keeps per block
+``m_b``, the largest ``x``, and ``s_b = sum exp(x - m_b)`` (greedy: also the block's argmax); the second combines
+the blocks of a row into ``logsumexp(x)`` and the token. Both are plain launches with fixed shapes, so a decode
+step that samples with them is captured in its CUDA graph. Unfused, PyTorch reads the ``[B, V]`` logits and noise
+several times (log-softmax, noise transform, argmax, gather: about 110 us per decode step of a 128k vocabulary at
+``B = 64`` on an H200).
 
-Unfused, PyTorch reads the ``[B, V]`` logits and noise several times (log-softmax, noise transform, argmax,
-gather: about 110 us per decode step of a 128k vocabulary at ``B = 64`` on an H200). Here the first kernel splits
-every row into blocks of ``BLOCK_V`` entries, reads each logit (and noise value) once and keeps per block the
-``(max, sum of exp)`` of ``x`` and the best Gumbel score with its index; the second combines the blocks of a row.
-Both are plain launches with fixed shapes, so a decode step that samples with them is captured in its CUDA graph.
+How the token is drawn depends on where the randomness comes from:
 
-Where the noise comes from:
-
-- a ``[B, V]`` tensor the caller filled from its generator (:func:`fused_sample` with ``noise``), or
-- in-kernel (``seed`` and ``step``: two device scalars): Philox-4x32-10 keyed by ``seed``, counter
-  ``(col // 4, row, step, 0)``, output word ``col % 4``; its top 23 bits give ``u = (2k + 1) / 2**24`` in
-  ``(0, 1)`` (never 0 or 1, so no Gumbel score is infinite). Every ``(step, row, token)`` has its own counter, so
-  no noise is reused within a generation, and none is stored: the ``[B, V]`` fp32 write and read (32 MB at
-  ``B = 64``, ``V = 128256``) and the launch that made them are gone. The step is read from device memory, so a
-  captured CUDA graph replays the next step's noise. :func:`fused_sampling_noise` materialises the same noise.
+- **uniform noise from the caller** (:func:`fused_sample` with ``noise``, a ``[B, V]`` tensor filled from its
+  generator): Gumbel-max, ``argmax(x - log(-log u))``, as ``sample_tokens`` draws from the same noise. The first
+  kernel ranks a block's entries by ``exp(x - m_b) / (-log u)``, which orders them as the Gumbel scores do with
+  one logarithm an entry instead of two. Rounding can order two entries whose scores agree to about ``1e-6``
+  differently from the PyTorch rule; an entry whose ``exp(x - m_b)`` underflows to 0 is more than 87 below the
+  block's largest, where no noise can lift it.
+- **in-kernel randomness** (``seed`` and ``step``: two device scalars; the decoder's mode): two uniforms a row,
+  ``u_0`` and ``u_1``, words 0 and 1 of Philox-4x32-10 keyed by ``seed`` at counter ``(0, row, step, 1)``, each
+  ``(2k + 1) / 2**24`` from the word's top 23 bits, strictly inside ``(0, 1)``. The draw is by the inverse of the
+  cumulative distribution in two levels (:func:`inverse_cdf_draw` in PyTorch): the block is the first whose
+  running mass ``sum_{c <= b} s_c exp(m_c - m)`` exceeds ``u_0`` times the row's total, and the token the first
+  entry of that block whose running ``exp(x - m_b)`` exceeds ``u_1`` times the block's sum. Its probability is the
+  block's share times the entry's share of its block, ``softmax(x)[token]``, up to fp32 rounding of the running
+  sums (about ``1e-7`` of the total) and the 2^-23 steps of the uniforms. The entries get no noise of their own:
+  the first kernel does an exponential and a sum an entry, where a Gumbel draw there also needs a Philox word, a
+  logarithm and a division (on one H200 at ``B = 64``, ``V = 128256``: see the CHANGELOG). Every
+  ``(seed, step, row)`` has its own counter, so no randomness is reused within a generation; the step is read
+  from device memory, so a captured CUDA graph replays the next step's draw. :func:`fused_sampling_uniforms`
+  materialises the uniforms.
 
 :func:`fused_sample_record` is the decoder's step (:mod:`ppo_core.rollout.decoding`): the second kernel also writes
 the token, its response-mask bit and log-prob at column ``step`` and advances ``done``, the fed token and ``step``,
@@ -46,12 +52,22 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
-__all__ = ["fused_sample", "fused_sample_record", "fused_sampling_available", "fused_sampling_noise"]
+__all__ = [
+    "fused_sample",
+    "fused_sample_record",
+    "fused_sampling_available",
+    "fused_sampling_uniforms",
+    "inverse_cdf_draw",
+]
 
 BLOCK_V = 4096
-"""Vocabulary entries per program of the first kernel (a multiple of 4: one Philox call gives 4 columns)."""
+"""Vocabulary entries per program of the first kernel (and the entries the second searches for a row's token)."""
 
 _NO_NOISE, _TENSOR_NOISE, _KERNEL_NOISE = 0, 1, 2
+_BLOCK_WARPS = 8
+"""Warps of the first kernel."""
+_COMBINE_WARPS = {False: 1, True: 4}
+"""Warps of the combining kernel: one to combine a row's blocks; four to also search the chosen block."""
 
 
 def fused_sampling_available(logits: torch.Tensor, top_k: int, top_p: float) -> bool:
@@ -69,29 +85,26 @@ def fused_sampling_available(logits: torch.Tensor, top_k: int, top_p: float) -> 
 if triton is not None:
 
     @triton.jit
-    def _kernel_uniform(seed, step, row, start, N: tl.constexpr):
-        """``[N]`` uniform noise of columns ``start .. start + N`` of ``row`` (``start`` and ``N`` multiples of 4)."""
-        c0 = (start // 4 + tl.arange(0, N // 4)).to(tl.uint32)
-        zero = c0 * 0
-        r0, r1, r2, r3 = tl.philox(seed, c0, zero + row.to(tl.uint32), zero + step.to(tl.uint32), zero)
-        # column 4 * i + j takes word j of counter i
-        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (N,))
-        # (2k + 1) / 2**24 is exact in fp32 and inside (0, 1): -log(-log u) stays finite
-        return (r >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+    def _uniforms(seed, step, rows):
+        """The two uniforms of each of ``rows`` (``[R]`` int32) at ``step`` (module docstring): words 0 and 1 of
+        Philox-4x32-10 keyed by ``seed`` at counter ``(0, row, step, 1)``, each ``(2k + 1) / 2**24``."""
+        zero = rows.to(tl.uint32) * 0
+        r0, r1, _r2, _r3 = tl.philox(seed, zero, rows.to(tl.uint32), zero + step.to(tl.uint32), zero + 1)
+        u0 = (r0 >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        u1 = (r1 >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        return u0, u1
 
     @triton.jit
-    def _noise_blocks(seed_ptr, step_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
-        u = _kernel_uniform(tl.load(seed_ptr), tl.load(step_ptr), row, blk * BLOCK, BLOCK)
-        tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, u, mask=offs < vocab)
+    def _uniforms_kernel(seed_ptr, step_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        u0, u1 = _uniforms(tl.load(seed_ptr), tl.load(step_ptr), rows)
+        tl.store(out_ptr + 2 * rows, u0, mask=rows < n_rows)
+        tl.store(out_ptr + 2 * rows + 1, u1, mask=rows < n_rows)
 
     @triton.jit
     def _sample_blocks(
         logits_ptr,
         noise_ptr,
-        seed_ptr,
         step_ptr,
         step_copy_ptr,
         part_ptr,
@@ -118,26 +131,26 @@ if triton is not None:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         p = tl.exp(x - m_safe)  # 0 where x = -inf (outside the vocabulary too)
         s = tl.sum(p, axis=0)
+        base = (row * n_blocks + blk) * 3
+        tl.store(part_ptr + base, m)
+        tl.store(part_ptr + base + 1, s)
+        # in-kernel noise (NOISE == 2): the combine kernel draws from the blocks' masses; nothing more per entry
         if NOISE == 0:
-            best = m
             # the lowest index holding the block's largest logit (torch.argmax's tie rule)
-            index = tl.min(tl.where(x == best, offs, vocab + BLOCK), axis=0)
-        else:
-            if NOISE == 1:
-                u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + offs, mask=ok, other=0.5).to(tl.float32)
-            else:
-                u = _kernel_uniform(tl.load(seed_ptr), tl.load(step_ptr), row, blk * BLOCK, BLOCK)
+            index = tl.min(tl.where(x == m, offs, vocab + BLOCK), axis=0)
+            tl.store(part_ptr + base + 2, m)
+            tl.store(index_ptr + row * n_blocks + blk, index)
+        if NOISE == 1:
+            u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + offs, mask=ok, other=0.5).to(tl.float32)
             # argmax(x - log(e)) with e = -log(u) ~ Exp(1) is argmax(p / e) (exp(x - m) / e, the same order): one
             # logarithm an entry instead of two, and p is the softmax's term already
             race = p / -tl.log(u)
             top = tl.max(race, axis=0)
             index = tl.min(tl.where(race == top, offs, vocab + BLOCK), axis=0)
-            best = m_safe + tl.log(top)  # the winner's score x - log(e), comparable across blocks
-        base = (row * n_blocks + blk) * 3
-        tl.store(part_ptr + base, m)
-        tl.store(part_ptr + base + 1, s)
-        tl.store(part_ptr + base + 2, best)
-        tl.store(index_ptr + row * n_blocks + blk, index)
+            tl.store(
+                part_ptr + base + 2, m_safe + tl.log(top)
+            )  # the winner's score x - log(e), across blocks
+            tl.store(index_ptr + row * n_blocks + blk, index)
         if RECORD:
             # the combine kernel advances the step: its programs read this copy, so none reads what another wrote
             tl.store(step_copy_ptr, tl.load(step_ptr), mask=(row == 0) & (blk == 0))
@@ -155,6 +168,8 @@ if triton is not None:
         last_valid_ptr,
         step_ptr,
         step_copy_ptr,
+        seed_ptr,
+        noise_step_ptr,
         vocab,
         stride_l,
         stride_t,
@@ -168,7 +183,9 @@ if triton is not None:
         STOCHASTIC: tl.constexpr,
         RECORD: tl.constexpr,
         HAS_EOS: tl.constexpr,
+        CDF: tl.constexpr,
         BLOCKS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         b = tl.arange(0, BLOCKS)
@@ -176,14 +193,39 @@ if triton is not None:
         base = (row * n_blocks + b) * 3
         m = tl.load(part_ptr + base, mask=ok, other=float("-inf"))
         s = tl.load(part_ptr + base + 1, mask=ok, other=0.0)
-        best = tl.load(part_ptr + base + 2, mask=ok, other=float("-inf"))
-        index = tl.load(index_ptr + row * n_blocks + b, mask=ok, other=2147483647)
         m_all = tl.max(m, axis=0)
         m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
         lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
-        top = tl.max(best, axis=0)
-        # (clamped: with NaN logits no score equals the best one; the row is garbage but must stay in bounds)
-        token = tl.minimum(tl.min(tl.where(best == top, index, 2147483647), axis=0), vocab - 1)
+        if CDF:
+            lanes = tl.zeros([2], dtype=tl.int32) + row  # Philox on a tensor of two equal lanes, then scalars
+            u_blocks, u_entries = _uniforms(tl.load(seed_ptr), tl.load(noise_step_ptr), lanes)
+            u_block, u_entry = tl.max(u_blocks, axis=0), tl.max(u_entries, axis=0)
+            # the block: the first whose running mass exceeds u_block * total (a block of no mass never is)
+            mass = s * tl.exp(m - m_safe)
+            running_mass = tl.cumsum(mass, axis=0)
+            chosen = tl.min(tl.where(running_mass > u_block * tl.sum(mass, axis=0), b, BLOCKS), axis=0)
+            # (rounding can leave u_block * total at the total: the last block with mass)
+            chosen = tl.where(chosen < BLOCKS, chosen, tl.max(tl.where(mass > 0, b, 0), axis=0))
+            m_block = tl.sum(tl.where(b == chosen, m, 0.0), axis=0)
+            m_block = tl.where(m_block == float("-inf"), 0.0, m_block)
+            # the entry: the same rule inside the chosen block, on exp(x - m_block)
+            offs = chosen * BLOCK + tl.arange(0, BLOCK)
+            xs = tl.load(
+                logits_ptr + row.to(tl.int64) * stride_l + offs, mask=offs < vocab, other=float("-inf")
+            )
+            p = tl.exp(xs.to(tl.float32) * inv_temperature - m_block)
+            running_p = tl.cumsum(p, axis=0)
+            entry = tl.min(
+                tl.where(running_p > u_entry * tl.max(running_p, axis=0), offs, 2147483647), axis=0
+            )
+            last_entry = tl.max(tl.where(p > 0, offs, chosen * BLOCK), axis=0)
+            token = tl.minimum(tl.where(entry < 2147483647, entry, last_entry), vocab - 1)
+        else:
+            best = tl.load(part_ptr + base + 2, mask=ok, other=float("-inf"))
+            index = tl.load(index_ptr + row * n_blocks + b, mask=ok, other=2147483647)
+            top = tl.max(best, axis=0)
+            # (clamped: with NaN logits no score equals the best one; the row is garbage but must stay in bounds)
+            token = tl.minimum(tl.min(tl.where(best == top, index, 2147483647), axis=0), vocab - 1)
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + token).to(tl.float32)
         if STOCHASTIC:
             x = x * inv_temperature
@@ -259,7 +301,6 @@ def _launch_blocks(
     _sample_blocks[(rows, n_blocks)](
         logits,
         noise_arg,
-        seed if seed is not None else step_copy,
         step if step is not None else step_copy,
         step_copy,
         parts,
@@ -272,7 +313,7 @@ def _launch_blocks(
         NOISE=mode,
         RECORD=record,
         BLOCK=BLOCK_V,
-        num_warps=8,
+        num_warps=_BLOCK_WARPS,
     )
     return parts, index, step_copy
 
@@ -328,6 +369,8 @@ def fused_sample(
         tokens,
         step_copy,
         step_copy,
+        seed if seed is not None else step_copy,
+        step if step is not None else step_copy,
         vocab,
         logits.stride(0),
         0,
@@ -341,8 +384,10 @@ def fused_sample(
         STOCHASTIC=temperature > 0,
         RECORD=False,
         HAS_EOS=False,
+        CDF=mode == _KERNEL_NOISE,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
-        num_warps=1,
+        BLOCK=BLOCK_V,
+        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
     )
     return tokens, log_probs
 
@@ -426,6 +471,8 @@ def fused_sample_record(
         last_valid,
         step,
         step_copy,
+        seed if seed is not None else step_copy,
+        step_copy,  # the step this draw is for (the kernel advances step itself)
         vocab,
         logits.stride(0),
         responses.stride(0),
@@ -439,28 +486,81 @@ def fused_sample_record(
         STOCHASTIC=temperature > 0,
         RECORD=True,
         HAS_EOS=eos_token_id is not None,
+        CDF=mode == _KERNEL_NOISE,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
-        num_warps=1,
+        BLOCK=BLOCK_V,
+        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
     )
 
 
-def fused_sampling_noise(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
-    """The ``[rows, vocab]`` fp32 uniform noise that :func:`fused_sample` draws in the kernel for ``seed`` and
-    ``step`` (module docstring): for tests and debugging; sampling never stores it.
+def fused_sampling_uniforms(seed: torch.Tensor, step: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ``[rows, 2]`` fp32 uniforms that :func:`fused_sample` draws in the kernel for ``seed`` and ``step``
+    (module docstring): column 0 chooses a row's block, column 1 the entry inside it (:func:`inverse_cdf_draw` is
+    the draw from them). For tests and debugging; sampling never stores them.
 
     Example:
         >>> seed, step = torch.tensor(7, device="cuda"), torch.tensor(0, device="cuda")
-        >>> u = fused_sampling_noise(seed, step, 2, 5)
-        >>> bool(((u > 0) & (u < 1)).all())
-        True
+        >>> u = fused_sampling_uniforms(seed, step, 3)
+        >>> u.shape, bool(((u > 0) & (u < 1)).all())
+        (torch.Size([3, 2]), True)
     """
     if triton is None:
-        raise RuntimeError("fused_sampling_noise needs Triton")
+        raise RuntimeError("fused_sampling_uniforms needs Triton")
     _check_scalar("seed", seed, seed.device)
     _check_scalar("step", step, seed.device)
-    out = torch.empty(rows, vocab, dtype=torch.float32, device=seed.device)
-    if rows and vocab:
-        _noise_blocks[(rows, triton.cdiv(vocab, BLOCK_V))](
-            seed, step, out, vocab, out.stride(0), BLOCK=BLOCK_V
-        )
+    out = torch.empty(rows, 2, dtype=torch.float32, device=seed.device)
+    if rows:
+        _uniforms_kernel[(triton.cdiv(rows, 1024),)](seed, step, out, rows, BLOCK_R=1024)
     return out
+
+
+def inverse_cdf_draw(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-kernel draw of :func:`fused_sample` in PyTorch (any device): tokens ``[B]`` and log-probabilities
+    ``[B]`` (fp32) of ``logits [B, V]`` at ``temperature > 0`` from ``uniforms [B, 2]`` (module docstring).
+
+    The vocabulary is cut into blocks of ``block`` entries (default :data:`BLOCK_V`, the kernel's); with
+    ``x = logits * (1 / T)``, ``m_b`` the largest ``x`` of block ``b`` and ``s_b = sum exp(x - m_b)`` over it, the
+    block is the first whose running mass ``sum_{c <= b} s_c exp(m_c - m)`` exceeds ``u_0`` times the total, and
+    the token the first entry of that block whose running ``exp(x - m_b)`` exceeds ``u_1`` times the block's sum.
+    The kernel sums in another order: it can choose a neighbour where ``u`` falls within fp32 rounding of a
+    boundary.
+
+    Example:
+        >>> tokens, _ = inverse_cdf_draw(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.5, 0.75]]), 1.0)
+        >>> tokens.tolist()
+        [1]
+    """
+    block = BLOCK_V if block is None else block
+    rows, vocab = logits.shape
+    x = logits.float() * (1.0 / temperature)
+    n_blocks = -(-vocab // block)
+    padded = torch.full((rows, n_blocks * block), float("-inf"), device=x.device)
+    padded[:, :vocab] = x
+    xb = padded.view(rows, n_blocks, block)
+    m = xb.amax(-1)
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    p = torch.exp(xb - m_safe[..., None])
+    m_all = m.amax(-1, keepdim=True)
+    m_all = torch.where(m_all == float("-inf"), 0.0, m_all)
+    mass = p.sum(-1) * torch.exp(m - m_all)
+    lse = m_all[:, 0] + torch.log(mass.sum(-1))
+    blocks = torch.arange(n_blocks, device=x.device)
+    exceeds = mass.cumsum(-1) > uniforms[:, :1].float() * mass.sum(-1, keepdim=True)
+    chosen = torch.where(
+        exceeds.any(-1),
+        torch.where(exceeds, blocks, n_blocks).amin(-1),
+        torch.where(mass > 0, blocks, 0).amax(-1),
+    )
+    p_chosen = p[torch.arange(rows, device=x.device), chosen]  # [B, block]
+    entries = torch.arange(block, device=x.device)
+    running = p_chosen.cumsum(-1)
+    exceeds = running > uniforms[:, 1:].float() * running[:, -1:]
+    entry = torch.where(
+        exceeds.any(-1),
+        torch.where(exceeds, entries, block).amin(-1),
+        torch.where(p_chosen > 0, entries, 0).amax(-1),
+    )
+    tokens = (chosen * block + entry).clamp(max=vocab - 1)
+    return tokens, x.gather(-1, tokens[:, None])[:, 0] - lse

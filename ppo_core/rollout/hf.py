@@ -312,9 +312,17 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         """A decode step (``h [B, D]``, the embedded tokens, one per row) through :func:`decode_linear`: each
         residual add in the epilogue of the product before it, each RMSNorm's row scale in the epilogue of the
         product after it (its weight folded into that product's weight by :meth:`refresh`), SiLU x up in the
-        epilogue of gate/up: five launches a layer with the rotation and attention."""
+        epilogue of gate/up: five launches a layer with the rotation and attention. The final norm, whose weight
+        is not folded into the output layer's (that would copy the vocabulary's weight), is the megatron engine's:
+        the last down product also writes the new residual times the norm's weight, and the output layer scales
+        its rows by their ``rstd`` (the final norm's own kernel where the norm's weight is of another dtype)."""
         attend = self._attention(h[:, None], positions, cache)
         sumsq = row_sumsq(h)  # [1, B]: the first norm's statistics
+        final, head = self.body.norm, self.lm_head
+        # the final norm in the vocabulary product's epilogue: the last down product also writes the new residual
+        # times the norm's weight (the head's weight is not copied to fold it in), the head scales its rows
+        final_in_head = final.weight.dtype == h.dtype and final.weight.is_contiguous()
+        layers = len(self.body.layers)
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self._group(i, 0), self._group(i, 1)
@@ -333,9 +341,17 @@ class _LlamaFamilyForward(DecoderLayerLoop):
                 eps=layer.post_attention_layernorm.variance_epsilon,
                 swiglu=True,
             )
-            h, sumsq, _ = decode_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
-        head = self.lm_head
-        return decode_linear(self._rms_norm(h, self.body.norm), head.weight, head.bias)[0]
+            last = final_in_head and i == layers - 1
+            h, sumsq, scaled = decode_linear(
+                act,
+                mlp.down_proj.weight,
+                mlp.down_proj.bias,
+                residual=h,
+                next_norm_weight=final.weight if last else None,
+            )
+        if final_in_head:
+            return decode_linear(scaled, head.weight, head.bias, sumsq=sumsq, eps=final.variance_epsilon).y
+        return decode_linear(self._rms_norm(h, final), head.weight, head.bias).y
 
 
 class _GenericForward:
@@ -426,7 +442,7 @@ class HFRolloutEngine(CachedRolloutEngine):
             products' epilogues (its roundings: see that module). The norms' weights are folded into the concatenated
             q/k/v and gate/up weights as they are copied, so it costs no memory beyond ``fuse_projections``. None:
             wherever it applies (the fused path with ``fuse_projections``, no ``batch_invariant``, a CUDA model).
-        cuda_graphs, kv_bucket, check_every, keep_cache: see
+        cuda_graphs, kv_bucket, check_every, steps_per_graph, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
 
@@ -441,6 +457,7 @@ class HFRolloutEngine(CachedRolloutEngine):
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
+        steps_per_graph: int = 1,
         keep_cache: bool = False,
     ) -> None:
         hf_model = _hf_causal_lm(model)
@@ -485,7 +502,12 @@ class HFRolloutEngine(CachedRolloutEngine):
             dtype=param.dtype,
             device=param.device,
         )
-        options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
+        options = {
+            "cuda_graphs": cuda_graphs,
+            "kv_bucket": kv_bucket,
+            "check_every": check_every,
+            "steps_per_graph": steps_per_graph,
+        }
         self._init_decoder(model, self._forward, spec, cfg.vocab_size, keep_cache=keep_cache, **options)
 
     def _runs_module_forwards(self) -> bool:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.batch_invariant import invariant_attention
 from ppo_core.rollout.decode_attention import decode_attention
 from ppo_core.rollout.decode_rotary import (
@@ -46,6 +45,7 @@ from ppo_core.rollout.decode_rotary import (
     rotate_and_write_triton_available,
 )
 from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
+from ppo_core.rollout.step_inputs import _record_and_mask, decode_step_inputs
 
 __all__ = ["FUSED_DECODE", "KVCache", "prefill_attention_mask"]
 
@@ -71,21 +71,6 @@ def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(p, p, dtype=torch.bool, device=valid.device).tril()
     allowed = causal & valid[:, None, None, :]
     return allowed | torch.eye(p, dtype=torch.bool, device=valid.device)
-
-
-@cuda_compiled
-def _decode_inputs(
-    key_valid: torch.Tensor, slot: torch.Tensor, fed_valid: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key_valid [B, L]`` with ``fed_valid [B]`` (when given) written at ``slot`` (in place), the filled count
-    ``slot + 1`` and the additive mask ``[B, L]`` in ``dtype`` (0 on valid slots, -inf elsewhere)."""
-    valid = key_valid
-    if fed_valid is not None:
-        at_slot = torch.arange(key_valid.shape[1], device=slot.device) == slot
-        valid = torch.where(at_slot, fed_valid[:, None], key_valid)
-        key_valid.copy_(valid)
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    return slot + 1, torch.where(valid, zero, float("-inf"))
 
 
 @dataclass(eq=False)
@@ -190,8 +175,28 @@ class KVCache:
         ``slot``, is a real one (one kernel on CUDA for the record, the mask and the filled count)."""
         self.mode, self.slot, self.kv_len = "decode", slot, kv_len
         # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
-        self._filled, mask = _decode_inputs(self.key_valid, slot, fed_valid, self.keys[0].dtype)
+        self._filled, mask = _record_and_mask(self.key_valid, slot, fed_valid, self.keys[0].dtype)
         self._decode_mask = mask[:, None, None, :kv_len]
+
+    def begin_decode_step(
+        self,
+        t: torch.Tensor,
+        prompt_len: torch.Tensor,
+        prompt_width: int,
+        kv_len: int,
+        fed_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`begin_decode` for decode step ``t`` (``[]`` int64, ``>= 1``) of prompts ``prompt_width`` columns
+        wide holding ``prompt_len [B]`` real tokens: slot ``P + t - 1``; returns the rows' rotary positions
+        ``prompt_len + t - 1`` ``[B, 1]`` (also set as :attr:`positions`). One launch on CUDA
+        (:func:`~ppo_core.rollout.step_inputs.decode_step_inputs`)."""
+        inputs = decode_step_inputs(
+            t, prompt_len, prompt_width, self.key_valid, fed_valid, self.keys[0].dtype
+        )
+        self.mode, self.slot, self.kv_len = "decode", inputs.slot, kv_len
+        self._filled, self._decode_mask = inputs.filled, inputs.mask[:, None, None, :kv_len]
+        self.positions = inputs.positions
+        return inputs.positions
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None

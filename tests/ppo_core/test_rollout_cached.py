@@ -713,3 +713,39 @@ def test_generate_waits_for_the_device_once_and_times_prefill_and_decode(monkeyp
     assert len(syncs) == 1
     stats = engine.stats
     assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.prefill_s + stats.decode_s <= wall
+
+
+@pytest.mark.parametrize("check_every, per_graph", [(8, 8), (8, 3), (4, 8), (5, 1)])
+def test_decode_steps_are_grouped_up_to_steps_per_graph_and_never_past_a_check(check_every, per_graph):
+    """The decoder's launches: from step 1, groups of at most ``steps_per_graph`` steps that end at every multiple
+    of ``check_every`` (where it checks for finished rows) and at the last step; single steps where a noise buffer
+    is filled before each step; each group keyed by its steps' cache lengths."""
+    from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder
+
+    decoder = StaticCacheDecoder(
+        lambda *a: None,
+        ModelSpec(1, 1, 1, torch.float32, torch.device("cpu")),
+        16,
+        kv_bucket=16,
+        check_every=check_every,
+        steps_per_graph=per_graph,
+    )
+    r, t, starts = 50, 1, []
+    state = type("S", (), {"noise": None, "prompt_width": 20, "cache": type("C", (), {"length": 70})()})()
+    while t < r:
+        n = decoder._group_length(state, t, r)
+        assert 1 <= n <= per_graph and t + n <= r
+        # no group crosses a check: the checks fall on group starts
+        assert all((t + i) % check_every for i in range(1, n))
+        assert decoder._kv_lens(state, t, n) == tuple(
+            min(-(-(20 + s) // 16) * 16, 70) for s in range(t, t + n)
+        )
+        starts.append(t)
+        t += n
+    assert t == r and set(range(check_every, r, check_every)) <= set(starts)
+    state.noise = torch.zeros(1)
+    assert decoder._group_length(state, 1, r) == 1
+    with pytest.raises(ValueError, match="steps_per_graph"):
+        StaticCacheDecoder(
+            lambda *a: None, ModelSpec(1, 1, 1, torch.float32, torch.device("cpu")), 16, steps_per_graph=0
+        )

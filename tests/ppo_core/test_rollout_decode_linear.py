@@ -376,7 +376,7 @@ def test_default_launch_shapes_of_a_llama_layer() -> None:
     assert (o.block_n, o.split_k, o.num_stages) == (32, 2, 4)
     assert (gate_up.block_n, gate_up.split_k, gate_up.num_stages) == (64, 1, 3)
     assert (down.block_n, down.split_k, down.num_stages) == (64, 4, 4)
-    assert (head.block_n, head.split_k, head.num_stages) == (128, 1, 3)
+    assert (head.block_n, head.block_k, head.split_k, head.num_stages) == (256, 64, 1, 4)
 
 
 @settings(max_examples=200, deadline=None)

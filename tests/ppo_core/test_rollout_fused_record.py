@@ -1,5 +1,5 @@
-"""The decoder's fused step: in-kernel noise (a function of seed, step, row and column only, uniform, and the draw
-from it follows softmax(logits / T)) and the recording kernel, which writes what ``StaticCacheDecoder._record``'s
+"""The decoder's fused step: in-kernel randomness (two uniforms a row, a function of seed, step and row only; the
+draw from them is the two-level inverse-CDF rule and follows softmax(logits / T)) and the recording kernel, which writes what ``StaticCacheDecoder._record``'s
 PyTorch rule writes (``TRITON_INTERPRET=1`` on CPU where Triton is installed, and on CUDA under the ``gpu`` marker).
 """
 
@@ -9,10 +9,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ppo_core.rollout import fused_sampling
 from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder, _Sampler, _State
-from ppo_core.rollout.fused_sampling import fused_sample, fused_sample_record, fused_sampling_noise
+from ppo_core.rollout.fused_sampling import (
+    fused_sample,
+    fused_sample_record,
+    fused_sampling_uniforms,
+    inverse_cdf_draw,
+)
 
 INTERPRET = fused_sampling.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and fused_sampling.triton is not None
@@ -90,39 +97,119 @@ def test_fused_record_writes_what_the_pytorch_record_writes(device, temperature,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernel_noise_depends_on_seed_step_row_and_column_only(device, monkeypatch) -> None:
-    """The same ``(seed, step)`` gives the same noise, also with another block size; another step, seed or row gives
-    other noise; every value is inside (0, 1)."""
-    seed, rows, vocab = _scalar(1234, device), 3, 4100
-    u = fused_sampling_noise(seed, _scalar(5, device), rows, vocab)
-    assert torch.equal(u, fused_sampling_noise(seed, _scalar(5, device), rows, vocab))
+def test_kernel_uniforms_depend_on_seed_step_and_row_only(device, monkeypatch) -> None:
+    """The same ``(seed, step)`` gives the same uniforms, also with another block size; another step, seed or row
+    gives others; every value is inside (0, 1), the two columns are uniform and uncorrelated."""
+    seed, rows = _scalar(1234, device), 3000
+    u = fused_sampling_uniforms(seed, _scalar(5, device), rows)
+    assert u.shape == (rows, 2) and u.dtype == torch.float32
+    assert torch.equal(u, fused_sampling_uniforms(seed, _scalar(5, device), rows))
+    assert torch.equal(u[:7], fused_sampling_uniforms(seed, _scalar(5, device), 7))
     assert bool(((u > 0) & (u < 1)).all())
     monkeypatch.setattr(fused_sampling, "BLOCK_V", 64)
-    assert torch.equal(u, fused_sampling_noise(seed, _scalar(5, device), rows, vocab))
-    other_step = fused_sampling_noise(seed, _scalar(6, device), rows, vocab)
-    other_seed = fused_sampling_noise(_scalar(1235, device), _scalar(5, device), rows, vocab)
+    assert torch.equal(u, fused_sampling_uniforms(seed, _scalar(5, device), rows))
+    other_step = fused_sampling_uniforms(seed, _scalar(6, device), rows)
+    other_seed = fused_sampling_uniforms(_scalar(1235, device), _scalar(5, device), rows)
     for other in (other_step, other_seed, u.roll(1, dims=0)):
         assert float((other == u).float().mean()) < 1e-3
-    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    flat = u.double().cpu()
+    for column in (flat[:, 0], flat[:, 1]):
+        assert abs(float(column.mean()) - 0.5) < 0.015 and abs(float(column.var()) - 1 / 12) < 0.006
+    assert abs(float(torch.corrcoef(flat.T)[0, 1])) < 0.06
+    assert fused_sampling_uniforms(seed, _scalar(5, device), 0).shape == (0, 2)
+
+
+def _near_a_boundary(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, block: int
+) -> torch.Tensor:
+    """``[B]``: whether a row's uniforms fall within fp32 rounding of a boundary of the two-level rule (where the
+    kernel, summing in another order, may choose a neighbour of what :func:`inverse_cdf_draw` chooses)."""
+    x = logits.double().cpu() / temperature
+    rows, vocab = x.shape
+    n = -(-vocab // block)
+    xb = torch.full((rows, n * block), float("-inf"), dtype=torch.float64)
+    xb[:, :vocab] = x
+    p = (xb - x.amax(-1, keepdim=True)).exp().view(rows, n, block)
+    mass = p.sum(-1)
+    edges = mass.cumsum(-1) / mass.sum(-1, keepdim=True)
+    chosen, _ = inverse_cdf_draw(logits.cpu(), uniforms.cpu(), temperature, block)
+    inner = p[torch.arange(rows), chosen // block]
+    inner_edges = inner.cumsum(-1) / inner.sum(-1, keepdim=True)
+    u = uniforms.double().cpu()
+    tol = 1e-5
+    return ((edges - u[:, :1]).abs() < tol).any(-1) | ((inner_edges - u[:, 1:]).abs() < tol).any(-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.sampled_from([1, 7, 300, 4096, 4097, 9000]),
+    temperature=st.sampled_from([0.6, 1.0, 1.5]),
+    scale=st.sampled_from([0.0, 1.0, 3.0, 30.0]),
+    seed=st.integers(0, 2**31),
+    step=st.integers(0, 2**20),
+)
+def test_kernel_draw_is_the_inverse_cdf_rule_on_its_uniforms(
+    device, rows, vocab, temperature, scale, seed, step
+) -> None:
+    """In-kernel randomness draws what :func:`inverse_cdf_draw` draws from the materialised uniforms (but where they
+    fall within rounding of a boundary), flat and peaked rows and vocabularies of one block, several blocks and a
+    partial last block included; log-probs are ``log_softmax(logits / T)`` at the token."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(rows, vocab, generator=g)).to(device)
+    seed_t, step_t = _scalar(seed, device), _scalar(step, device)
+    tokens, log_probs = fused_sample(logits, None, temperature, seed=seed_t, step=step_t)
+    again, _ = fused_sample(logits, None, temperature, seed=seed_t, step=step_t)
+    assert torch.equal(tokens, again)
+    uniforms = fused_sampling_uniforms(seed_t, step_t, rows)
+    want, want_lp = inverse_cdf_draw(logits, uniforms, temperature)
+    same = tokens.cpu() == want.cpu()
+    assert bool((same | _near_a_boundary(logits, uniforms, temperature, fused_sampling.BLOCK_V)).all())
+    ref = (logits.double().cpu() / temperature).log_softmax(-1).gather(-1, tokens.cpu()[:, None]).squeeze(-1)
+    torch.testing.assert_close(log_probs.double().cpu(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(want_lp.double().cpu()[same], ref[same], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.5])
-def test_kernel_noise_draw_is_the_rule_on_that_noise(device, temperature) -> None:
-    """In-kernel noise draws what the tensor path draws from the materialised noise; log-probs are
-    ``log_softmax(logits / T)`` at the token."""
+def test_kernel_draw_changes_with_the_step_and_is_the_rule(device, temperature) -> None:
     g = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(4, 9000, generator=g)).to(device)
     seed, step = _scalar(77, device), _scalar(2, device)
-    tokens, log_probs = fused_sample(logits, None, temperature, seed=seed, step=step)
-    again, _ = fused_sample(logits, None, temperature, seed=seed, step=step)
-    noise = fused_sampling_noise(seed, step, *logits.shape)
-    want, want_lp = fused_sample(logits, noise, temperature)
-    assert torch.equal(tokens, again) and torch.equal(tokens, want) and torch.equal(log_probs, want_lp)
-    ref = (logits.double().cpu() / temperature).log_softmax(-1).gather(-1, tokens.cpu()[:, None]).squeeze(-1)
-    torch.testing.assert_close(log_probs.double().cpu(), ref, atol=1e-5, rtol=1e-5)
+    tokens, _ = fused_sample(logits, None, temperature, seed=seed, step=step)
+    want, _ = inverse_cdf_draw(logits, fused_sampling_uniforms(seed, step, 4), temperature)
+    assert torch.equal(tokens, want)
     other, _ = fused_sample(logits, None, temperature, seed=seed, step=_scalar(3, device))
     assert not torch.equal(other, tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's log(0), on purpose
+def test_kernel_draw_never_takes_a_masked_entry_or_leaves_the_vocabulary(device, monkeypatch) -> None:
+    """Entries at ``-inf`` (a step hook forbidding tokens) are never drawn, whichever block holds the mass and for
+    uniforms at the edges of (0, 1); a row with one allowed entry always draws it; half precision logits too."""
+    monkeypatch.setattr(fused_sampling, "BLOCK_V", 16)
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = (3 * torch.randn(64, 100, generator=g)).to(dtype)
+        logits[:, 10:90] = float("-inf")
+        logits[:8, :] = float("-inf")
+        logits[:8, 95] = 0.0  # one allowed entry, in the partial last block
+        logits[8:16, :96] = float("-inf")  # the whole mass in the last block
+        logits = logits.to(device)
+        for step in range(6):
+            tokens, log_probs = fused_sample(
+                logits, None, 1.0, seed=_scalar(9, device), step=_scalar(step, device)
+            )
+            t = tokens.cpu()
+            assert bool(((t < 10) | (t >= 90)).all()) and bool((t < 100).all())
+            assert t[:8].tolist() == [95] * 8 and bool((t[8:16] >= 96).all())
+            assert bool(torch.isfinite(log_probs).all()) and bool((log_probs[:8] == 0).all())
+    edge = torch.tensor([[0.0, 0.0, float("-inf")], [float("-inf"), 0.0, 0.0]])
+    for u in (5.960464477539063e-08, 1 - 5.960464477539063e-08):
+        tokens, _ = inverse_cdf_draw(edge, torch.full((2, 2), u), 1.0, block=2)
+        assert torch.isfinite(edge.gather(-1, tokens[:, None])).all()
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -136,12 +223,10 @@ LOGITS_7 = torch.tensor([1.0, 0.0, -0.5, 0.5, 1.5, -0.8, 0.2])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_noise_draws_follow_the_tempered_softmax(device, monkeypatch) -> None:
-    """Pearson's chi-square of the kernel's draws over a 7-token vocabulary (600 rows; a fixed seed: deterministic)
-    against softmax(logits / T): below the 0.999 quantile for 6 degrees of freedom (22.46), while softmax(logits),
-    the temperature ignored, is rejected (about 90 expected)."""
-    monkeypatch.setattr(
-        fused_sampling, "BLOCK_V", 8
-    )  # the noise does not depend on it; the interpreter is faster
+    """Pearson's chi-square of the kernel's draws over a 7-token vocabulary in blocks of 2 (600 rows; a fixed seed:
+    deterministic) against softmax(logits / T): below the 0.999 quantile for 6 degrees of freedom (22.46), while
+    softmax(logits), the temperature ignored, is rejected (about 90 expected)."""
+    monkeypatch.setattr(fused_sampling, "BLOCK_V", 2)  # four blocks: both levels of the draw
     temperature, rows = 0.6, 600
     batch = LOGITS_7.expand(rows, -1).contiguous().to(device)
     tokens, log_probs = fused_sample(
@@ -155,17 +240,14 @@ def test_kernel_noise_draws_follow_the_tempered_softmax(device, monkeypatch) -> 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gumbel_max_on_the_kernel_noise_follows_the_tempered_softmax(device) -> None:
-    """The same check with 30000 draws: Gumbel-max over consecutive groups of 7 columns of the kernel's noise (the
-    draw of the test above is the rule on that noise, see ``test_kernel_noise_draw_is_the_rule_on_that_noise``)."""
+@pytest.mark.parametrize("block", [1, 2, 4, 8])
+def test_inverse_cdf_on_the_kernel_uniforms_follows_the_tempered_softmax(device, block) -> None:
+    """The same check with 30000 draws: the rule (:func:`inverse_cdf_draw`, which the kernel's draw is, see
+    ``test_kernel_draw_is_the_inverse_cdf_rule_on_its_uniforms``) on 30000 rows of the kernel's uniforms, for
+    every way to cut the 7 tokens into blocks."""
     temperature, draws = 0.6, 30000
-    u = (
-        fused_sampling_noise(_scalar(5, device), _scalar(0, device), 1, 7 * draws)
-        .double()
-        .cpu()
-        .view(draws, 7)
-    )
-    tokens = (LOGITS_7.double() / temperature - torch.log(-torch.log(u))).argmax(-1)
+    u = fused_sampling_uniforms(_scalar(5, device), _scalar(0, device), draws).cpu()
+    tokens, _ = inverse_cdf_draw(LOGITS_7.expand(draws, -1), u, temperature, block)
     counts = torch.bincount(tokens, minlength=7).double()
     assert _chi_square(counts, (LOGITS_7.double() / temperature).softmax(-1)) < 22.46
     assert _chi_square(counts, LOGITS_7.double().softmax(-1)) > 1000

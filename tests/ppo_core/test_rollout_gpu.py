@@ -57,6 +57,27 @@ def test_graph_replay_equals_eager_decoding(temperature):
 
 
 @pytest.mark.parametrize("eos", [None, 7])
+def test_groups_of_steps_in_one_graph_draw_what_one_step_graphs_draw(eos):
+    """``steps_per_graph`` changes how many launches replay the steps, not what they compute: the same tokens and
+    log-probs (in-kernel randomness, EOS ending rows early) and the same early stop, cold and warm."""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _model(torch.bfloat16)
+    ids, mask = _prompts(8, 40)
+    cfg = SamplingConfig(max_new_tokens=90, temperature=1.0, eos_token_id=eos)
+    outs, steps = [], []
+    for per_graph in (1, 8, 3):
+        engine = HFRolloutEngine(model, kv_bucket=32, steps_per_graph=per_graph)
+        for _ in range(2):  # the second call is warm: its first group is captured during the prefill
+            outs.append(engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(5)))
+        steps.append(engine.stats.decode_steps)
+    for out in outs[1:]:
+        for key in ("responses", "response_mask", "rollout_log_probs"):
+            assert torch.equal(out[key], outs[0][key]), key
+    assert len(set(steps)) == 1 and steps[0] <= 89
+
+
+@pytest.mark.parametrize("eos", [None, 7])
 def test_kernel_noise_sampling_is_the_same_with_and_without_graphs(eos):
     """Temperature sampling without truncation draws its noise in the sampling kernel: the same generator state gives
     the same tokens eagerly and through replayed graphs, a ``[B, V]`` noise buffer is never allocated, and another

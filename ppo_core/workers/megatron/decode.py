@@ -238,6 +238,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         layer with the rotation and attention; roundings as documented in
         :mod:`~ppo_core.rollout.decode_linear` (the norm scales the product rather than its input)."""
         attend = self._attention(h[:, None], positions, cache)
+        self.layers[0].self_attention.core_attention.cache_rotary_rows(cache)
         b = h.shape[0]
         first = self.layers[0].input_layernorm
         # [1, B]: the first norm's statistics; its input, the weight applied (rounded)

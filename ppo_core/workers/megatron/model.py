@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,9 @@ class SDPACoreAttention(nn.Module):
         self.rotary_base = rotary_base
         self.packed_attention = packed_attention
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [s_max, 1, 1, d] (fp32)
+        self._rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # (cos it was built from, [s_max, 2 d])
+        )
         # decoding: the KVCache this layer reads and writes, and its index there (set by the rollout engine)
         self.kv_cache: Any = None
         self.kv_cache_layer = 0
@@ -172,21 +176,37 @@ class SDPACoreAttention(nn.Module):
         out = self.attend_cache(self.kv_cache, q, k, v)
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
+    def _cache_rotary(self, cache: Any) -> tuple[tuple, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        """The key under which ``cache`` shares this forward's rotary rows among the layers, and the function that
+        gathers them, ``cos`` and ``sin`` ``[b, 1, s, d]`` at the cache's positions: one gather from the tables
+        side by side ``[L, 2 d]`` (built once per table), the two halves returned as views."""
+        cos, sin = self._rotary
+        if self._rotary_rows is None or self._rotary_rows[0] is not cos:
+            self._rotary_rows = (cos, torch.cat([cos[:, 0, 0], sin[:, 0, 0]], dim=-1))
+        table, d = self._rotary_rows[1], cos.shape[-1]
+
+        def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+            rows = table[cache.positions][:, None]  # [b, 1, s, 2 d]
+            return rows[..., :d], rows[..., d:]
+
+        # every layer's tables hold the same values (same base, width and length) at the same positions: gathered
+        # once per forward, not once per layer
+        return ("rotary", self.rotary_base, tuple(cos.shape)), gathered
+
+    def cache_rotary_rows(self, cache: Any) -> None:
+        """Gather the current forward's rotary rows from the tables now (a decode step does it before its first
+        product, so that the gather does not sit between that product and the attention); the layers then share
+        them."""
+        if self.rotary_base is not None:
+            cache.per_forward(*self._cache_rotary(cache))
+
     def attend_cache(self, cache: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [b, h, s, d]``, ``k``/``v [b, g, s, d]`` (any strides) of the tokens being decoded, rotated (with
         ``rotary_base``) at ``cache``'s per-row positions and attended through it as its layer ``kv_cache_layer``
         (one kernel for the rotation and the cache write on CUDA) -> ``[b, h, s, d]``."""
         if self.rotary_base is None:
             return cache.attend(self.kv_cache_layer, q, k, v, self.softmax_scale)
-        cos, sin = self._rotary
-
-        def gathered() -> tuple[torch.Tensor, torch.Tensor]:
-            pos = cache.positions  # [b, s]
-            return cos[:, 0, 0][pos][:, None], sin[:, 0, 0][pos][:, None]  # [b, 1, s, d]
-
-        # every layer's tables hold the same values (same base, width and length) at the same positions: gathered
-        # once per forward, not once per layer
-        shared = ("rotary", self.rotary_base, tuple(cos.shape))
+        shared, gathered = self._cache_rotary(cache)
 
         def tables() -> tuple[torch.Tensor, torch.Tensor]:
             c, s_ = cache.per_forward(shared, gathered)

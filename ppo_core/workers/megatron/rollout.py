@@ -74,7 +74,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
             :func:`~ppo_core.rollout.decode_linear.decode_linear` (residual adds, RMSNorms and SiLU x up in their
             epilogues; five launches a layer); None: wherever that holds.
-        cuda_graphs, kv_bucket, check_every, keep_cache: see
+        cuda_graphs, kv_bucket, check_every, steps_per_graph, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
 
@@ -91,6 +91,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
+        steps_per_graph: int = 1,
         keep_cache: bool = False,
     ) -> None:
         tc = module.config
@@ -153,7 +154,12 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             dtype=config.torch_dtype,
             device=device,
         )
-        options = {"cuda_graphs": cuda_graphs, "kv_bucket": kv_bucket, "check_every": check_every}
+        options = {
+            "cuda_graphs": cuda_graphs,
+            "kv_bucket": kv_bucket,
+            "check_every": check_every,
+            "steps_per_graph": steps_per_graph,
+        }
         forward = self._own if self._own is not None else self._forward
         self._init_decoder(module, forward, spec, config.vocab_size, keep_cache=keep_cache, **options)
 
