@@ -29,35 +29,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode_linear import _graph_us
 from ppo_core.rollout import fused_sampling
 
-
-def _graph_us(run, calls: int = 20, repeats: int = 20) -> float:
-    run(calls)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(calls)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return round(sorted(times)[len(times) // 2], 2)
+CALLS, REPEATS = 20, 20
 
 
 def _record_us(logits: list[torch.Tensor], temperature: float) -> float:
     rows = logits[0].shape[0]
     device = logits[0].device
+    width = (
+        1024  # every step of the timed replays writes its column (a step past the buffer would write none)
+    )
     buffers = {
-        "responses": torch.zeros(rows, 64, dtype=torch.long, device=device),
-        "response_mask": torch.zeros(rows, 64, dtype=torch.bool, device=device),
-        "log_probs": torch.zeros(rows, 64, device=device),
+        "responses": torch.zeros(rows, width, dtype=torch.long, device=device),
+        "response_mask": torch.zeros(rows, width, dtype=torch.bool, device=device),
+        "log_probs": torch.zeros(rows, width, device=device),
         "done": torch.zeros(rows, dtype=torch.bool, device=device),
         "last_tok": torch.zeros(rows, dtype=torch.long, device=device),
         "last_valid": torch.zeros(rows, dtype=torch.bool, device=device),
@@ -65,20 +52,18 @@ def _record_us(logits: list[torch.Tensor], temperature: float) -> float:
     seed = torch.tensor(5, device=device)
     step = torch.zeros((), dtype=torch.long, device=device)
 
-    def run(calls: int) -> None:
-        step.zero_()
-        for i in range(calls):
-            fused_sampling.fused_sample_record(
-                logits[i % len(logits)],
-                temperature,
-                step=step,
-                eos_token_id=None,
-                pad_token_id=0,
-                seed=seed if temperature > 0 else None,
-                **buffers,
-            )
+    def record(step_logits: torch.Tensor) -> None:
+        fused_sampling.fused_sample_record(
+            step_logits,
+            temperature,
+            step=step,
+            eos_token_id=None,
+            pad_token_id=0,
+            seed=seed if temperature > 0 else None,
+            **buffers,
+        )
 
-    return _graph_us(run)
+    return _graph_us(record, logits, calls=CALLS, repeats=REPEATS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,11 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["in_kernel"] = _record_us(logits, 1.0)
     result["greedy"] = _record_us(logits, 0.0)
 
-    def tensor_noise(calls: int) -> None:
-        for i in range(calls):
-            fused_sampling.fused_sample(logits[i % 4], noise, 1.0)
-
-    result["tensor_noise"] = _graph_us(tensor_noise)
+    result["tensor_noise"] = _graph_us(
+        lambda step_logits: fused_sampling.fused_sample(step_logits, noise, 1.0),
+        logits,
+        calls=CALLS,
+        repeats=REPEATS,
+    )
     if args.sweep and hasattr(fused_sampling, "_COMBINE_WARPS"):
         saved = fused_sampling.BLOCK_V, fused_sampling._BLOCK_WARPS, fused_sampling._COMBINE_WARPS
         sweep = {}
