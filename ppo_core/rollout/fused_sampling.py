@@ -148,9 +148,8 @@ if triton is not None:
             race = p / -tl.log(u)
             top = tl.max(race, axis=0)
             index = tl.min(tl.where(race == top, offs, vocab + BLOCK), axis=0)
-            tl.store(
-                part_ptr + base + 2, m_safe + tl.log(top)
-            )  # the winner's score x - log(e), across blocks
+            # the winner's score x - log(e), comparable across blocks
+            tl.store(part_ptr + base + 2, m_safe + tl.log(top))
             tl.store(index_ptr + row * n_blocks + blk, index)
         if RECORD:
             # the combine kernel advances the step: its programs read this copy, so none reads what another wrote
@@ -196,15 +195,16 @@ if triton is not None:
         s = tl.load(part_ptr + base + 1, mask=ok, other=0.0)
         m_all = tl.max(m, axis=0)
         m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
+        mass = s * tl.exp(m - m_safe)  # [BLOCKS]: each block's share of the row's sum of exp(x - m_safe)
+        total = tl.sum(mass, axis=0)
+        lse = m_safe + tl.log(total)
         if CDF:
             lanes = tl.zeros([2], dtype=tl.int32) + row  # Philox on a tensor of two equal lanes, then scalars
             u_blocks, u_entries = _uniforms(tl.load(seed_ptr), tl.load(noise_step_ptr), lanes)
             u_block, u_entry = tl.max(u_blocks, axis=0), tl.max(u_entries, axis=0)
             # the block: the first whose running mass exceeds u_block * total (a block of no mass never is)
-            mass = s * tl.exp(m - m_safe)
             running_mass = tl.cumsum(mass, axis=0)
-            chosen = tl.min(tl.where(running_mass > u_block * tl.sum(mass, axis=0), b, BLOCKS), axis=0)
+            chosen = tl.min(tl.where(running_mass > u_block * total, b, BLOCKS), axis=0)
             # (rounding can leave u_block * total at the total: the last block with mass)
             chosen = tl.where(chosen < BLOCKS, chosen, tl.max(tl.where(mass > 0, b, 0), axis=0))
             m_block = tl.sum(tl.where(b == chosen, m, 0.0), axis=0)
