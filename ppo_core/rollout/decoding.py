@@ -119,9 +119,8 @@ class _State:
     noise: torch.Tensor | None = None  # [B, V] uniform noise (PyTorch rule while sampling)
     seed: torch.Tensor | None = None  # [] int64, key of the in-kernel uniforms (fused rule while sampling)
     fused: bool | None = None  # the fused Triton rule draws and records (decided on the first logits)
-    graphs: dict[tuple[int, ...], Any] = dataclasses.field(
-        default_factory=dict
-    )  # by the steps' cache lengths
+    # the decode graphs, keyed by the cache lengths their steps attend to
+    graphs: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
 
     @property
     def prompt_width(self) -> int:
@@ -348,21 +347,18 @@ class StaticCacheDecoder:
     def _decode(self, state: _State, kv_lens: tuple[int, ...], sample: _Sampler, eager: bool) -> None:
         """Run ``len(kv_lens)`` decode steps: one graph replay, or eagerly."""
         if not self.cuda_graphs:
-            for kv_len in kv_lens:
-                self._step(state, kv_len, sample)
+            self._steps(state, kv_lens, sample)
             return
         if eager:  # a first generation warms up (library handles, compiled kernels) on the capture stream
             stream = self._capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for kv_len in kv_lens:
-                    self._step(state, kv_len, sample)
+                self._steps(state, kv_lens, sample)
             torch.cuda.current_stream().wait_stream(stream)
             return
         graph = self._graph(state, kv_lens, sample)
         if graph is None:  # capture failed: eager from now on
-            for kv_len in kv_lens:
-                self._step(state, kv_len, sample)
+            self._steps(state, kv_lens, sample)
             return
         graph.replay()
 
@@ -378,9 +374,9 @@ class StaticCacheDecoder:
         return self._stream
 
     def _capture(self, state: _State, kv_lens: tuple[int, ...], sample: _Sampler) -> Any:
-        """Capture decode steps attending to ``kv_lens`` (one after the other) on the side stream. Unlike ``torch.cuda.graph`` this neither synchronises the
-        device nor empties the allocator's cache first, so it may run while earlier work (the prefill) is still
-        executing: capturing records launches, it executes nothing."""
+        """Capture the decode steps attending to ``kv_lens``, one after the other, on the side stream. Unlike
+        ``torch.cuda.graph`` this neither synchronises the device nor empties the allocator's cache first, so it may
+        run while earlier work (the prefill) is still executing: capturing records launches, it executes nothing."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -388,8 +384,7 @@ class StaticCacheDecoder:
             with torch.cuda.stream(self._capture_stream()):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    for kv_len in kv_lens:
-                        self._step(state, kv_len, sample)
+                    self._steps(state, kv_lens, sample)
                 finally:
                     graph.capture_end()
         except Exception:  # an operation that cannot be captured: stay correct, lose the speed
@@ -401,6 +396,11 @@ class StaticCacheDecoder:
         state.graphs[kv_lens] = graph
         self.stats.graphs_captured += 1
         return graph
+
+    def _steps(self, state: _State, kv_lens: tuple[int, ...], sample: _Sampler) -> None:
+        """Consecutive decode steps, the ``i``-th attending to ``kv_lens[i]`` slots (what a graph captures)."""
+        for kv_len in kv_lens:
+            self._step(state, kv_len, sample)
 
     def _step(self, state: _State, kv_len: int, sample: _Sampler) -> None:
         """One decode step over fixed buffers (what a graph captures)."""

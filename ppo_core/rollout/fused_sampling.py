@@ -534,6 +534,15 @@ def inverse_cdf_draw(
         [1]
     """
     block = BLOCK_V if block is None else block
+    if logits.dim() != 2 or tuple(uniforms.shape) != (logits.shape[0], 2):
+        raise ValueError(
+            f"inverse_cdf_draw needs logits [B, V] and uniforms [B, 2]; got logits {tuple(logits.shape)} and "
+            f"uniforms {tuple(uniforms.shape)}"
+        )
+    if temperature <= 0 or block < 1:
+        raise ValueError(
+            f"temperature must be > 0 and block >= 1, got temperature {temperature}, block {block}"
+        )
     rows, vocab = logits.shape
     x = logits.float() * (1.0 / temperature)
     n_blocks = -(-vocab // block)

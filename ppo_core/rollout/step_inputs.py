@@ -177,8 +177,8 @@ if triton is not None:
         base = row.to(tl.int64) * length
         if RECORD:
             fed = tl.load(FedValid + row)
-            # only this row's slot changes: stored before the mask reads the row back (same program, same thread
-            # layout is not guaranteed, hence the barrier)
+            # only this row's slot changes; another thread of this program may read it back for the mask below,
+            # hence the barrier between the store and the loads
             tl.store(KeyValid + base + slot, fed, mask=(slot >= 0) & (slot < length))
             tl.debug_barrier()
         for start in range(0, length, BLOCK_L):

@@ -206,6 +206,10 @@ def test_kernel_draw_never_takes_a_masked_entry_or_leaves_the_vocabulary(device,
             assert bool(((t < 10) | (t >= 90)).all()) and bool((t < 100).all())
             assert t[:8].tolist() == [95] * 8 and bool((t[8:16] >= 96).all())
             assert bool(torch.isfinite(log_probs).all()) and bool((log_probs[:8] == 0).all())
+    with pytest.raises(ValueError, match=r"uniforms \[B, 2\].*\(2, 3\)"):
+        inverse_cdf_draw(torch.zeros(2, 5), torch.zeros(2, 3), 1.0)
+    with pytest.raises(ValueError, match=r"temperature must be > 0.*temperature 0\.0"):
+        inverse_cdf_draw(torch.zeros(2, 5), torch.zeros(2, 2), 0.0)
     edge = torch.tensor([[0.0, 0.0, float("-inf")], [float("-inf"), 0.0, 0.0]])
     for u in (5.960464477539063e-08, 1 - 5.960464477539063e-08):
         tokens, _ = inverse_cdf_draw(edge, torch.full((2, 2), u), 1.0, block=2)
