@@ -37,7 +37,9 @@ How the token is drawn depends on where the randomness comes from:
 
 :func:`fused_sample_record` is the decoder's step (:mod:`ppo_core.rollout.decoding`): the second kernel also writes
 the token, its response-mask bit and log-prob at column ``step`` and advances ``done``, the fed token and ``step``,
-so that drawing and recording a token is two launches.
+so that drawing and recording a token is two launches. On Hopper both launch with programmatic dependent launch
+(:mod:`ppo_core.rollout.pdl`): each is scheduled while the kernel before it finishes and waits for it before its
+first read.
 
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (the tests).
 """
@@ -45,6 +47,8 @@ so that drawing and recording a token is two launches.
 from __future__ import annotations
 
 import torch
+
+from ppo_core.rollout.pdl import pdl_enabled
 
 try:
     import triton
@@ -118,9 +122,13 @@ if triton is not None:
         NOISE: tl.constexpr,
         RECORD: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         row = tl.program_id(0)
         blk = tl.program_id(1)
+        if PDL:  # scheduled while the logits' kernel finishes; everything below reads or writes after it
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         ok = offs < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs, mask=ok, other=float("-inf")).to(
@@ -186,8 +194,11 @@ if triton is not None:
         CDF: tl.constexpr,
         BLOCKS: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         row = tl.program_id(0)
+        if PDL:  # scheduled while the first kernel finishes; everything below reads or writes after it
+            tl.extra.cuda.gdc_wait()
         b = tl.arange(0, BLOCKS)
         ok = b < n_blocks
         base = (row * n_blocks + b) * 3
@@ -299,6 +310,7 @@ def _launch_blocks(
     index = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
     step_copy = torch.empty(1, dtype=torch.int64, device=logits.device)
     noise_arg = noise if mode == _TENSOR_NOISE else logits
+    pdl = pdl_enabled(logits.device)
     _sample_blocks[(rows, n_blocks)](
         logits,
         noise_arg,
@@ -314,7 +326,9 @@ def _launch_blocks(
         NOISE=mode,
         RECORD=record,
         BLOCK=BLOCK_V,
+        PDL=pdl,
         num_warps=_BLOCK_WARPS,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return parts, index, step_copy
 
@@ -358,6 +372,7 @@ def fused_sample(
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=False)
     n_blocks = index.shape[1]
+    pdl = pdl_enabled(logits.device)
     _sample_combine[(rows,)](
         logits,
         parts,
@@ -388,7 +403,9 @@ def fused_sample(
         CDF=mode == _KERNEL_NOISE,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
+        PDL=pdl,
         num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
+        **({"launch_pdl": True} if pdl else {}),
     )
     return tokens, log_probs
 
@@ -460,6 +477,7 @@ def fused_sample_record(
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=True)
     n_blocks = index.shape[1]
+    pdl = pdl_enabled(logits.device)
     _sample_combine[(rows,)](
         logits,
         parts,
@@ -490,7 +508,9 @@ def fused_sample_record(
         CDF=mode == _KERNEL_NOISE,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
+        PDL=pdl,
         num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -186,9 +186,9 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return self._fused[i][2 * j], self._fused[i][2 * j + 1]
 
     def free(self) -> None:
-        """Drop the concatenated weights and the rotary table."""
+        """Drop the concatenated weights (the rotary table, ``L x 2d`` entries computed from the positions alone, is
+        kept for the next generation of the same cache length)."""
         self._fused = None
-        self._rotary_table = (None, None)
 
     def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
         """``norm``'s weight, or ones when :meth:`refresh` folded it into the product after it (multiplying by one
@@ -262,15 +262,15 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         rotary = self.body.rotary_emb
         # rope types whose frequencies depend on the longest position seen are computed per call
         static = "dynamic" not in rotary.rope_type and rotary.rope_type != "longrope"
-        key = (cache.length, h.device, h.dtype)
-        if static and positions.shape[1] == 1 and self._rotary_table[0] == key:
-            rows = self._rotary_table[1][positions]  # [B, 1, 2d]
-            return rows.chunk(2, dim=-1)
         like = h[:0]  # the module reads only its device and dtype
-        if static and positions.shape[1] > 1 and self._rotary_table[0] != key:
+        if not static:
+            return rotary(like, positions)
+        key = (cache.length, h.device, h.dtype)
+        if self._rotary_table[0] != key:
             cos, sin = rotary(like, torch.arange(cache.length, device=h.device)[None])
             self._rotary_table = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2d]
-        return rotary(like, positions)
+        rows = self._rotary_table[1][positions]  # [B, S, 2d]
+        return rows.chunk(2, dim=-1)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
         b = positions.shape[0]

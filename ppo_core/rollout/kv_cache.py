@@ -141,10 +141,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
-        """Zeroed buffers for ``layers`` layers of ``[batch, kv_heads, length, head_dim]``."""
+        """Zeroed buffers for ``layers`` layers of ``[batch, kv_heads, length, head_dim]``: views of one allocation,
+        zeroed by one kernel (a generation allocates its cache at its start, while the device waits for the host)."""
         shape = (batch, kv_heads, length, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        keys, values = (list(t.unbind(0)) for t in torch.zeros(2, layers, *shape, dtype=dtype, device=device))
         key_valid = torch.zeros(batch, length, dtype=torch.bool, device=device)
         return cls(keys=keys, values=values, key_valid=key_valid)
 

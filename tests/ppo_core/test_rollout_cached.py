@@ -145,6 +145,24 @@ def test_prefill_mask_is_causal_over_prompt_tokens_and_keeps_padding_finite():
     assert mask[0][3].tolist() == [False, False, True, True]
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_cache_is_zeroed_views_of_one_allocation_one_per_layer(layers):
+    """``KVCache.allocate`` makes one zeroed allocation (one fill kernel on CUDA) and hands out a key and a value
+    buffer per layer as views of it: each ``[B, G, L, d]``, disjoint, writes to one never seen in another."""
+    cache = KVCache.allocate(
+        layers=layers, batch=2, kv_heads=3, head_dim=4, length=5, dtype=torch.bfloat16, device="cpu"
+    )
+    buffers = [*cache.keys, *cache.values]
+    assert len(buffers) == 2 * layers and cache.nbytes == 2 * layers * 2 * 3 * 5 * 4 * 2
+    base = buffers[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in buffers)
+    assert all(t.shape == (2, 3, 5, 4) and t.dtype == torch.bfloat16 and t.is_contiguous() for t in buffers)
+    assert all(t.eq(0).all() for t in buffers) and not cache.key_valid.any()
+    for i, t in enumerate(buffers):
+        t.fill_(i + 1)
+    assert [int(t.float().mean()) for t in buffers] == list(range(1, 2 * layers + 1))
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     b=st.integers(1, 3),
@@ -363,10 +381,11 @@ def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "dynamic_rope"])
 def test_decode_steps_gather_the_models_rotary_tables_from_the_prefills_table(kind):
-    """The prefill tabulates every position of the cache with the model's rotary module; a decode step's rows of
-    that table are the bits the module gives for those positions. Rope types whose frequencies depend on the
-    longest position seen (dynamic) are computed per step, never from a table; the table is dropped with the
-    concatenated weights."""
+    """The prefill tabulates every position of the cache with the model's rotary module; the prefill's rows and a
+    decode step's rows of that table are the bits the module gives for those positions. Rope types whose
+    frequencies depend on the longest position seen (dynamic) are computed per call, never from a table; the table
+    outlives the concatenated weights (the next generation of the same cache length reuses it) and is rebuilt for
+    another cache length."""
     from ppo_core.rollout.hf import HFRolloutEngine
 
     if kind == "dynamic_rope":
@@ -377,18 +396,28 @@ def test_decode_steps_gather_the_models_rotary_tables_from_the_prefills_table(ki
     else:
         model = _hf(kind)
     forward = HFRolloutEngine(model)._forward
-    cache = KVCache.allocate(
-        layers=2, batch=3, kv_heads=2, head_dim=8, length=20, dtype=torch.float32, device="cpu"
-    )
+
+    def cache(length):
+        return KVCache.allocate(
+            layers=2, batch=3, kv_heads=2, head_dim=8, length=length, dtype=torch.float32, device="cpu"
+        )
+
     h = torch.zeros(3, 5, 32)
-    forward._rotary(h, torch.arange(5).expand(3, 5), cache)  # a prefill
-    positions = torch.tensor([[19], [0], [7]])
-    got = forward._rotary(h[:, :1], positions, cache)
-    want = model.model.rotary_emb(h, positions)
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    assert (forward._rotary_table[1] is None) is (kind == "dynamic_rope")
+    prompt_positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2], [3, 4, 5, 6, 7]])
+    short = cache(20)
+    for positions in (prompt_positions, torch.tensor([[19], [0], [7]])):  # a prefill, then a decode step
+        got = forward._rotary(h[:, : positions.shape[1]], positions, short)
+        want = model.model.rotary_emb(h, positions)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    table = forward._rotary_table[1]
+    assert (table is None) is (kind == "dynamic_rope")
     forward.free()
-    assert forward._rotary_table[1] is None
+    assert forward._rotary_table[1] is table
+    positions = torch.tensor([[29], [0], [21]])
+    got = forward._rotary(h[:, :1], positions, cache(30))  # another cache length: a table of 30 positions
+    assert all(torch.equal(g, w) for g, w in zip(got, model.model.rotary_emb(h, positions), strict=True))
+    if kind != "dynamic_rope":
+        assert forward._rotary_table[1].shape[0] == 30
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q/k/v

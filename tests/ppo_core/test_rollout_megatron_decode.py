@@ -105,14 +105,21 @@ def test_own_forward_equals_a_full_forward_of_the_model(cpu_megatron):
 
 
 def test_qkv_rows_are_laid_out_as_q_k_v(cpu_megatron):
-    """megatron's interleaved linear_qkv weight, re-laid out, is the Hugging Face q, k and v weights stacked."""
+    """megatron's interleaved linear_qkv weight, re-laid out, is the Hugging Face q, k and v weights stacked; a
+    layer's layout is made at its first use after ``refresh``, not by it (the host makes it while the device runs
+    the layers before)."""
     cfg = tiny_config(qkv_bias=True)
     hf = random_hf_state(cfg, 1)
     model = build_gpt_model(cfg, ParallelConfig()).eval()
     model.load_state_dict(hf_to_megatron(hf, cfg, tp_rank=0, tp_size=1), strict=False)
     forward = MegatronDecodeForward(model, cfg)
+    with pytest.raises(RuntimeError, match="refresh"):
+        forward._layer_qkv(0)
     forward.refresh()
-    for i, (weight, bias) in enumerate(forward._qkv):
+    assert forward._qkv == [None] * len(forward.layers) and all(forward._stale)
+    for i in range(len(forward.layers)):
+        weight, bias = forward._layer_qkv(i)
+        assert not forward._stale[i] and forward._stale[i + 1 :] == [True] * (len(forward.layers) - i - 1)
         names = [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"]
         torch.testing.assert_close(weight, torch.cat([hf[n + ".weight"] for n in names]), rtol=0, atol=0)
         torch.testing.assert_close(bias, torch.cat([hf[n + ".bias"] for n in names]), rtol=0, atol=0)

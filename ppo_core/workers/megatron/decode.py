@@ -170,55 +170,82 @@ class MegatronDecodeForward(DecoderLayerLoop):
         # to the model dtype before the product)
         self._swiglu = silu_mul if tc.bias_activation_fusion else silu_mul_as_model
         # per layer: q/k/v weight [(H + 2G) d, D] and bias (None without) in [q; k; v] row order
-        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
+        # per layer: whether refresh() asked for a new layout that has not been made yet
+        self._stale: list[bool] = []
+        self._rows: torch.Tensor | None = None  # qkv_row_order on the weights' device (made once)
         self.fused_decode = bool(fused_decode) and tp_size == 1
-        # with fused_decode, after refresh(): the dtype the fused step's weights share (None: it does not apply)
+        # with fused_decode, after the first decode step of a generation: the dtype the fused step's weights share
+        # (None: it does not apply); _fused_checked says whether this generation has checked
         self._fused_dtype: torch.dtype | None = None
+        self._fused_checked = False
 
     def refresh(self) -> None:
-        """(Re)lay out every layer's q/k/v weight and bias from the current ones as ``[q; k; v]`` rows, in place
-        when they exist (a kept CUDA graph reads them at fixed addresses). With one query group per rank megatron's
-        layout is that already: the parameters themselves are used. With ``fused_decode`` it also checks, once per
-        generation rather than at every step, that the fused step can read every weight."""
-        self._qkv = self._laid_out_qkv()
-        self._fused_dtype = self._fused_step_dtype() if self.fused_decode else None
+        """Mark every layer's q/k/v weight and bias stale: each is (re)laid out from the current ones as ``[q; k;
+        v]`` rows at its first use in the next forward, in place when it exists (a kept CUDA graph reads them at
+        fixed addresses). Built at first use, a layer's layout is queued just before its prefill: the host makes
+        layer ``i + 1``'s while the device runs layer ``i``, instead of the device idling through all of them at
+        the start of a generation. With one query group per rank megatron's layout is that already: the parameters
+        themselves are used. With ``fused_decode`` the first decode step of the generation checks, once rather than
+        at every step, that the fused step can read every weight."""
+        if self._qkv is None:
+            self._qkv = [None] * len(self.layers)
+        self._stale = [True] * len(self.layers)
+        self._fused_checked = False
 
-    def _laid_out_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        if self.groups == 1:
-            return [self._qkv_parameters(layer) for layer in self.layers]
-        weight = self._qkv_parameters(self.layers[0])[0]
-        rows = qkv_row_order(self.heads, self.groups, self.head_dim, weight.device)
-        previous = self._qkv
-        laid_out = []
-        with torch.no_grad():
-            for i, layer in enumerate(self.layers):
-                tensors = []
-                for j, tensor in enumerate(self._qkv_parameters(layer)):
-                    out = None if previous is None else previous[i][j]
-                    tensors.append(None if tensor is None else torch.index_select(tensor, 0, rows, out=out))
-                laid_out.append((tensors[0], tensors[1]))
-        return laid_out
+    def _layer_qkv(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``i``'s q/k/v weight and bias in ``[q; k; v]`` row order, laid out first if :meth:`refresh` marked
+        it stale."""
+        if self._qkv is None:
+            raise RuntimeError("MegatronDecodeForward.refresh() must run before a forward")
+        if self._stale[i]:
+            parameters = self._qkv_parameters(self.layers[i])
+            if self.groups == 1:
+                self._qkv[i] = parameters
+            else:
+                device = parameters[0].device
+                if self._rows is None or self._rows.device != device:
+                    self._rows = qkv_row_order(self.heads, self.groups, self.head_dim, device)
+                previous = self._qkv[i]
+                with torch.no_grad():
+                    weight, bias = (
+                        None
+                        if tensor is None
+                        else torch.index_select(
+                            tensor, 0, self._rows, out=None if previous is None else previous[j]
+                        )
+                        for j, tensor in enumerate(parameters)
+                    )
+                self._qkv[i] = (weight, bias)
+            self._stale[i] = False
+        return self._qkv[i]
 
     def free(self) -> None:
         """Drop the re-laid out q/k/v weights."""
         self._qkv = None
         self._fused_dtype = None
+        self._fused_checked = False
 
     def _fused_step_applies(self, x: torch.Tensor) -> bool:
         """With ``fused_decode``: whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear``
-        (Triton on CUDA, ``B <= 64``, half precision; the weights checked by :meth:`refresh`)."""
+        (Triton on CUDA, ``B <= 64``, half precision; the weights checked once a generation)."""
+        if not self.fused_decode:
+            return False
+        if not self._fused_checked:
+            self._fused_dtype = self._fused_step_dtype()
+            self._fused_checked = True
         return (
             self._fused_dtype is not None
             and self._fused_dtype == x.dtype
-            and decode_linear_available(x, self._qkv[0][0])
+            and decode_linear_available(x, self._layer_qkv(0)[0])
         )
 
     def _fused_step_dtype(self) -> torch.dtype | None:
         """The dtype every weight and norm weight of the fused decode step has, each contiguous (what
         ``decode_linear`` reads), or None where they do not."""
         tensors = [self._output_weight(), self._final_norm().weight]
-        for layer, (qkv, _) in zip(self.layers, self._qkv, strict=True):
-            mlp = layer.mlp
+        for i, layer in enumerate(self.layers):
+            qkv, mlp = self._layer_qkv(i)[0], layer.mlp
             tensors += [
                 qkv,
                 layer.self_attention.linear_proj.weight,
@@ -245,7 +272,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         sumsq, x = row_sumsq_scaled(h, first.weight)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attention, layer.mlp
-            qkv = decode_linear(x, *self._qkv[i], sumsq=sumsq, eps=layer.input_layernorm.eps).y
+            qkv = decode_linear(x, *self._layer_qkv(i), sumsq=sumsq, eps=layer.input_layernorm.eps).y
             out = attend(i, layer, *split_qkv(qkv[:, None], self.heads, self.groups, self.head_dim))
             post = layer.pre_mlp_layernorm
             h, sumsq, x = decode_linear(
@@ -311,9 +338,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
     def _projections(
         self, i: int, layer: nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._qkv is None:
-            raise RuntimeError("MegatronDecodeForward.refresh() must run before a forward")
-        qkv = self._linear(x, *self._qkv[i])  # [B, S, (H + 2G) d]
+        qkv = self._linear(x, *self._layer_qkv(i))  # [B, S, (H + 2G) d]
         return split_qkv(qkv, self.heads, self.groups, self.head_dim)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
