@@ -302,6 +302,7 @@ def _launch_blocks(
     mode: int,
     inv_t: float,
     record: bool,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first kernel: per-block partials ``[B, n_blocks, 3]``, indices ``[B, n_blocks]`` and the step's copy."""
     rows, vocab = logits.shape
@@ -310,7 +311,6 @@ def _launch_blocks(
     index = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
     step_copy = torch.empty(1, dtype=torch.int64, device=logits.device)
     noise_arg = noise if mode == _TENSOR_NOISE else logits
-    pdl = pdl_enabled(logits.device)
     _sample_blocks[(rows, n_blocks)](
         logits,
         noise_arg,
@@ -370,9 +370,9 @@ def fused_sample(
     if rows == 0:
         return tokens, log_probs
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=False)
+    pdl = pdl_enabled(logits.device)  # both launches take part in PDL, or neither
+    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=False, pdl=pdl)
     n_blocks = index.shape[1]
-    pdl = pdl_enabled(logits.device)
     _sample_combine[(rows,)](
         logits,
         parts,
@@ -475,9 +475,9 @@ def fused_sample_record(
         step += 1
         return
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=True)
+    pdl = pdl_enabled(logits.device)  # both launches take part in PDL, or neither
+    parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=True, pdl=pdl)
     n_blocks = index.shape[1]
-    pdl = pdl_enabled(logits.device)
     _sample_combine[(rows,)](
         logits,
         parts,
