@@ -42,7 +42,11 @@ group's query heads, the softmax's reductions across the warps and the layout ch
 therefore walks the blocks wholly below the new slot with a body of its own: every slot in them is cached and
 attended, so the loads take no masks and no slot is swapped for the new key or value (the values are the ones the
 general body computes, so the bits are too); only the block holding the new slot, and a chunk's last block, run the
-general body. Compiled for sm_90 the plain body is 272 instructions against 456; alone at B = 64 and 320 filled
+general body. Each block's additive bias is loaded one block ahead (the next block's bias while this one is
+computed, carried in registers), in both loops: loaded in the block that adds it, as Triton's pipeliner leaves a load
+that does not feed a product, every block paid an L2 round trip before its softmax (sm_90 SASS: the bias loads sat
+between the block's cache-tile wait and its scores). The values, so the bits, are the same. Compiled for sm_90 the
+plain body is 272 instructions against 456; alone at B = 64 and 320 filled
 slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one call,
 two rounds; ``benchmarks/results_h200_rollout_peel.json``). Unsplit, the block holding the new slot reads it from
 the cache (step 3) rather than selecting the registers' key and value into the loaded tiles: that select kept the
@@ -214,11 +218,21 @@ if triton is not None:
         # load without masks and select no new key or value (the same values, so the same bits, as the general
         # body below gives them; on sm_90 a block is 272 instructions instead of 456).
         plain_end = lo + (tl.maximum(tl.minimum(hi, slot) - lo, 0) // BLOCK_L) * BLOCK_L
+        # A plain block's bias is loaded one block ahead (the next block's while this one is computed): loaded in
+        # the block that adds it, its latency (an L2 round trip) was paid by every block.
+        bias_row = Bias + b * sb_b
+        ahead = lo + tl.arange(0, BLOCK_L)
+        bias_next = tl.load(bias_row + ahead * sb_l, mask=ahead < plain_end, other=0.0)
+        tail = plain_end + tl.arange(0, BLOCK_L)
+        # the first block of the rest (the loop after this one), loaded before the plain blocks
+        bias_tail = tl.load(bias_row + tail * sb_l, mask=tail < n, other=float("-inf"))
         for start in range(lo, plain_end, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
+            bias = bias_next.to(tl.float32)
+            ahead = slots + BLOCK_L
+            bias_next = tl.load(bias_row + ahead * sb_l, mask=ahead < plain_end, other=0.0)
             k = tl.load(k_base + slots[None, :] * skc_l + d[:, None])  # [D, L]
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
-            bias = tl.load(Bias + b * sb_b + slots * sb_l).to(tl.float32)
             s = s + bias[None, :]
             m_new, alpha, p, l_i = _softmax_block(s, m_i, l_i)
             v = tl.load(v_base + slots[:, None] * svc_l + d[None, :])  # [L, D]
@@ -241,7 +255,9 @@ if triton is not None:
             if SPLIT > 1:
                 k = tl.where((slots == slot)[None, :], k_new[:, None], k)
             s = (tl.dot(q, k, input_precision=PRECISION) * scale).to(tl.float32)  # [REP_PAD, BLOCK_L]
-            bias = tl.load(Bias + b * sb_b + slots * sb_l, mask=inside, other=float("-inf")).to(tl.float32)
+            bias = bias_tail.to(tl.float32)  # loaded a block ahead too: masked as `inside`
+            ahead = slots + BLOCK_L
+            bias_tail = tl.load(bias_row + ahead * sb_l, mask=ahead < n, other=float("-inf"))
             s = s + bias[None, :]
             m_new, alpha, p, l_i = _softmax_block(s, m_i, l_i)
             v = tl.load(
