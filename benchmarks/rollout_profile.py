@@ -4,7 +4,7 @@ Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for 
 over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
 time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
 and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--unfused`` the HF engine with
-``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF engines);
+``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF engines and the megatron engine);
 ``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes of the one-launch attention;
 ``--host-gaps`` where a whole ``generate`` call's time goes outside its prefill and decode (both engines): the
 call's host marks, and the GPU's idle gaps longer than 15 us with the CPU operations that ran in them.
@@ -62,7 +62,8 @@ def _trace_events(prof) -> list[dict]:
 
 def _timeline(engine, ids, mask, cfg, gen) -> dict:
     """The kernels of one decode step in the middle of a ``generate`` call, in launch order: name, duration and the
-    idle time before each (us), with the step's busy and idle totals (from ``torch.profiler``'s trace)."""
+    idle time before each (us), with the step's busy and idle totals and what each kernel name adds to the step's
+    span (from ``torch.profiler``'s trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine.generate(ids, mask, cfg, generator=gen)
@@ -93,6 +94,9 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
         entry[0] += 1
         entry[1] += dur
         entry[2] += gap
+    # under PDL the durations overlap; a kernel's duration plus the gap before it (negative: it started before the
+    # previous one ended) is what it adds to the step's span, so these sum to span_us
+    span_by_name = {name: round(v[1] + v[2], 1) for name, v in by_name.items()}
     return {
         "kernels": len(rows),
         "busy_us": round(busy, 1),
@@ -102,8 +106,8 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
             k: [v[0], round(v[1], 1), round(v[2], 1)]
             for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])
         },
-        "first_layers": rows[:40],
-        "last": rows[-12:],
+        "span_by_name": span_by_name,
+        "in_order": rows,
     }
 
 
@@ -310,7 +314,7 @@ def main() -> None:
     ap.add_argument(
         "--timeline",
         action="store_true",
-        help="only the kernels of one decode step of the HF engines, in order",
+        help="only the kernels of one decode step of each engine, in order",
     )
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
@@ -367,7 +371,17 @@ def main() -> None:
             result[name] = _ms_per_step(engine, ids, mask, cfg, gen)
             result[name]["timeline"] = _timeline(engine, ids, mask, cfg, gen)
             save()
+        del model, engine
+        torch.cuda.empty_cache()
+        from benchmarks.rollout import _megatron_model
+        from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+
+        megatron, megatron_cfg = _megatron_model()
+        engine = MegatronRolloutEngine(megatron, megatron_cfg)
+        result["megatron"] = _ms_per_step(engine, ids, mask, cfg, gen)
+        result["megatron"]["timeline"] = _timeline(engine, ids, mask, cfg, gen)
         print(json.dumps(result, indent=1))
+        save()
         return
     result["attention_b64_l384"] = _attn_times(64, 384)
     result["attention_b256_l384"] = _attn_times(256, 384)

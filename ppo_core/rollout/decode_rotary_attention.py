@@ -45,13 +45,17 @@ general body computes, so the bits are too); only the block holding the new slot
 general body. Each block's additive bias is loaded one block ahead (the next block's bias while this one is
 computed, carried in registers), in both loops: loaded in the block that adds it, as Triton's pipeliner leaves a load
 that does not feed a product, every block paid an L2 round trip before its softmax (sm_90 SASS: the bias loads sat
-between the block's cache-tile wait and its scores). The values, so the bits, are the same. Compiled for sm_90 the
-plain body is 272 instructions against 456; alone at B = 64 and 320 filled
-slots it took 14.9 us against 17.1, and a decode step of the HF engine 1.282-1.286 ms against 1.299-1.321 (one call,
-two rounds; ``benchmarks/results_h200_rollout_peel.json``). Unsplit, the block holding the new slot reads it from
+between the block's cache-tile wait and its scores). The values, so the bits, are the same; on one H200 the kernel
+alone measured within noise of the version that loads the bias in its block (14.33 against 14.50 us at 320 filled
+slots, 16.31 against 16.03 at 384) and the megatron engine's decode step 1.224-1.231 ms against 1.234-1.241. When
+the plain body landed (before the look-ahead), compiled for sm_90 it was 272 instructions against the general
+body's 456; alone at B = 64 and 320 filled slots the kernel took 14.9 us against 17.1, and a decode step of the HF
+engine 1.282-1.286 ms against 1.299-1.321 (one call, two rounds; ``benchmarks/results_h200_rollout_peel.json``).
+With the look-ahead, compiled by Triton 3.6 for sm_90, the plain body is 283 instructions, the general body 306 and
+the unsplit kernel 1,368, in 121 registers. Unsplit, the block holding the new slot reads it from
 the cache (step 3) rather than selecting the registers' key and value into the loaded tiles: that select kept the
-tiles in registers and made the general body 456 instructions; without it the unsplit kernel is 1,256 instructions
-instead of 1,600 and takes 114 registers instead of 128, and alone at B = 64 it took 14.1 / 14.5 / 16.2 us against
+tiles in registers and made the general body 456 instructions; without it the unsplit kernel was 1,256 instructions
+instead of 1,600 and took 114 registers instead of 128, and alone at B = 64 it took 14.1 / 14.5 / 16.2 us against
 14.9 / 15.1 / 16.9 at 260 / 320 / 380 filled slots, the same bits
 (``benchmarks/results_h200_rollout_tail_read.json``). The pipeline is three stages deep (the default
 ``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 15.0 against
@@ -216,7 +220,7 @@ if triton is not None:
         acc = tl.zeros([REP_PAD, D], tl.float32)
         # The blocks wholly below the new slot first: every slot in them is cached and inside the range, so they
         # load without masks and select no new key or value (the same values, so the same bits, as the general
-        # body below gives them; on sm_90 a block is 272 instructions instead of 456).
+        # body below gives them; on sm_90 a block is 283 instructions instead of 306).
         plain_end = lo + (tl.maximum(tl.minimum(hi, slot) - lo, 0) // BLOCK_L) * BLOCK_L
         # A plain block's bias is loaded one block ahead (the next block's while this one is computed): loaded in
         # the block that adds it, its latency (an L2 round trip) was paid by every block.
