@@ -95,7 +95,8 @@ def _timeline(engine, ids, mask, cfg, gen) -> dict:
         entry[1] += dur
         entry[2] += gap
     # under PDL the durations overlap; a kernel's duration plus the gap before it (negative: it started before the
-    # previous one ended) is what it adds to the step's span, so these sum to span_us
+    # previous one ended) is what it adds to the step's span: where the kernels end in launch order, as a step's do,
+    # these sum to span_us
     span_by_name = {name: round(v[1] + v[2], 1) for name, v in by_name.items()}
     return {
         "kernels": len(rows),
