@@ -4,10 +4,11 @@ Prints one JSON object: decode ms/step of the Hugging Face engine at B = 64 for 
 over a ``torch.compile``'d forward), per-kernel CUDA time of the graphed step (``torch.profiler``), and the
 time of each GEMM shape of a decode step alone; with ``--megatron`` the megatron engine's own forward (its profile)
 and its ``GPTModel.forward`` path (``megatron_gpt_forward_graphs``); with ``--unfused`` the HF engine with
-``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF engines and the megatron engine);
-``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes of the one-launch attention;
-``--host-gaps`` where a whole ``generate`` call's time goes outside its prefill and decode (both engines): the
-call's host marks, and the GPU's idle gaps longer than 15 us with the CPU operations that ran in them.
+``fused_decode=False`` (its step and profile); ``--timeline`` the kernels of one decode step in order (both HF
+engines and the megatron engine); ``--prefill`` the kernels of the prefill; ``--attention-sweep`` the launch shapes
+of the one-launch attention; ``--host-gaps`` where a whole ``generate`` call's time goes outside its prefill and
+decode (both engines): the call's host marks, and the GPU's idle gaps longer than 15 us with the CPU operations
+that ran in them.
 """
 
 from __future__ import annotations
