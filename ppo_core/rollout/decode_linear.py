@@ -12,8 +12,9 @@ the rows from feeding the tensor cores straight from shared memory):
   the models add it, and the new residual ``h`` is the output; each program also writes the sum of squares of its
   block of ``h``'s columns per row (``[P, M]`` partial sums over ``P`` column blocks), for the norm that follows;
 - **scaled copy** (``next_norm_weight``, with ``residual``): the new residual times the next norm's weight, rounded
-  (a second output): the input of a product whose norm weight is not folded into its weight (the megatron engine,
-  which keeps no copy of its weights), normalised by the row scale below;
+  (a second output): the input of a product whose norm weight is not folded into its weight (the output layer,
+  whose weight is the embedding's, and the megatron engine's products with ``fold_norms=False``, which copies no
+  weight), normalised by the row scale below;
 - **norm epilogue** (``sumsq``): RMSNorm of a row is a per-row scale, ``rmsnorm(h) W^T = rstd * (h (W diag w)^T)``
   with ``rstd = 1 / sqrt(mean(h^2) + eps)``: the caller folds the norm weight ``w`` into the weight once per
   generation (:func:`fold_norm_weight`), and each program sums the partial sums of squares in a fixed order and

@@ -20,10 +20,15 @@ down GEMM. The numbers are megatron's: the same roundings as its own forward (bi
 With ``fused_decode`` (TP = 1; the engine's default on CUDA) a decode step of up to 64 rows instead runs
 :meth:`MegatronDecodeForward._decode_step`: four :func:`~ppo_core.rollout.decode_linear.decode_linear` products and
 the one-launch rotation + cache write + attention, five launches a layer. Each residual add is in the epilogue of
-the product before it, which also writes the new residual times the next norm's weight (rounded) and its sums of
-squares, so that the next product reads the normalised row's numerator and scales by ``rstd`` in its epilogue: no
-weight is copied. The norms and SwiGLU then round as :mod:`~ppo_core.rollout.decode_linear` documents, not as
-megatron's fused kernels do.
+the product before it, which also writes the new residual's sums of squares, and the next product scales by the
+norm's ``rstd`` in its epilogue. The norm's weight: with ``fold_norms`` (the default) each generation whose decode
+steps take this path copies the q/k/v and ``linear_fc1`` weights with the weight of the norm before each folded
+into their columns (about half the weights again in memory, refreshed at each layer's first use in the prefill, as
+the Hugging Face engine folds its concatenated weights), and the products read the residual itself; without it no
+weight is copied and the residual epilogue also writes the new residual times the next norm's weight (rounded) for
+the next product to read, which on one H200 made the decode step ~20 us longer
+(``benchmarks/results_h200_rollout_megatron_fold.json``). The norms and SwiGLU then round as
+:mod:`~ppo_core.rollout.decode_linear` documents, not as megatron's fused kernels do.
 
 Tensor parallelism: this rank's shards of every weight; the row-parallel outputs (``linear_proj``,
 ``linear_fc2``) are summed over the TP group with ``torch.distributed.all_reduce`` (captured with the CUDA graph,
@@ -49,7 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
-from ppo_core.rollout.decode_linear import decode_linear, decode_linear_available, row_sumsq_scaled
+from ppo_core.rollout.decode_linear import (
+    MAX_ROWS,
+    decode_linear,
+    decode_linear_available,
+    fold_norm_weights,
+    row_sumsq,
+    row_sumsq_scaled,
+)
 from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
 from ppo_core.rollout.eager_rounding import silu_mul_as_model
 from ppo_core.rollout.kv_cache import KVCache
@@ -154,6 +166,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         tp_group: Any = None,
         tp_size: int = 1,
         fused_decode: bool = False,
+        fold_norms: bool = True,
     ) -> None:
         reason = own_forward_unsupported(module, config)
         if reason is not None:
@@ -175,6 +188,14 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self._stale: list[bool] = []
         self._rows: torch.Tensor | None = None  # qkv_row_order on the weights' device (made once)
         self.fused_decode = bool(fused_decode) and tp_size == 1
+        # with fused_decode: copy the q/k/v and linear_fc1 weights with the norm before each folded in (else the
+        # residual epilogues write the next product's input scaled by the norm's weight, and no weight is copied)
+        self.fold_norms = self.fused_decode and bool(fold_norms)
+        # with fold_norms, per layer: the q/k/v weight ([q; k; v] rows) and linear_fc1's weight, each times the
+        # weight of the norm before it (made at the layer's first use after refresh(), in place when they exist)
+        self._folded: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        # whether this generation folds (set by its prefill: only where its decode steps can take the fused step)
+        self._fold_now = False
         # with fused_decode, after the first decode step of a generation: the dtype the fused step's weights share
         # (None: it does not apply); _fused_checked says whether this generation has checked
         self._fused_dtype: torch.dtype | None = None
@@ -217,14 +238,56 @@ class MegatronDecodeForward(DecoderLayerLoop):
                         for j, tensor in enumerate(parameters)
                     )
                 self._qkv[i] = (weight, bias)
+            if self._fold_now:
+                self._fold(i)
             self._stale[i] = False
         return self._qkv[i]
+
+    def _fold(self, i: int) -> None:
+        """Layer ``i``'s folded weights (see ``_folded``), written into the previous generation's buffers where they
+        match (a kept CUDA graph reads them at fixed addresses)."""
+        if self._folded is None:
+            self._folded = [None] * len(self.layers)
+        layer = self.layers[i]
+        pairs = (
+            (self._qkv[i][0], layer.input_layernorm.weight),
+            (layer.mlp.linear_fc1.weight, layer.pre_mlp_layernorm.weight),
+        )
+        previous = self._folded[i] or (None, None)
+        folded = []
+        for (weight, norm_weight), out in zip(pairs, previous, strict=True):
+            if (
+                out is None
+                or out.shape != weight.shape
+                or out.dtype != weight.dtype
+                or out.device != weight.device
+            ):
+                out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            with torch.no_grad():
+                fold_norm_weights(out, norm_weight.detach(), [weight.detach()])
+            folded.append(out)
+        self._folded[i] = (folded[0], folded[1])
 
     def free(self) -> None:
         """Drop the re-laid out q/k/v weights."""
         self._qkv = None
+        self._folded = None
+        self._fold_now = False
         self._fused_dtype = None
         self._fused_checked = False
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if input_ids.shape[1] > 1 and all(self._stale):
+            # a generation's prefill (every layer's weights still to be laid out): with fold_norms, fold at each
+            # layer's first use where the decode steps that follow take the fused step (up to MAX_ROWS rows, half
+            # precision)
+            dtype = self.layers[0].mlp.linear_fc1.weight.dtype
+            self._fold_now = (
+                self.fold_norms
+                and input_ids.shape[0] <= MAX_ROWS
+                and dtype in (torch.bfloat16, torch.float16)
+            )
+        return super().__call__(input_ids, positions, cache)
 
     def _fused_step_applies(self, x: torch.Tensor) -> bool:
         """With ``fused_decode``: whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear``
@@ -258,31 +321,43 @@ class MegatronDecodeForward(DecoderLayerLoop):
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """A decode step (``h [B, D]``, one token per row, TP = 1) through
-        :func:`~ppo_core.rollout.decode_linear.decode_linear`: each residual add in the epilogue of the product
-        before it, which also writes the new residual times the next norm's weight (the next product's input: no
-        weight is copied) and its sums of squares; the norm's row scale in the epilogue of the product after it;
-        SiLU x up in the epilogue of ``linear_fc1``; the final norm in the output layer's epilogue. Five launches a
-        layer with the rotation and attention; roundings as documented in
-        :mod:`~ppo_core.rollout.decode_linear` (the norm scales the product rather than its input)."""
+        :func:`~ppo_core.rollout.decode_linear.decode_linear`: each residual add and the new residual's sums of
+        squares in the epilogue of the product before it; the norm's row scale in the epilogue of the product after
+        it, which reads the residual itself and the norm's weight folded into its own (``fold_norms``), or else the
+        new residual times the norm's weight, which the residual epilogue also writes; SiLU x up in the epilogue of
+        ``linear_fc1``; the final norm in the output layer's epilogue. Five launches a layer with the rotation and
+        attention; roundings as documented in :mod:`~ppo_core.rollout.decode_linear` (the norm scales the product
+        rather than its input)."""
         attend = self._attention(h[:, None], positions, cache)
         self.layers[0].self_attention.core_attention.cache_rotary_rows(cache)
         b = h.shape[0]
-        first = self.layers[0].input_layernorm
-        # [1, B]: the first norm's statistics; its input, the weight applied (rounded)
-        sumsq, x = row_sumsq_scaled(h, first.weight)
+        fold = self._fold_now
+        last = len(self.layers) - 1
+        # [1, B]: the first norm's statistics; the first product's input
+        sumsq, x = (row_sumsq(h), h) if fold else row_sumsq_scaled(h, self.layers[0].input_layernorm.weight)
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attention, layer.mlp
-            qkv = decode_linear(x, *self._layer_qkv(i), sumsq=sumsq, eps=layer.input_layernorm.eps).y
+            attn, mlp, post = layer.self_attention, layer.mlp, layer.pre_mlp_layernorm
+            qkv_weight, qkv_bias = self._layer_qkv(i)
+            qkv_weight, fc1_weight = self._folded[i] if fold else (qkv_weight, mlp.linear_fc1.weight)
+            qkv = decode_linear(x, qkv_weight, qkv_bias, sumsq=sumsq, eps=layer.input_layernorm.eps).y
             out = attend(i, layer, *split_qkv(qkv[:, None], self.heads, self.groups, self.head_dim))
-            post = layer.pre_mlp_layernorm
             h, sumsq, x = decode_linear(
-                out.view(b, -1), attn.linear_proj.weight, residual=h, next_norm_weight=post.weight
+                out.view(b, -1),
+                attn.linear_proj.weight,
+                residual=h,
+                next_norm_weight=None if fold else post.weight,
             )
-            act = decode_linear(x, mlp.linear_fc1.weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
-            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self._final_norm()
+            act = decode_linear(h if fold else x, fc1_weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
+            # the output layer's weight is the embedding's (or not folded): the final norm's weight always scales
+            # its input
+            following = self.layers[i + 1].input_layernorm if i < last else self._final_norm()
             h, sumsq, x = decode_linear(
-                act, mlp.linear_fc2.weight, residual=h, next_norm_weight=following.weight
+                act,
+                mlp.linear_fc2.weight,
+                residual=h,
+                next_norm_weight=following.weight if i == last or not fold else None,
             )
+            x = h if fold and i < last else x
         logits = decode_linear(x, self._output_weight(), sumsq=sumsq, eps=self._final_norm().eps).y
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
 

@@ -74,6 +74,9 @@ class MegatronRolloutEngine(CachedRolloutEngine):
             :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
             :func:`~ppo_core.rollout.decode_linear.decode_linear` (residual adds, RMSNorms and SiLU x up in their
             epilogues; five launches a layer); None: wherever that holds.
+        fold_norms: with ``fused_decode``, copy the q/k/v and ``linear_fc1`` weights with the norm before each
+            folded in for generations of up to ``MAX_ROWS`` rows (about half the weights again in memory; a
+            shorter decode step); False copies no weight (see :mod:`~ppo_core.workers.megatron.decode`).
         cuda_graphs, kv_bucket, check_every, steps_per_graph, keep_cache: see
             :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
     """
@@ -88,6 +91,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         batch_invariant: bool = False,
         own_forward: bool | None = None,
         fused_decode: bool | None = None,
+        fold_norms: bool = True,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 128,
         check_every: int = 8,
@@ -142,7 +146,12 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         self.fused_decode = bool(fused_decode)
         self._own = (
             MegatronDecodeForward(
-                module, config, tp_group=tp_group, tp_size=tp_size, fused_decode=self.fused_decode
+                module,
+                config,
+                tp_group=tp_group,
+                tp_size=tp_size,
+                fused_decode=self.fused_decode,
+                fold_norms=fold_norms,
             )
             if own_forward
             else None
