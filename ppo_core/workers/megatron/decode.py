@@ -153,9 +153,13 @@ class MegatronDecodeForward(DecoderLayerLoop):
         config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
         tp_group: the tensor-parallel process group (None when TP = 1).
         tp_size: tensor-parallel size.
+        fused_decode: run decode steps of up to ``MAX_ROWS`` half-precision rows through
+            :meth:`_decode_step` (TP = 1 only; ignored otherwise).
+        fold_norms: with ``fused_decode``, fold the norms' weights into copies of the q/k/v and ``linear_fc1``
+            weights (see the module docstring); False copies no weight.
 
-    Call :meth:`refresh` before the forwards of a generation (the re-laid out q/k/v weights follow the training
-    updates) and :meth:`free` after it.
+    Call :meth:`refresh` before the forwards of a generation (the re-laid out q/k/v weights and the folded copies
+    follow the training updates) and :meth:`free` after it.
     """
 
     def __init__(
@@ -269,7 +273,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self._folded[i] = (folded[0], folded[1])
 
     def free(self) -> None:
-        """Drop the re-laid out q/k/v weights."""
+        """Drop the re-laid out q/k/v weights and the folded copies."""
         self._qkv = None
         self._folded = None
         self._fold_now = False

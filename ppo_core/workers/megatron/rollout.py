@@ -209,7 +209,7 @@ class MegatronRolloutEngine(CachedRolloutEngine):
                 self._own.free()
 
     def release(self) -> None:
-        """Free the KV cache, graphs and re-laid out q/k/v weights kept by ``keep_cache=True``."""
+        """Free the KV cache, graphs, re-laid out q/k/v weights and folded copies kept by ``keep_cache=True``."""
         super().release()
         if self._own is not None:
             self._own.free()
