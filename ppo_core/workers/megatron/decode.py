@@ -55,7 +55,6 @@ from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from ppo_core.rollout.decode_linear import (
-    MAX_ROWS,
     decode_linear,
     decode_linear_available,
     fold_norm_weights,
@@ -260,13 +259,9 @@ class MegatronDecodeForward(DecoderLayerLoop):
         previous = self._folded[i] or (None, None)
         folded = []
         for (weight, norm_weight), out in zip(pairs, previous, strict=True):
-            if (
-                out is None
-                or out.shape != weight.shape
-                or out.dtype != weight.dtype
-                or out.device != weight.device
-            ):
-                out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            meta = (weight.shape, weight.dtype, weight.device)
+            if out is None or (out.shape, out.dtype, out.device) != meta:
+                out = torch.empty_like(weight, memory_format=torch.contiguous_format)
             with torch.no_grad():
                 fold_norm_weights(out, norm_weight.detach(), [weight.detach()])
             folded.append(out)
@@ -280,18 +275,14 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self._fused_dtype = None
         self._fused_checked = False
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        if input_ids.shape[1] > 1 and all(self._stale):
+    def _forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if h.shape[1] > 1 and all(self._stale):
             # a generation's prefill (every layer's weights still to be laid out): with fold_norms, fold at each
-            # layer's first use where the decode steps that follow take the fused step (up to MAX_ROWS rows, half
-            # precision)
-            dtype = self.layers[0].mlp.linear_fc1.weight.dtype
-            self._fold_now = (
-                self.fold_norms
-                and input_ids.shape[0] <= MAX_ROWS
-                and dtype in (torch.bfloat16, torch.float16)
+            # layer's first use where the decode steps that follow can take the fused step
+            self._fold_now = self.fold_norms and decode_linear_available(
+                h[:, -1], self.layers[0].mlp.linear_fc1.weight
             )
-        return super().__call__(input_ids, positions, cache)
+        return super()._forward(h, positions, cache)
 
     def _fused_step_applies(self, x: torch.Tensor) -> bool:
         """With ``fused_decode``: whether every product of a decode step of ``x [B, D]`` runs in ``decode_linear``
@@ -336,32 +327,36 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self.layers[0].self_attention.core_attention.cache_rotary_rows(cache)
         b = h.shape[0]
         fold = self._fold_now
-        last = len(self.layers) - 1
+
+        def unfolded(norm: FusedNorm) -> torch.Tensor | None:
+            """The weight the residual epilogue scales the next product's input by: none where it is folded."""
+            return None if fold else norm.weight
+
         # [1, B]: the first norm's statistics; the first product's input
         sumsq, x = (row_sumsq(h), h) if fold else row_sumsq_scaled(h, self.layers[0].input_layernorm.weight)
         for i, layer in enumerate(self.layers):
             attn, mlp, post = layer.self_attention, layer.mlp, layer.pre_mlp_layernorm
             qkv_weight, qkv_bias = self._layer_qkv(i)
-            qkv_weight, fc1_weight = self._folded[i] if fold else (qkv_weight, mlp.linear_fc1.weight)
+            fc1_weight = mlp.linear_fc1.weight
+            if fold:
+                qkv_weight, fc1_weight = self._folded[i]
             qkv = decode_linear(x, qkv_weight, qkv_bias, sumsq=sumsq, eps=layer.input_layernorm.eps).y
             out = attend(i, layer, *split_qkv(qkv[:, None], self.heads, self.groups, self.head_dim))
-            h, sumsq, x = decode_linear(
-                out.view(b, -1),
-                attn.linear_proj.weight,
-                residual=h,
-                next_norm_weight=None if fold else post.weight,
+            h, sumsq, scaled = decode_linear(
+                out.view(b, -1), attn.linear_proj.weight, residual=h, next_norm_weight=unfolded(post)
             )
-            act = decode_linear(h if fold else x, fc1_weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
-            # the output layer's weight is the embedding's (or not folded): the final norm's weight always scales
-            # its input
-            following = self.layers[i + 1].input_layernorm if i < last else self._final_norm()
-            h, sumsq, x = decode_linear(
-                act,
-                mlp.linear_fc2.weight,
-                residual=h,
-                next_norm_weight=following.weight if i == last or not fold else None,
+            x = h if scaled is None else scaled  # the next product's input
+            act = decode_linear(x, fc1_weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
+            # the output layer's weight (often the embedding's) is never folded: its norm's weight scales its input
+            following = (
+                self._final_norm().weight
+                if i == len(self.layers) - 1
+                else unfolded(self.layers[i + 1].input_layernorm)
             )
-            x = h if fold and i < last else x
+            h, sumsq, scaled = decode_linear(
+                act, mlp.linear_fc2.weight, residual=h, next_norm_weight=following
+            )
+            x = h if scaled is None else scaled
         logits = decode_linear(x, self._output_weight(), sumsq=sumsq, eps=self._final_norm().eps).y
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
 
