@@ -227,8 +227,8 @@ def test_engine_fused_decode_matches_the_default_engine(device) -> None:
 def test_megatron_engine_fused_decode_matches_its_unfused_forward(cpu_megatron, fold_norms) -> None:
     """The megatron engine's decode steps through ``decode_linear`` (the norms' weights folded into copies of the
     q/k/v and fc1 weights, or the residual epilogue writing the next norm's input and no weight copied) draw the
-    greedy tokens of its unfused forward. Their log-probs differ from the unfused ones by other fp16 roundings
-    only: by at most a quarter of the unfused fp16 forward's own gap from the same model in fp32."""
+    greedy tokens of its unfused forward, and their log-probs are at least as close to the same model's in fp32
+    (its real vocabulary, the padded entries dropped) as the unfused fp16 forward's, at worst and on average."""
     pytest.importorskip("megatron.core")
     from _megatron import random_hf_state, tiny_config
 
@@ -272,11 +272,14 @@ def test_megatron_engine_fused_decode_matches_its_unfused_forward(cpu_megatron, 
         with torch.no_grad():
             logits = model32.eval()(seq, position_ids(seq_mask), megatron_attention_mask(seq_mask))
         p = prompts.shape[1]
-        exact = logits[:, p - 1 : -1].float().log_softmax(-1).gather(-1, want["responses"][..., None])[..., 0]
-        fp16_gap = (want["rollout_log_probs"] - exact).abs().max().item()
-        assert fp16_gap > 0
-        gap = (got["rollout_log_probs"] - want["rollout_log_probs"]).abs().max().item()
-        assert gap <= fp16_gap / 4, (gap, fp16_gap)
+        logits = logits[:, p - 1 : -1, : cfg.vocab_size].float()  # the padded vocabulary's entries dropped
+        exact = logits.log_softmax(-1).gather(-1, want["responses"][..., None])[..., 0]
+        unfused_error = (want["rollout_log_probs"] - exact).abs()
+        fused_error = (got["rollout_log_probs"] - exact).abs()
+        assert unfused_error.max() > 0
+        # at least as close to the fp32 model as megatron's own fp16 forward, at worst and on average
+        assert fused_error.max() <= unfused_error.max(), (fused_error.max(), unfused_error.max())
+        assert fused_error.mean() <= unfused_error.mean(), (fused_error.mean(), unfused_error.mean())
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 with Triton")
