@@ -203,14 +203,18 @@ def _chain_report(m: int, gen, layers: int = 16) -> dict:
     return out
 
 
-HEAD_SHAPES = (  # (block_n, block_k, num_stages, num_warps) of the vocabulary product
-    (128, 128, 3, 4),  # the default before 256 x 64
-    (128, 64, 6, 4),
-    (128, 64, 8, 4),
-    (256, 64, 3, 8),
-    (256, 64, 4, 8),
-    (256, 64, 4, 4),
-    (64, 128, 4, 4),
+HEAD_SHAPES = (  # (block_n, block_k, num_stages, num_warps, tiles_per_program) of the vocabulary product
+    (256, 64, 4, 4, 0),  # the grid launch's default before the persistent launch
+    (128, 128, 3, 4, 0),
+    (128, 64, 8, 4, 0),
+    (128, 128, 4, 4, 8),
+    (128, 128, 3, 4, 8),
+    (128, 128, 4, 8, 8),
+    (128, 128, 4, 4, 10),
+    (128, 64, 6, 4, 8),
+    (128, 64, 8, 4, 8),
+    (256, 64, 4, 8, 4),
+    (64, 128, 4, 4, 16),
 )
 
 
@@ -230,9 +234,11 @@ def _head_report(m: int, gen) -> dict:
         "default_config": dataclass_dict(default),
         "default_us": _graph_us(lambda w: decode_linear(x, w, sumsq=sumsq, eps=EPS), weights, calls=16),
     }
-    for block_n, block_k, stages, warps in HEAD_SHAPES:
-        cfg = DecodeLinearConfig(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps)
-        key = f"bn{block_n}_bk{block_k}_st{stages}_w{warps}"
+    for block_n, block_k, stages, warps, tiles in HEAD_SHAPES:
+        cfg = DecodeLinearConfig(
+            block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps, tiles_per_program=tiles
+        )
+        key = f"bn{block_n}_bk{block_k}_st{stages}_w{warps}" + (f"_persistent{tiles}" if tiles else "")
         try:
             got = decode_linear(x, weights[0], sumsq=sumsq, eps=EPS, config=cfg).y
             us = _graph_us(

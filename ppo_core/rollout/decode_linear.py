@@ -25,6 +25,9 @@ the rows from feeding the tensor cores straight from shared memory):
   writes its fp32 partial to a workspace, and the program that finishes last for a column block (an atomic
   counter, reset by that program for the next call) sums the partials in a fixed order and runs the epilogue. The
   result is deterministic.
+- **persistent launch** (``DecodeLinearConfig.tiles_per_program``, the output layer's default): one program per SM
+  streams an equal share of the weight's rows, its tiles' ``K`` loops flattened into one software pipeline (a
+  product without residual, SwiGLU or split);
 - **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core.rollout.pdl`): a program loads
   its first weight tile, then waits for the previous kernel, and lets the next kernel start once its main loop is
   done.
@@ -104,6 +107,10 @@ class DecodeLinearConfig:
     """Programs sharing one column block's ``K`` range (a power of two; partials summed in a fixed order)."""
     num_warps: int = 4
     num_stages: int = 4
+    tiles_per_program: int = 0
+    """0: one program per column block. ``T > 0`` (a product without ``residual``, SwiGLU or split): persistent,
+    one program per SM running ``T`` column tiles back to back in one pipelined loop, each tile
+    ``ceil(N / (SMs * T))`` columns (at most ``block_n``), so every program reads the same share of the weight."""
 
 
 def decode_linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -322,13 +329,20 @@ def decode_linear(
         raise ValueError(
             f"sumsq must be [P, {m}] float32 on {x.device}, got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
         )
-    cfg = config or _default_config(width, k, swiglu, x.device)
+    cfg = config or _default_config(width, k, swiglu, x.device, plain=residual is None)
     block_m = max(16, triton.next_power_of_2(m))
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
     if sumsq is not None and not sumsq.is_contiguous():
         sumsq = sumsq.contiguous()
+    if cfg.tiles_per_program > 0:
+        if residual is not None or swiglu or cfg.split_k != 1:
+            raise ValueError(
+                "DecodeLinearConfig.tiles_per_program > 0 (a persistent launch) takes no residual, swiglu or "
+                f"split_k; got residual={residual is not None}, swiglu={swiglu}, split_k={cfg.split_k}"
+            )
+        return DecodeLinearOutput(_persistent(x, weight, bias, sumsq, eps, cfg, block_m), None, None)
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     y = torch.empty(m, width, dtype=x.dtype, device=x.device)
     scaled = torch.empty_like(y) if next_norm_weight is not None else None
     n_blocks = triton.cdiv(width, cfg.block_n)
@@ -382,12 +396,74 @@ def decode_linear(
     return DecodeLinearOutput(y, sumsq_out, scaled)
 
 
-def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> DecodeLinearConfig:
+def _persistent(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    eps: float,
+    cfg: DecodeLinearConfig,
+    block_m: int,
+) -> torch.Tensor:
+    """:func:`decode_linear`'s persistent launch (``cfg.tiles_per_program > 0``): ``y [M, N]``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    tiles = sm_count(x.device) * cfg.tiles_per_program
+    cols = -(-n // tiles)
+    if cols > cfg.block_n:
+        raise ValueError(
+            f"DecodeLinearConfig: {cfg.tiles_per_program} tiles a program on {sm_count(x.device)} SMs give tiles "
+            f"of {cols} of the {n} columns, more than block_n = {cfg.block_n}"
+        )
+    tiles = -(-n // cols)  # no tile without columns
+    progs = min(sm_count(x.device), tiles)
+    p_in = sumsq.shape[0] if sumsq is not None else 1
+    pdl = pdl_enabled(x.device)
+    _decode_linear_persistent_kernel[(progs,)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        y,
+        sumsq if sumsq is not None else y,
+        m,
+        n,
+        k,
+        cols,
+        tiles,
+        x.stride(0),
+        weight.stride(0),
+        p_in,
+        float(eps),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_P=triton.next_power_of_2(p_in),
+        PROGRAMS=progs,
+        STAGES=cfg.num_stages,
+        NORM=sumsq is not None,
+        HAS_BIAS=bias is not None,
+        UPCAST=_interpreting(),
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return y
+
+
+def _default_config(
+    width: int, k: int, swiglu: bool, device: torch.device, *, plain: bool = True
+) -> DecodeLinearConfig:
     """From sweeps on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
-    products, 64 for wide or deep ones (and with SwiGLU's two weights); for a vocabulary 256 columns of 64-column
-    ``K`` blocks in a four-stage pipeline (Llama-3.2-1B's head: 137 us against 146 for 128 x 128 in three stages,
-    the same bits; ``benchmarks/results_h200_rollout_cdf_sampling.json``): each program reads the rows ``x`` once
-    for twice the columns. ``K`` split while there are fewer programs than half the SMs (each split keeping at
+    products, 64 for wide or deep ones (and with SwiGLU's two weights). For a vocabulary without a residual (the
+    output layer) a persistent launch: one program per SM, each running the fewest tiles of at most 128 columns
+    that cover the vocabulary (Llama-3.2-1B's head: 8 tiles of 122 columns) through 128-column ``K`` blocks in one
+    four-stage pipeline, so that every program reads the same share of the weight and none refills its pipeline
+    between tiles (133 us against 141.5 for the grid launch of 256 x 64 tiles, 501 programs in 3.8 waves, the same
+    bits; ``benchmarks/results_h200_rollout_head_persistent.json``); otherwise 256 columns of 64-column ``K``
+    blocks in a four-stage pipeline. ``K`` split while there are fewer programs than half the SMs (each split keeping at
     least four ``block_k`` iterations).
 
     Pipeline depth (``stages + 1`` tiles in shared memory, the first loaded before the loop): three stages with
@@ -403,6 +479,9 @@ def _default_config(width: int, k: int, swiglu: bool, device: torch.device) -> D
     split = 1
     while n_blocks * split < sms // 2 and k // (2 * split) >= 4 * block_k:
         split *= 2
+    if vocabulary and plain:  # persistent: the fewest tiles of at most 128 columns a program
+        tiles = -(-width // (sm_count(device) * 128))
+        return DecodeLinearConfig(block_n=128, block_k=128, num_stages=4, tiles_per_program=tiles)
     if vocabulary:
         stages = 4
     elif swiglu:
@@ -541,6 +620,77 @@ if triton is not None:
                 SWIGLU,
                 HAS_BIAS,
             )
+
+    @triton.jit
+    def _decode_linear_persistent_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        SqIn,
+        M,
+        N,
+        K,
+        COLS,
+        TILES,
+        stride_x,
+        stride_w,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+        STAGES: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Tiles ``pid, pid + PROGRAMS, ...`` of ``COLS`` columns each (``COLS <= BLOCK_N``; the lanes past
+        ``COLS`` masked, so they read nothing), the tiles' ``K`` loops flattened into one software pipeline: a
+        program streams its share of the weight without refilling the pipeline between tiles."""
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        lanes = tl.arange(0, BLOCK_N)
+        row_in = rows < M
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if NORM:
+            p = tl.arange(0, BLOCK_P)
+            parts = tl.load(
+                SqIn + p[:, None] * M + rows[None, :], mask=(p[:, None] < P_IN) & row_in[None, :], other=0.0
+            )
+            rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
+        dtype = Y.dtype.element_ty
+        for tile in tl.range(pid, TILES, PROGRAMS, flatten=True, num_stages=STAGES):
+            cols = tile * COLS + lanes
+            col_in = (lanes < COLS) & (cols < N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_in = ks < K
+                x = tl.load(
+                    X + rows[:, None] * stride_x + ks[None, :],
+                    mask=row_in[:, None] & k_in[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    W + cols[:, None] * stride_w + ks[None, :],
+                    mask=col_in[:, None] & k_in[None, :],
+                    other=0.0,
+                )
+                acc = _dot(acc, x, w, UPCAST)
+            acc = acc * rstd[:, None]
+            if HAS_BIAS:
+                acc += tl.load(Bias + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                Y + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_in[:, None] & col_in[None, :]
+            )
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _fold_kernel(

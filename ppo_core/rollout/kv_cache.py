@@ -158,14 +158,15 @@ class KVCache:
         """Bytes held by the key and value buffers."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def begin_prefill(self, prompt_mask: torch.Tensor) -> None:
+    def begin_prefill(self, prompt_mask: torch.Tensor, *, padded: bool | None = None) -> None:
         """Prepare a prefill of ``P`` columns whose real tokens ``prompt_mask [B, P]`` marks: they are the valid slots
-        (none after them), their rotary positions count the real tokens before them."""
+        (none after them), their rotary positions count the real tokens before them. ``padded``: whether any
+        prompt is padded, if the caller knows (None: read here, a host sync)."""
         mask = prompt_mask.bool()
         self.key_valid.zero_()
         self.key_valid[:, : mask.shape[1]] = mask
-        # one host sync per generation, before its first kernel: whether any prompt is padded
-        padded = not bool(mask.all())
+        if padded is None:  # one host sync per generation, before its first kernel
+            padded = not bool(mask.all())
         self.mode, self.prefill_mask = "prefill", prefill_attention_mask(mask) if padded else None
         self.positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
 

@@ -468,6 +468,87 @@ def test_decoder_rejects_bad_inputs_by_name():
         decoder.generate(ids, torch.ones(2, 4), max_new_tokens=1, temperature=0.0)
     with pytest.raises(ValueError, match="kv_bucket"):
         StaticCacheDecoder(lambda i, p, c: i, spec, 3, kv_bucket=0)
+    calls = []
+    counting = StaticCacheDecoder(lambda i, p, c: calls.append(i) or torch.zeros(i.shape[0], 3), spec, 3)
+    with pytest.raises(ValueError, match="prompt_mask must contain only 0 and 1"):  # before any forward
+        counting.generate(ids, torch.tensor([[1, 1, 1], [0, 2, 1]]), max_new_tokens=2, temperature=0.0)
+    assert calls == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 6),
+    dtype=st.sampled_from([torch.bool, torch.long, torch.float32]),
+    bad=st.sampled_from([None, 2.0, -1.0, 0.5]),
+    data=st.data(),
+)
+def test_padded_is_read_with_the_masks_check_in_one_host_read(rows, width, dtype, bad, data):
+    """``_padded`` (whether any prompt is padded) equals ``not mask.all()`` and raises where the 0/1 check of the
+    mask failed, reading both from the device at once."""
+    from ppo_core._checks import check_mask_deferred
+    from ppo_core.rollout import decoding
+
+    bits = data.draw(st.lists(st.booleans(), min_size=rows * width, max_size=rows * width))
+    raw = torch.tensor(bits).view(rows, width).to(dtype)
+    if bad is not None and dtype != torch.bool:
+        raw.view(-1)[data.draw(st.integers(0, rows * width - 1))] = (
+            bad if dtype.is_floating_point else int(bad)
+        )
+    invalid_value = bool(((raw != 0) & (raw != 1)).any())
+    mask, invalid = check_mask_deferred("prompt_mask", raw)
+    reads = []
+    real = torch.Tensor.tolist
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
+        if invalid_value:
+            with pytest.raises(ValueError, match="only 0 and 1"):
+                decoding._padded(mask, invalid)
+        else:
+            assert decoding._padded(mask, invalid) == (not bool((raw != 0).all()))
+    assert len(reads) == (0 if invalid is None else 1)
+
+
+def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_until_the_next_prefill():
+    """Without ``keep_cache`` the cache is dropped at the end of ``generate``; the graphs (stand-ins here: the CPU
+    captures none) are kept until the next generation has launched its prefill, or ``release``."""
+    import weakref
+
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    class Graph:  # a stand-in for a captured torch.cuda.CUDAGraph
+        pass
+
+    ids, mask = _left_padded(2, 3, seed=4)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0)
+    engine = HFRolloutEngine(_hf("llama"))
+    decoder = engine.decoder
+    first = engine.generate(ids, mask, cfg)
+    assert decoder._state is None and decoder._retired == []
+    for end in ("generate", "release"):
+        decoder._prepare((2, 3, 3))  # a generation's buffers: B = 2 rows, P = 3, R = 3
+        graph = Graph()
+        decoder._state.graphs[(8,)] = graph
+        alive = weakref.ref(graph)
+        del graph
+        decoder._retire()
+        assert decoder._state is None and alive() is not None and decoder._retired == [alive()]
+        prefills = []
+        real = decoder._prefill
+
+        def prefill(*args, prefills=prefills, real=real, alive=alive):
+            prefills.append(alive() is not None)  # the retired graph still exists when the prefill launches
+            return real(*args)
+
+        decoder._prefill = prefill
+        if end == "generate":
+            again = engine.generate(ids, mask, cfg)
+            assert torch.equal(again["responses"], first["responses"])
+            assert prefills == [True]
+        else:
+            engine.release()
+        del decoder._prefill
+        assert alive() is None and decoder._retired == []
 
 
 def test_unsupported_architectures_take_the_generic_path():

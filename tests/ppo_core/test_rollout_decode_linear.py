@@ -4,6 +4,7 @@ installed, and on CUDA under the ``gpu`` marker; the contract's own tests always
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -156,6 +157,59 @@ def test_kernel_equals_the_contract(device, m, n, k, flags, split, dtype, seed) 
             assert torch.equal(scaled, y * nw)
     else:
         assert sq_out is None and scaled is None
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.integers(1, MAX_ROWS),
+    n=st.integers(1, 200),
+    k=st.integers(1, 300),
+    norm=st.booleans(),
+    bias=st.booleans(),
+    sms=st.integers(1, 6),
+    tiles=st.integers(1, 4),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_persistent_launch_equals_the_contract(device, m, n, k, norm, bias, sms, tiles, dtype, seed) -> None:
+    """One program per SM (``sms`` of them), ``tiles`` column tiles each: every column written once, as the
+    contract computes it, whether the tiles fill ``block_n`` or leave lanes masked, and with fewer tiles than
+    programs."""
+    x, w, b, sq, _ = _inputs(m, n, k, dtype, device, seed, norm=norm, bias=bias)
+    cols = -(-n // (sms * tiles))
+    block_n = max(16, 1 << (cols - 1).bit_length())
+    cfg = DecodeLinearConfig(block_n=block_n, block_k=32, num_stages=2, tiles_per_program=tiles)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dl, "sm_count", lambda device: sms)
+        y, sq_out, scaled = decode_linear(x, w, b, sumsq=sq, eps=1e-5, config=cfg)
+    want = decode_linear_reference(x, w, b, sumsq=sq, eps=1e-5).y
+    assert y.shape == want.shape and y.dtype == dtype and sq_out is None and scaled is None
+    _close(y, want, dtype, device)
+    # on CUDA the grid launch is the same sums in the same order: the same bits (the interpreter's fp32 matmul
+    # sums a column in an order that depends on the columns beside it)
+    if device == "cuda":
+        grid = decode_linear(
+            x, w, b, sumsq=sq, eps=1e-5, config=DecodeLinearConfig(block_n=block_n, block_k=32)
+        )
+        assert torch.equal(y, grid.y)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_persistent_launch_refuses_what_it_does_not_fuse(device, monkeypatch) -> None:
+    monkeypatch.setattr(dl, "sm_count", lambda device: 2)
+    x, w, _, sq, r = _inputs(4, 64, 32, torch.bfloat16, device, 5, norm=True, residual=True)
+    cfg = DecodeLinearConfig(block_n=16, block_k=32, tiles_per_program=2)
+    with pytest.raises(ValueError, match="takes no residual"):
+        decode_linear(x, w, sumsq=sq, residual=r, config=cfg)
+    with pytest.raises(ValueError, match="takes no residual"):
+        decode_linear(x, w, swiglu=True, config=cfg)
+    with pytest.raises(ValueError, match="takes no residual"):
+        decode_linear(x, w, config=dataclasses.replace(cfg, split_k=2))
+    with pytest.raises(ValueError, match="more than block_n = 16"):  # 64 columns in 2 x 1 tiles: 32 a tile
+        decode_linear(x, w, config=dataclasses.replace(cfg, tiles_per_program=1))
 
 
 @kernel
@@ -450,7 +504,15 @@ def test_default_launch_shapes_of_a_llama_layer() -> None:
     assert (o.block_n, o.split_k, o.num_stages) == (32, 2, 4)
     assert (gate_up.block_n, gate_up.split_k, gate_up.num_stages) == (64, 1, 3)
     assert (down.block_n, down.split_k, down.num_stages) == (64, 4, 4)
-    assert (head.block_n, head.block_k, head.split_k, head.num_stages) == (256, 64, 1, 4)
+    # the vocabulary: persistent, 8 tiles of ceil(128256 / (132 * 8)) = 122 columns a program
+    assert (head.block_n, head.block_k, head.split_k, head.num_stages, head.tiles_per_program) == (
+        128,
+        128,
+        1,
+        4,
+        8,
+    )
+    assert dl._default_config(128256, 2048, False, cpu, plain=False).tiles_per_program == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -461,8 +523,12 @@ def test_default_launch_shape_fits_shared_memory(width, k, swiglu) -> None:
     least four K blocks per program."""
     cfg = dl._default_config(width, k, swiglu, torch.device("cpu"))
     tile_bytes = (MAX_ROWS + cfg.block_n * (2 if swiglu else 1)) * cfg.block_k * 2
-    assert (cfg.num_stages + 1) * tile_bytes <= 227 * 1024
+    # the grid launch loads its first tile before the pipelined loop; the persistent one's loop holds them all
+    buffers = cfg.num_stages + (cfg.tiles_per_program == 0)
+    assert buffers * tile_bytes <= 227 * 1024
     assert cfg.split_k == 1 or k // cfg.split_k >= 4 * cfg.block_k
+    if cfg.tiles_per_program:  # enough tiles for every column
+        assert -(-width // (132 * cfg.tiles_per_program)) <= cfg.block_n
     assert cfg.num_stages in (3, 4, 6)
 
 

@@ -132,6 +132,10 @@ def test_a_warm_generation_captures_during_the_prefill_and_draws_the_same_tokens
     for key in ("responses", "response_mask", "rollout_log_probs"):
         assert torch.equal(first[key], warm[key]), key
     assert not torch.equal(first["responses"], other["responses"])
+    if not keep_cache:  # the last call's graphs wait for the next prefill (or release) to be destroyed
+        assert decoder._state is None and len(decoder._retired) == engine.stats.graphs_captured > 0
+        engine.release()
+        assert decoder._retired == [] and decoder._pool is None
 
 
 def test_graphs_stop_early_once_every_row_has_finished():
