@@ -411,15 +411,15 @@ def _persistent(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    tiles = sm_count(x.device) * cfg.tiles_per_program
-    cols = -(-n // tiles)
+    sms = sm_count(x.device)
+    cols = -(-n // (sms * cfg.tiles_per_program))
     if cols > cfg.block_n:
         raise ValueError(
-            f"DecodeLinearConfig: {cfg.tiles_per_program} tiles a program on {sm_count(x.device)} SMs give tiles "
+            f"DecodeLinearConfig: {cfg.tiles_per_program} tiles a program on {sms} SMs give tiles "
             f"of {cols} of the {n} columns, more than block_n = {cfg.block_n}"
         )
     tiles = -(-n // cols)  # no tile without columns
-    progs = min(sm_count(x.device), tiles)
+    progs = min(sms, tiles)
     p_in = sumsq.shape[0] if sumsq is not None else 1
     pdl = pdl_enabled(x.device)
     _decode_linear_persistent_kernel[(progs,)](
@@ -472,16 +472,16 @@ def _default_config(
     of its weight at once (a 16-layer chain of a decode step's products: 50.0 against 50.8 us a layer,
     ``benchmarks/results_h200_rollout_persistent_tail.json``); four otherwise."""
     vocabulary = width >= 65536 and not swiglu
+    sms = sm_count(device)
+    if vocabulary and plain:  # persistent: the fewest tiles of at most 128 columns a program
+        tiles = -(-width // (sms * 128))
+        return DecodeLinearConfig(block_n=128, block_k=128, num_stages=4, tiles_per_program=tiles)
     block_n = 256 if vocabulary else 64 if width > 4096 or k >= 4096 else 32
     block_k = 64 if vocabulary else 128
     n_blocks = -(-width // block_n)
-    sms = sm_count(device)
     split = 1
     while n_blocks * split < sms // 2 and k // (2 * split) >= 4 * block_k:
         split *= 2
-    if vocabulary and plain:  # persistent: the fewest tiles of at most 128 columns a program
-        tiles = -(-width // (sm_count(device) * 128))
-        return DecodeLinearConfig(block_n=128, block_k=128, num_stages=4, tiles_per_program=tiles)
     if vocabulary:
         stages = 4
     elif swiglu:
@@ -664,7 +664,6 @@ if triton is not None:
                 SqIn + p[:, None] * M + rows[None, :], mask=(p[:, None] < P_IN) & row_in[None, :], other=0.0
             )
             rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
-        dtype = Y.dtype.element_ty
         for tile in tl.range(pid, TILES, PROGRAMS, flatten=True, num_stages=STAGES):
             cols = tile * COLS + lanes
             col_in = (lanes < COLS) & (cols < N)
@@ -683,11 +682,36 @@ if triton is not None:
                     other=0.0,
                 )
                 acc = _dot(acc, x, w, UPCAST)
-            acc = acc * rstd[:, None]
-            if HAS_BIAS:
-                acc += tl.load(Bias + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
-            tl.store(
-                Y + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_in[:, None] & col_in[None, :]
+            # the grid launch's epilogue (bias, rounding, store) on the row-scaled tile; the norm's scale was read
+            # once, before the loop
+            _epilogue(
+                acc * rstd[:, None],
+                acc,
+                tile,
+                rows,
+                cols,
+                row_in,
+                col_in,
+                Bias,
+                Y,
+                Y,
+                SqIn,
+                SqIn,
+                Y,
+                Y,
+                M,
+                N,
+                K,
+                0,
+                P_IN,
+                eps,
+                BLOCK_M,
+                BLOCK_P,
+                NORM=False,
+                RESIDUAL=False,
+                SCALED=False,
+                SWIGLU=False,
+                HAS_BIAS=HAS_BIAS,
             )
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()

@@ -57,7 +57,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core._checks import check_mask_deferred, check_ndim, check_tensor
+from ppo_core._checks import check_mask_deferred, check_mask_flag, check_ndim, check_tensor
 from ppo_core.rollout.fused_sampling import fused_sample_record, fused_sampling_available
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
@@ -514,7 +514,7 @@ def _padded(mask: torch.Tensor, invalid: torch.Tensor | None) -> bool:
         return not bool(mask.all())
     padded, bad = torch.stack((mask.all().logical_not(), invalid)).tolist()
     if bad:
-        raise ValueError("prompt_mask must contain only 0 and 1 (or be a bool tensor)")
+        check_mask_flag("prompt_mask", invalid)
     return bool(padded)
 
 
