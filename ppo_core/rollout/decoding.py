@@ -273,6 +273,11 @@ class StaticCacheDecoder:
             self._graph(state, self._kv_lens(state, 1, self._group_length(state, 1, r)), sample)
         # the previous generation's graphs, destroyed while the device runs this prefill (see _retire)
         self._retired.clear()
+        if not state.graphs:
+            # a private memory pool lives while a graph captured in it does: with the previous generation's graphs
+            # gone and none captured in it by this one (another shape or settings, or not warm), the handle names a
+            # freed pool, and capturing into it fails; the next capture starts a new pool
+            self._pool = None
         # no synchronisation here: the host queues the first decode steps while the device finishes the prefill
         clock.mark()
 

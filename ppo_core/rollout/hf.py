@@ -8,7 +8,11 @@ Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_ca
   model's eager forward does, and by default the q/k/v and gate/up projections as one GEMM each over weights
   concatenated for the rollout (``fuse_projections``), so a decode step is about 11 kernels per layer. The rotary
   tables come from the model's own ``rotary_emb`` (any ``rope_scaling`` it supports). The model's own arithmetic:
-  on the CPU the same tokens and log-probs as its own modules through the cache, bit for bit, in fp32 and bf16.
+  on the CPU the same tokens and log-probs as its own modules through the cache, bit for bit, in fp32 and bf16. On
+  CUDA in half precision a forward of several tokens (the prefill) adds the residual in the output and down
+  projections' GEMMs (``addmm``) and normalises the sum alone, where the model adds the rounded product in a kernel
+  of its own (:meth:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop._adds_residual_in_products`; the decode step's
+  products add in their epilogues).
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
   model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
@@ -44,7 +48,7 @@ from ppo_core.rollout.decode_linear import (
     fold_norm_weights,
     row_sumsq,
 )
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
 from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core.rollout.eager_rounding import (
     add_rms_norm_as_model,
@@ -205,8 +209,19 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return invariant_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
 
-    def _layer(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        return self._linear(x, layer.weight, layer.bias)
+    def _layer(
+        self,
+        x: torch.Tensor,
+        layer: nn.Linear,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        """``layer(x)``, or ``residual`` plus it (one GEMM where the layer has no bias, see :func:`add_linear_`)."""
+        if residual is None:
+            return self._linear(x, layer.weight, layer.bias)
+        if layer.bias is None:
+            return add_linear_(residual, x, layer.weight, inplace=inplace)
+        return residual + self._linear(x, layer.weight, layer.bias)
 
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.batch_invariant:
@@ -230,13 +245,25 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_qkv(qkv, self.heads, self.kv_heads, self.head_dim)
 
-    def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self,
+        i: int,
+        layer: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
         mlp = layer.mlp
         if self._fused is not None:
             gate, up = self._linear(x, *self._group(i, 1)).chunk(2, dim=-1)
         else:
             gate, up = self._layer(x, mlp.gate_proj), self._layer(x, mlp.up_proj)
-        return self._layer(silu_mul_as_model(gate, up), mlp.down_proj)
+        return self._layer(silu_mul_as_model(gate, up), mlp.down_proj, residual, inplace)
+
+    def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
+        # on CUDA in half precision, where the decode step's products already add in their epilogue (on the CPU the
+        # forward keeps the model's roundings: each product and each sum, bit for bit)
+        return h.is_cuda and h.dtype in (torch.float16, torch.bfloat16) and not self.batch_invariant
 
     def _fused_step_applies(self, h: torch.Tensor) -> bool:
         return (
@@ -299,11 +326,17 @@ class _LlamaFamilyForward(DecoderLayerLoop):
 
         return attend
 
-    def _attention_output(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
-        return self._layer(out, layer.self_attn.o_proj)
+    def _attention_output(
+        self,
+        layer: nn.Module,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        return self._layer(out, layer.self_attn.o_proj, residual, inplace)
 
-    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
-        last = self._rms_norm(h_last + delta_last, self.body.norm)
+    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor | None) -> torch.Tensor:
+        last = self._rms_norm(h_last if delta_last is None else h_last + delta_last, self.body.norm)
         if self.batch_invariant:
             return self._layer(last, self.lm_head)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)

@@ -138,6 +138,37 @@ def test_a_warm_generation_captures_during_the_prefill_and_draws_the_same_tokens
         assert decoder._retired == [] and decoder._pool is None
 
 
+@pytest.mark.parametrize("keep_cache", [False, True])
+def test_generations_of_other_shapes_and_settings_keep_their_graphs(keep_cache):
+    """Generations that alternate shapes and settings (a training rollout, a validation rollout, a smaller batch)
+    capture graphs every time: each first call of a key decodes its first step eagerly and captures the rest, each
+    repeated call captures during its prefill, and every call draws what a fresh engine draws. (Destroying the
+    previous generation's graphs frees their memory pool; a generation that captures after that needs a new one:
+    capturing into the freed pool failed and left the engine decoding eagerly.)"""
+    from ppo_core.rollout.hf import HFRolloutEngine
+
+    model = _model(torch.float32)
+    ids, mask = _prompts(8, 40)
+    calls = [
+        (ids, mask, SamplingConfig(max_new_tokens=20, temperature=1.0)),
+        (ids, mask, SamplingConfig(max_new_tokens=12, temperature=0.0)),
+        (ids[:4], mask[:4], SamplingConfig(max_new_tokens=20, temperature=1.0)),
+        (ids, mask, SamplingConfig(max_new_tokens=20, temperature=1.0)),
+        (ids, mask, SamplingConfig(max_new_tokens=12, temperature=0.0)),
+    ]
+    engine = HFRolloutEngine(model, kv_bucket=32, keep_cache=keep_cache)
+    for i, (p, m, cfg) in enumerate(calls):
+        out = engine.generate(p, m, cfg, generator=torch.Generator("cuda").manual_seed(i))
+        assert engine.decoder.cuda_graphs and engine.stats.cuda_graphs, i
+        assert engine.stats.graphs_captured > 0 or keep_cache, i
+        fresh = HFRolloutEngine(model, kv_bucket=32).generate(
+            p, m, cfg, generator=torch.Generator("cuda").manual_seed(i)
+        )
+        for key in ("responses", "rollout_log_probs"):
+            assert torch.equal(out[key], fresh[key]), (i, key)
+    engine.release()
+
+
 def test_graphs_stop_early_once_every_row_has_finished():
     from ppo_core.rollout.hf import HFRolloutEngine
 

@@ -4,7 +4,11 @@ in place, with fewer kernels per decode step than megatron's ``forward``.
 :class:`MegatronDecodeForward` is the counterpart of the Hugging Face engine's Llama-family path
 (:class:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop` is their shared layer loop). Per layer of a decode step:
 
-- every residual add is fused with the RMSNorm after it (megatron adds, then normalises: two kernels);
+- every residual add is fused with the RMSNorm after it (megatron adds, then normalises: two kernels); on CUDA in
+  half precision at TP = 1 a forward of several tokens (the prefill) adds the residual in the output and down
+  projections' GEMMs instead and normalises the sum alone
+  (:meth:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop._adds_residual_in_products`), the same add and norm with
+  half the norm kernel's memory traffic;
 - ``linear_qkv``'s rows, which megatron interleaves per query group (``q_0 .. q_{h/g-1} k v`` for each group),
   are re-laid out as ``[q; k; v]`` once per generation (:meth:`MegatronDecodeForward.refresh`), so that the query
   is a view of the GEMM's output: megatron gathers it out of the interleaved output with a strided copy every
@@ -61,7 +65,7 @@ from ppo_core.rollout.decode_linear import (
     row_sumsq,
     row_sumsq_scaled,
 )
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, split_qkv
+from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
 from ppo_core.rollout.eager_rounding import silu_mul_as_model
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
@@ -382,12 +386,21 @@ class MegatronDecodeForward(DecoderLayerLoop):
         out = F.linear(x, weight)
         return out if bias is None else out + bias
 
-    def _row_parallel(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        """A row-parallel layer (no bias): this rank's partial product, summed over the TP group."""
+    def _row_parallel(
+        self,
+        x: torch.Tensor,
+        linear: nn.Module,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        """A row-parallel layer (no bias): this rank's partial product, summed over the TP group; with ``residual``
+        the residual plus it (at TP = 1 one GEMM, see :func:`~ppo_core.rollout.decoder_loop.add_linear_`)."""
+        if residual is not None and self.tp_size == 1:
+            return add_linear_(residual, x, linear.weight, inplace=inplace)
         out = self._linear(x, linear.weight, None)
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
-        return out
+        return out if residual is None else residual + out
 
     # ----- DecoderLayerLoop hooks ---------------------------------------------------------------------------
 
@@ -428,16 +441,42 @@ class MegatronDecodeForward(DecoderLayerLoop):
 
         return attend
 
-    def _attention_output(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
-        return self._row_parallel(out, layer.self_attention.linear_proj)
+    def _attention_output(
+        self,
+        layer: nn.Module,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        return self._row_parallel(out, layer.self_attention.linear_proj, residual, inplace)
 
-    def _mlp(self, i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self,
+        i: int,
+        layer: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        inplace: bool = False,
+    ) -> torch.Tensor:
         mlp = layer.mlp
         gate, up = self._linear(x, mlp.linear_fc1.weight, None).chunk(2, dim=-1)  # [gate; up] per TP rank
-        return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2)
+        return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2, residual, inplace)
 
-    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor) -> torch.Tensor:
-        _, last = self._add_rms_norm(h_last, delta_last, self._final_norm())  # [B, D]
+    def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
+        # on CUDA in half precision at TP = 1 (with TP the residual add follows the all-reduce), where the decode
+        # step's products already add in their epilogue; the CPU keeps megatron's roundings
+        return (
+            h.is_cuda
+            and h.dtype in (torch.float16, torch.bfloat16)
+            and self.tp_size == 1
+            and not self.batch_invariant
+        )
+
+    def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor | None) -> torch.Tensor:
+        if delta_last is None:
+            last = self._rms_norm(h_last, self._final_norm())  # [B, D]
+        else:
+            _, last = self._add_rms_norm(h_last, delta_last, self._final_norm())  # [B, D]
         # [B, V_p / TP], model dtype (sampling reads it in fp32)
         logits = self._linear(last, self._output_weight(), None)
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)

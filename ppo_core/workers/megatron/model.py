@@ -95,10 +95,14 @@ class SDPACoreAttention(nn.Module):
         self.kv_cache_layer = 0
 
     def _rotary_tables(self, s: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rotary is None or self._rotary[0].shape[0] < s or self._rotary[0].device != device:
-            self._rotary = rotary_tables(s, d, self.rotary_base, device)
+        self._build_rotary(s, d, device)
         cos, sin = self._rotary
         return cos[:s], sin[:s]
+
+    def _build_rotary(self, s: int, d: int, device: torch.device) -> None:
+        """(Re)build the tables when they are missing, shorter than ``s`` or on another device."""
+        if self._rotary is None or self._rotary[0].shape[0] < s or self._rotary[0].device != device:
+            self._rotary = rotary_tables(s, d, self.rotary_base, device)
 
     def forward(
         self,
@@ -165,8 +169,8 @@ class SDPACoreAttention(nn.Module):
 
     def prepare_rotary(self, max_position: int, head_dim: int, device: torch.device) -> None:
         """Build the rotary tables for positions ``0 .. max_position - 1`` (before a graph is captured)."""
-        if self.rotary_base is not None:
-            self._rotary_tables(max_position, head_dim, device)
+        if self.rotary_base is not None:  # no views of the tables made: a rollout calls this for every layer
+            self._build_rotary(max_position, head_dim, device)
 
     def _cached(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attention through ``self.kv_cache`` (:class:`ppo_core.rollout.kv_cache.KVCache`): ``query [s, b, h, d]``,
