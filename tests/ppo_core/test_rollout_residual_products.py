@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from ppo_core.rollout import SamplingConfig
 from ppo_core.rollout.decoder_loop import DecoderLayerLoop, add_linear_
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-VOCAB = 61
+from test_rollout_cached import _hf, _left_padded  # tiny HF models and left-padded prompts
 
 
 def _reference(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -78,29 +78,6 @@ def test_add_linear_propagates_non_finite_inputs_and_takes_empty_batches():
 def test_add_linear_names_the_shapes_it_cannot_combine(h, x, w):
     with pytest.raises(ValueError, match=r"h \(2, 3\)"):
         add_linear_(torch.zeros(h), torch.zeros(x), torch.zeros(w), inplace=True)
-
-
-def _hf(kind: str) -> torch.nn.Module:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(1)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
-
-
-def _left_padded(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, width + 1, (batch,), generator=g)
-    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
-    return torch.randint(1, VOCAB, (batch, width), generator=g) * mask, mask
 
 
 def _spy_adds(monkeypatch, module) -> list[bool]:
