@@ -88,6 +88,9 @@ class DecoderLayerLoop:
     """
 
     batch_invariant: bool = False
+    residual_in_products: bool = False
+    """Whether the subclass's :meth:`_attention_output` and :meth:`_mlp` take ``residual`` (see
+    :meth:`_adds_residual_in_products`)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.batch_invariant = self.batch_invariant
@@ -105,7 +108,6 @@ class DecoderLayerLoop:
         if not layers:
             raise ValueError("the decoder has no layers")
         fused_add = self._adds_residual_in_products(h)
-        own = False  # whether h is a tensor of this forward's own (the embedding's output may be shared)
         delta = None  # what the previous sub-layer adds to the residual stream h, where no product added it
         for i, layer in enumerate(layers):
             norm1, norm2 = self._norms(layer)
@@ -124,9 +126,10 @@ class DecoderLayerLoop:
                 cache.last_query_only = False
             if last_only:
                 h = h[:, -1:]
-            if fused_add:  # the products add the residual (written over it once h is this forward's own)
-                h = self._attention_output(layer, attn, residual=h, inplace=own)
-                own = True
+            if fused_add:
+                # the products add the residual, written over it from the first layer's output projection on (the
+                # embedding's output, which it reads, may be shared: that one add writes a new tensor)
+                h = self._attention_output(layer, attn, residual=h, inplace=i > 0)
                 x = self._rms_norm(h, norm2)
                 h = self._mlp(i, layer, x, residual=h, inplace=True)
             else:
@@ -136,8 +139,15 @@ class DecoderLayerLoop:
 
     def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
         """Whether a forward of ``h [B, S, D]`` calls :meth:`_attention_output` and :meth:`_mlp` with the residual
-        stream, which they add in their product (see the module docstring); never, unless a subclass does."""
-        return False
+        stream, which they add in their product (see the module docstring): where the subclass opts in
+        (:attr:`residual_in_products`), on CUDA in half precision, where the decode step's products already add in
+        their epilogue (the CPU keeps the models' roundings: each product and each sum), and not batch-invariantly."""
+        return (
+            self.residual_in_products
+            and h.is_cuda
+            and h.dtype in (torch.float16, torch.bfloat16)
+            and not self.batch_invariant
+        )
 
     # ----- hooks ---------------------------------------------------------------------------------------------
 

@@ -126,6 +126,8 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     the concatenation costs little more than the largest of its parts.
     """
 
+    residual_in_products = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -259,11 +261,6 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         else:
             gate, up = self._layer(x, mlp.gate_proj), self._layer(x, mlp.up_proj)
         return self._layer(silu_mul_as_model(gate, up), mlp.down_proj, residual, inplace)
-
-    def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
-        # on CUDA in half precision, where the decode step's products already add in their epilogue (on the CPU the
-        # forward keeps the model's roundings: each product and each sum, bit for bit)
-        return h.is_cuda and h.dtype in (torch.float16, torch.bfloat16) and not self.batch_invariant
 
     def _fused_step_applies(self, h: torch.Tensor) -> bool:
         return (

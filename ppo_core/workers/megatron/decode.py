@@ -165,6 +165,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
     follow the training updates) and :meth:`free` after it.
     """
 
+    residual_in_products = True
+
     def __init__(
         self,
         module: nn.Module,
@@ -463,14 +465,8 @@ class MegatronDecodeForward(DecoderLayerLoop):
         return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2, residual, inplace)
 
     def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
-        # on CUDA in half precision at TP = 1 (with TP the residual add follows the all-reduce), where the decode
-        # step's products already add in their epilogue; the CPU keeps megatron's roundings
-        return (
-            h.is_cuda
-            and h.dtype in (torch.float16, torch.bfloat16)
-            and self.tp_size == 1
-            and not self.batch_invariant
-        )
+        # at TP = 1 only: with TP the residual add follows the all-reduce
+        return self.tp_size == 1 and super()._adds_residual_in_products(h)
 
     def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor | None) -> torch.Tensor:
         if delta_last is None:
