@@ -2,7 +2,7 @@
 
 The math is pure functions on ``[B, T]`` tensors (``B`` responses, ``T`` response tokens); the trainer is written
 once against a small backend protocol. Subpackages: ``advantages``, ``losses``, ``batch``, ``metrics``,
-``workers``, ``rollout``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; batch key names in ``keys``;
+``workers``, ``rollout``, ``rollout_correction``, ``backends``, ``trainer``, ``models``, ``kernels``, ``testing``; batch key names in ``keys``;
 with the ``hf`` extra, ``data`` (prompt datasets), ``rewards`` (rule-based scorers), ``models.hf`` (Hugging Face
 checkpoints in and out) and ``examples`` (offline example data).
 """
@@ -49,6 +49,7 @@ from ppo_core.losses import (
     register_policy_loss,
 )
 from ppo_core.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from ppo_core.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from ppo_core.trainer import BasePPOTrainer, PPOConfig
 from ppo_core.workers import ColocatedWorker, Dispatch, Worker, WorkerGroup, WorkerSpec, register
 
@@ -71,6 +72,7 @@ __all__ = [
     "LocalWorkerGroup",
     "PPOConfig",
     "PolicyLossConfig",
+    "RolloutCorrectionConfig",
     "Worker",
     "WorkerGroup",
     "WorkerSpec",
@@ -90,6 +92,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
+    "compute_rollout_correction",
     "compute_value_loss",
     "entropy_from_logits",
     "get_advantage_estimator",

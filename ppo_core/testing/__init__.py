@@ -49,6 +49,7 @@ from ppo_core.testing.loss_oracles import (
     value_loss_oracle,
     vanilla_policy_loss_oracle,
 )
+from ppo_core.testing.rollout_correction_oracles import rollout_correction_oracle
 from ppo_core.testing.strategies import PPOBatch, group_ids, mask_rows, ppo_batches, response_masks
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "remax_oracle",
     "response_masks",
     "rloo_oracle",
+    "rollout_correction_oracle",
     "sapo_policy_loss_oracle",
     "td_batches",
     "uid_texts",
