@@ -1,4 +1,5 @@
-"""``AlgorithmConfig``: advantage estimator, discounting and in-reward KL settings (verl's ``algorithm`` section).
+"""``AlgorithmConfig``: advantage estimator, discounting, in-reward KL and rollout correction settings (verl's
+``algorithm`` section).
 
 Defaults are verl's (``gamma = lam = 1``: undiscounted returns over a response, the usual choice for LLM
 post-training, not the 0.99 / 0.95 of control tasks). The policy-loss knobs live in
@@ -14,6 +15,7 @@ from typing import Literal
 from ppo_core._checks import check_choice, check_unit_interval
 from ppo_core._config_base import ConfigBase
 from ppo_core.kl_control import KLConfig
+from ppo_core.rollout_correction.config import RolloutCorrectionConfig
 
 __all__ = ["IN_REWARD_KL_ESTIMATORS", "AlgorithmConfig", "InRewardKLEstimator"]
 
@@ -66,6 +68,9 @@ class AlgorithmConfig(ConfigBase):
     """KL estimator for the in-reward penalty, one of :data:`IN_REWARD_KL_ESTIMATORS` (verl's default: k1)."""
     kl_ctrl: KLConfig = field(default_factory=KLConfig)
     """Controller of the in-reward KL coefficient beta (fixed or adaptive)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection against the rollout/training mismatch (off by default; ``docs/semantics.md``,
+    "Rollout correction")."""
 
     def __post_init__(self) -> None:
         # (field types are checked by ConfigBase before this runs)

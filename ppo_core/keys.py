@@ -64,6 +64,9 @@ class BatchKeys:
     """``[B, R]`` float: advantage of each response token (0 on masked positions)."""
     returns: str = "returns"
     """``[B, R]`` float: regression target of the critic (0 on masked positions)."""
+    rollout_is_weights: str = "rollout_is_weights"
+    """``[B, R]`` float: importance weights of the rollout correction (truncated ``pi_old / pi_rollout``), which
+    multiply the per-token policy loss (:func:`~ppo_core.rollout_correction.compute_rollout_correction`)."""
 
     # ---- per-response fields (non-tensor unless noted)
     uid: str = "uid"

@@ -1,8 +1,9 @@
 """``BasePPOTrainer``: the PPO loop written once, for any backend; subclasses only implement ``init_workers()``.
 
 One step, in verl's order (:meth:`BasePPOTrainer.train_step`): sample ``n`` responses per prompt (one ``uid`` per
-prompt) -> start the reward (sync, or a Future/awaitable awaited later) -> old log-probs -> reference log-probs
--> values -> in-reward KL (``apply_kl_penalty``) -> advantages (registry) -> critic update -> actor update
+prompt) -> start the reward (sync, or a Future/awaitable awaited later) -> old log-probs -> rollout correction
+(``algorithm.rollout_correction``: importance weights, and the rejected tokens that leave the actor's losses) ->
+reference log-probs -> values -> in-reward KL (``apply_kl_penalty``) -> advantages (registry) -> critic update -> actor update
 (after ``critic_warmup`` steps) -> metrics -> validation (every ``test_freq`` steps and at the end) ->
 checkpoint (every ``save_freq`` steps and at the end) -> log. The step's metrics include the reward per data
 source with the reward function's numeric extra infos (``reward/{source}/score/mean``, ``reward/{source}/acc/mean``:
@@ -32,6 +33,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ppo_core.batch import repeat_interleave
+from ppo_core.batch._td import _shallow_copy
 from ppo_core.keys import KEYS
 from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
 from ppo_core.losses import agg_loss
@@ -43,6 +45,7 @@ from ppo_core.metrics import (
     rollout_probs_diff_metrics,
 )
 from ppo_core.rewards.metrics import reward_metrics_by_source
+from ppo_core.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
@@ -253,11 +256,17 @@ class BasePPOTrainer(abc.ABC):
             batch = merge_generation(prompts, generated)
             with timer("reward"):
                 reward = call_reward_fn(self.reward_fn, batch, step, self._executor)
-            if cfg.rollout.old_log_probs_from_rollout:
+            correction = cfg.algorithm.rollout_correction
+            if cfg.rollout.old_log_probs_from_rollout or correction.bypass_mode:
                 if KEYS.rollout_log_probs not in batch:
+                    setting = (
+                        "algorithm.rollout_correction.bypass_mode"
+                        if correction.bypass_mode
+                        else "rollout.old_log_probs_from_rollout"
+                    )
                     raise ValueError(
-                        "rollout.old_log_probs_from_rollout=True, but generate_sequences returned no "
-                        f"{KEYS.rollout_log_probs!r}; it returned {sorted(generated.keys())}"
+                        f"{setting}=True, but generate_sequences returned no {KEYS.rollout_log_probs!r}; it "
+                        f"returned {sorted(generated.keys())}"
                     )
                 batch.set(KEYS.old_log_probs, batch[KEYS.rollout_log_probs])
             else:
@@ -277,6 +286,10 @@ class BasePPOTrainer(abc.ABC):
                             batch[KEYS.response_mask],
                         )
                     )
+            policy_mask = None  # the response mask of the actor's losses, when the rollout correction rejects
+            if correction.enabled:
+                batch, policy_mask, corr_metrics = _rollout_correction(batch, correction, generated)
+                metrics.update(corr_metrics)
             if cfg.use_reference:
                 with timer("ref"):
                     out = self._reference_group().compute_ref_log_prob(batch)
@@ -302,7 +315,11 @@ class BasePPOTrainer(abc.ABC):
                     metrics.update(self.critic_wg.update_critic(batch))
             if step > cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(self.actor_wg.update_actor(batch))
+                    actor_batch = batch
+                    if policy_mask is not None:
+                        actor_batch = _shallow_copy(batch)
+                        actor_batch.set(KEYS.response_mask, policy_mask)
+                    metrics.update(self.actor_wg.update_actor(actor_batch))
         timing = timer.reset()
         metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
         metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
@@ -390,6 +407,26 @@ class BasePPOTrainer(abc.ABC):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+
+
+def _rollout_correction(
+    batch: TensorDictBase, config: RolloutCorrectionConfig, generated: TensorDictBase
+) -> tuple[TensorDictBase, torch.Tensor | None, dict[str, float]]:
+    """``batch`` with ``rollout_is_weights`` (when asked for), the actor's response mask without the rejected
+    tokens (None without rejection) and the ``rollout_corr/*`` metrics."""
+    if KEYS.rollout_log_probs not in batch:
+        raise ValueError(
+            "algorithm.rollout_correction asks for importance weights or rejection, which compare the old "
+            f"log-probs with the rollout's, but generate_sequences returned no {KEYS.rollout_log_probs!r}; it "
+            f"returned {sorted(generated.keys())}"
+        )
+    weights, mask, metrics = compute_rollout_correction(
+        batch[KEYS.old_log_probs], batch[KEYS.rollout_log_probs], batch[KEYS.response_mask], config
+    )
+    if weights is not None:
+        batch = _shallow_copy(batch)
+        batch.set(KEYS.rollout_is_weights, weights)
+    return batch, (mask if config.rollout_rs is not None else None), metrics
 
 
 def _data_sources(batch: TensorDictBase) -> list[str]:

@@ -45,7 +45,7 @@ def actor_loss(
 
     Args:
         micro: ``old_log_probs``, ``advantages``, ``response_mask`` ``[b, R]`` (and ``ref_log_probs`` with
-            ``config.use_kl_loss``).
+            ``config.use_kl_loss``; ``rollout_is_weights``, when present, multiply the per-token policy loss).
         outputs: the policy engine's ``log_probs [b, R]`` (differentiated) and, when ``config.entropy_coeff > 0``,
             ``entropy [b, R]``.
         config: the actor's settings.
@@ -59,8 +59,15 @@ def actor_loss(
     """
     mode = config.policy_loss.loss_agg_mode
     log_probs, mask = outputs[LOG_PROBS], micro[KEYS.response_mask]
+    weights = micro.get(KEYS.rollout_is_weights) if KEYS.rollout_is_weights in micro else None
     pg_loss, pg_metrics = compute_policy_loss(
-        micro[KEYS.old_log_probs], log_probs, micro[KEYS.advantages], mask, config=config.policy_loss, **agg
+        micro[KEYS.old_log_probs],
+        log_probs,
+        micro[KEYS.advantages],
+        mask,
+        config=config.policy_loss,
+        rollout_is_weights=weights,
+        **agg,
     )
     loss = pg_loss
     metrics = {"actor/pg_loss": pg_loss.detach()}

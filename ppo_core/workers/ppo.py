@@ -72,7 +72,7 @@ GENERATE_KEYS = (KEYS.input_ids, KEYS.attention_mask)
 FORWARD_KEYS = (KEYS.input_ids, KEYS.attention_mask, KEYS.responses)
 """What ``compute_log_prob`` / ``compute_ref_log_prob`` read."""
 ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.old_log_probs, KEYS.advantages)
-"""What ``update_actor`` reads (plus ``ref_log_probs`` with the KL loss)."""
+"""What ``update_actor`` reads (plus ``ref_log_probs`` with the KL loss, and ``rollout_is_weights`` when given)."""
 CRITIC_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.values, KEYS.returns)
 """What ``update_critic`` reads."""
 
@@ -353,7 +353,9 @@ class PPOActorWorker(PPOWorkerBase):
 
         Args:
             batch: ``input_ids``, ``attention_mask``, ``responses``, ``response_mask``, ``old_log_probs``,
-                ``advantages`` (and ``ref_log_probs`` when ``use_kl_loss``).
+                ``advantages`` (and ``ref_log_probs`` when ``use_kl_loss``; ``rollout_is_weights``, when present,
+                multiply the per-token policy loss). The ``response_mask`` decides every loss term and the global
+                token counts: the trainer passes it with the rollout correction's rejected tokens removed.
 
         Returns:
             Means over optimiser steps: ``actor/pg_loss`` and the policy loss's metrics (``actor/pg_clipfrac``,
@@ -362,10 +364,11 @@ class PPOActorWorker(PPOWorkerBase):
             ``old_log_probs - ref_log_probs`` over valid tokens) when the batch has ``ref_log_probs``.
         """
         cfg = self.config
-        with_ref = (*ACTOR_UPDATE_KEYS, KEYS.ref_log_probs)
-        check_keys(batch, with_ref if cfg.use_kl_loss else ACTOR_UPDATE_KEYS, "update_actor")
+        check_keys(batch, (*ACTOR_UPDATE_KEYS, KEYS.ref_log_probs) if cfg.use_kl_loss else ACTOR_UPDATE_KEYS,
+                   "update_actor")  # fmt: skip
         has_ref = KEYS.ref_log_probs in batch
-        batch = batch.select(*(with_ref if has_ref else ACTOR_UPDATE_KEYS)).to(self.engine.device)
+        optional = [key for key in (KEYS.ref_log_probs, KEYS.rollout_is_weights) if key in batch]
+        batch = batch.select(*ACTOR_UPDATE_KEYS, *optional).to(self.engine.device)
         spec = OutputSpec(temperature=self._temperature(), entropy=bool(cfg.entropy_coeff))
         metrics = self._update(batch, "update_actor", functools.partial(actor_loss, config=cfg), spec)
         if has_ref:

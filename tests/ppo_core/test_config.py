@@ -52,6 +52,16 @@ def test_defaults_are_verls() -> None:
         "use_kl_in_reward": False,
         "kl_penalty": "kl",
         "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000},
+        # verl's algorithm/rollout_correction.yaml
+        "rollout_correction": {
+            "rollout_is": None,
+            "rollout_is_threshold": 2.0,
+            "rollout_is_batch_normalize": False,
+            "rollout_rs": None,
+            "rollout_rs_threshold": None,
+            "bypass_mode": False,
+            "loss_type": "ppo_clip",
+        },
     }
     assert AlgorithmConfig.from_dict({}) == cfg
     assert AlgorithmConfig.from_dict(None) == cfg

@@ -29,6 +29,7 @@ from ppo_core.kl_control import KLConfig
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.models import TinyGPTConfig
 from ppo_core.rollout import SamplingConfig
+from ppo_core.rollout_correction import RolloutCorrectionConfig
 from ppo_core.trainer.config import (
     ActorConfig,
     CriticConfig,
@@ -67,6 +68,7 @@ _MODEL = {
 REQUIRED: dict[type, dict[str, typing.Any]] = {
     AlgorithmConfig: {},
     KLConfig: {},
+    RolloutCorrectionConfig: {},
     PolicyLossConfig: {},
     DataConfig: {},
     ActorConfig: {},
