@@ -92,6 +92,11 @@ def _only(*allowed: Any, reason: str) -> Callable[[Any, Reader], Any]:
     return convert
 
 
+def _bypass_loss_type(value: Any, get: Reader) -> Any:
+    """verl reads ``rollout_correction.loss_type`` in the bypass mode only."""
+    return value if get("algorithm.rollout_correction.bypass_mode") is True else SKIP
+
+
 def _int(value: Any, key: str) -> int:
     """``value`` if it is an int; :class:`Unsupported` naming ``key`` otherwise (it is used in arithmetic)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -466,20 +471,23 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.kl_ctrl.horizon", 10000, ("algorithm.kl_ctrl.horizon",)),
     Rule("algorithm.kl_ctrl.target_kl", 0.1, ("algorithm.kl_ctrl.target_kl",)),
     Rule("algorithm.use_pf_ppo", False, convert=_only(False, reason="PF-PPO reweighting is not implemented")),
-    Rule(
-        "algorithm.rollout_correction.rollout_is",
-        None,
-        convert=_only(None, reason="rollout importance-sampling correction is not wired into the trainer"),
+    *(
+        Rule(f"algorithm.rollout_correction.{name}", default, (f"algorithm.rollout_correction.{name}",))
+        for name, default in (
+            ("rollout_is", None),
+            ("rollout_is_threshold", 2.0),
+            ("rollout_is_batch_normalize", False),
+            ("rollout_rs", None),
+            ("rollout_rs_threshold", None),
+            ("bypass_mode", False),
+        )
     ),
     Rule(
-        "algorithm.rollout_correction.rollout_rs",
-        None,
-        convert=_only(None, reason="rollout rejection sampling is not implemented"),
-    ),
-    Rule(
-        "algorithm.rollout_correction.bypass_mode",
-        False,
-        convert=_only(False, reason="the bypass mode (no old log-prob pass) is not implemented"),
+        "algorithm.rollout_correction.loss_type",
+        "ppo_clip",
+        ("algorithm.rollout_correction.loss_type",),
+        _bypass_loss_type,
+        doc="copied with `bypass_mode` (only ppo_clip); ignored without it, as in verl",
     ),
     # ----- actor: loss
     Rule(f"{A}.clip_ratio", 0.2, ("actor.worker.policy_loss.clip_ratio",)),
@@ -743,7 +751,6 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("transfer_queue", _ENGINE),
     # algorithm
     ("algorithm.pf_ppo", "read with algorithm.use_pf_ppo"),
-    ("algorithm.rollout_correction", "read with rollout_is, rollout_rs and bypass_mode"),
     # data
     ("data.tokenizer", _INPUT),
     ("data.use_shm", _ENGINE),

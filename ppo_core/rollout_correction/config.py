@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ppo_core._checks import check_positive
+from ppo_core._checks import FieldValueError, check_positive
 from ppo_core._config_base import ConfigBase
 
 __all__ = ["ROLLOUT_RS_OPTIONS", "RejectionBound", "RolloutCorrectionConfig", "parse_rollout_rs"]
@@ -50,6 +50,10 @@ class RejectionBound:
     upper: float
 
 
+def _threshold_error(spec: str, option: str, problem: str) -> FieldValueError:
+    return FieldValueError("rollout_rs_threshold", f": entry {spec!r} of option {option!r} {problem}")
+
+
 def _parse_k1(spec: str, option: str) -> tuple[float, float]:
     lower_text, sep, upper_text = spec.partition("_")
     if not sep:  # one number: the upper ratio bound; the lower one is its reciprocal (verl)
@@ -60,14 +64,11 @@ def _parse_k1(spec: str, option: str) -> tuple[float, float]:
         upper = float(upper_text)
         lower = 1.0 / upper if not sep else float(lower_text)
     except (ValueError, ZeroDivisionError):
-        raise ValueError(
-            f"rollout_rs_threshold entry {spec!r} of option {option!r} must be a positive number or "
-            "'lower_upper' (e.g. '0.5_2.0')"
+        raise _threshold_error(
+            spec, option, "must be a positive number or 'lower_upper' (e.g. '0.5_2.0')"
         ) from None
     if not (math.isfinite(lower) and math.isfinite(upper) and 0 < lower <= upper):
-        raise ValueError(
-            f"rollout_rs_threshold entry {spec!r} of option {option!r} needs 0 < lower <= upper, both finite"
-        )
+        raise _threshold_error(spec, option, "needs 0 < lower <= upper, both finite")
     return math.log(lower), math.log(upper)
 
 
@@ -84,22 +85,23 @@ def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) 
     """
     options = list(dict.fromkeys(part.strip() for part in rollout_rs.split(",") if part.strip()))
     if not options:
-        raise ValueError(f"rollout_rs={rollout_rs!r} names no rejection option")
+        raise FieldValueError("rollout_rs", f"={rollout_rs!r} names no rejection option")
     unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
     if unknown:
-        raise ValueError(
-            f"rollout_rs has unknown option(s) {unknown}; valid: {', '.join(ROLLOUT_RS_OPTIONS)}"
+        raise FieldValueError(
+            "rollout_rs", f" has unknown option(s) {unknown}; valid: {', '.join(ROLLOUT_RS_OPTIONS)}"
         )
     if rollout_rs_threshold is None:
-        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold")
+        raise FieldValueError("rollout_rs_threshold", f" is needed by rollout_rs={rollout_rs!r}")
     if isinstance(rollout_rs_threshold, str):
         specs = [part.strip() for part in rollout_rs_threshold.split(",") if part.strip()]
     else:
         specs = [repr(float(rollout_rs_threshold))]
     if len(specs) not in (1, len(options)):
-        raise ValueError(
-            f"rollout_rs_threshold={rollout_rs_threshold!r} has {len(specs)} entries; rollout_rs={rollout_rs!r} "
-            f"needs 1 (shared) or {len(options)}"
+        raise FieldValueError(
+            "rollout_rs_threshold",
+            f"={rollout_rs_threshold!r} has {len(specs)} entries; rollout_rs={rollout_rs!r} needs 1 (shared) or "
+            f"{len(options)}",
         )
     specs = specs * len(options) if len(specs) == 1 else specs
     bounds = []
@@ -113,13 +115,9 @@ def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) 
                 raise ValueError
             upper = float(spec)
         except ValueError:
-            raise ValueError(
-                f"rollout_rs_threshold entry {spec!r} of option {option!r} must be one positive upper bound"
-            ) from None
+            raise _threshold_error(spec, option, "must be one positive upper bound") from None
         if not (math.isfinite(upper) and upper > 0):
-            raise ValueError(
-                f"rollout_rs_threshold entry {spec!r} of option {option!r} must be finite and > 0"
-            )
+            raise _threshold_error(spec, option, "must be finite and > 0")
         bounds.append(RejectionBound(option, None, upper))
     return tuple(bounds)
 
@@ -154,21 +152,19 @@ class RolloutCorrectionConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         check_positive("rollout_is_threshold", self.rollout_is_threshold)
-        if self.rollout_rs is not None:
-            try:
-                self.rejection_bounds()
-            except ValueError as err:
-                raise ValueError(f"rollout_rs: {err}") from None
+        self.rejection_bounds()
         if self.loss_type != "ppo_clip":
-            raise ValueError(
-                f"loss_type={self.loss_type!r}: only 'ppo_clip' is implemented (the bypass mode's REINFORCE loss "
-                "needs weights from the policy of each micro-batch)"
+            raise FieldValueError(
+                "loss_type",
+                f"={self.loss_type!r}: only 'ppo_clip' is implemented (the bypass mode's REINFORCE loss needs "
+                "weights from the policy of each micro-batch)",
             )
         if self.bypass_mode and (self.rollout_is is not None or self.rollout_rs is not None):
-            raise ValueError(
-                "bypass_mode=True takes rollout_is=None and rollout_rs=None: with the rollout's log-probs as the "
-                "old policy the weights and filters would need the current policy of every micro-batch, which is "
-                "not implemented (verl's PPO-clip bypass does not apply the weights either)"
+            raise FieldValueError(
+                "bypass_mode",
+                "=True takes rollout_is=None and rollout_rs=None: with the rollout's log-probs as the old policy "
+                "the weights and filters would need the current policy of every micro-batch, which is not "
+                "implemented (verl's PPO-clip bypass does not apply the weights either)",
             )
 
     @property

@@ -443,3 +443,46 @@ def test_sizes_used_in_arithmetic_must_be_ints():
     message = str(err.value)
     assert "actor_rollout_ref.rollout.n must be an int, got str '4'" in message
     assert "actor_rollout_ref.actor.ppo_micro_batch_size must be an int, got float 1.5" in message
+
+
+def test_rollout_correction_converts_one_to_one():
+    fields = {
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 3.0,
+        "rollout_is_batch_normalize": True,
+        "rollout_rs": "seq_sum_k1,token_k3",
+        "rollout_rs_threshold": "0.5_2.0,0.01",
+    }
+    cfg = ppo_config_from_verl(_verl(algorithm={f"rollout_correction.{k}": v for k, v in fields.items()}))
+    got = cfg.algorithm.rollout_correction.to_dict()
+    assert {k: got[k] for k in fields} == fields and got["bypass_mode"] is False
+    assert ppo_config_from_verl({}).algorithm.rollout_correction.enabled is False
+    # verl reads loss_type in the bypass mode only
+    ignored = ppo_config_from_verl(_verl(algorithm={"rollout_correction.loss_type": "reinforce"}))
+    assert ignored.algorithm.rollout_correction.loss_type == "ppo_clip"
+    bypass = ppo_config_from_verl(_verl(algorithm={"rollout_correction.bypass_mode": True}))
+    assert bypass.algorithm.rollout_correction.bypass_mode is True
+    with pytest.raises(
+        ValueError, match=r"verl's algorithm\.rollout_correction\.loss_type='reinforce'.*only 'ppo_clip'"
+    ):
+        ppo_config_from_verl(
+            _verl(
+                algorithm={
+                    "rollout_correction.bypass_mode": True,
+                    "rollout_correction.loss_type": "reinforce",
+                }
+            )
+        )
+    with pytest.raises(
+        ValueError, match=r"rollout_correction\.rollout_rs_threshold='2_0\.5'.*lower <= upper"
+    ):
+        ppo_config_from_verl(
+            _verl(
+                algorithm={
+                    "rollout_correction.rollout_rs": "token_k1",
+                    "rollout_correction.rollout_rs_threshold": "2_0.5",
+                }
+            )
+        )
+    with pytest.raises(ValueError, match=r"rollout_correction\.unknown_key"):
+        ppo_config_from_verl(_verl(algorithm={"rollout_correction.unknown_key": 1}))

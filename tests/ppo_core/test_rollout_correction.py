@@ -256,7 +256,7 @@ def test_bool_and_float_masks_give_the_same_result() -> None:
     ("fields", "match"),
     [
         ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0}, "unknown option"),
-        ({"rollout_rs": "token_k2"}, "needs rollout_rs_threshold"),
+        ({"rollout_rs": "token_k2"}, "rollout_rs_threshold is needed"),
         ({"rollout_rs": "token_k2,seq_max_k3", "rollout_rs_threshold": "1,2,3"}, "needs 1 .shared. or 2"),
         ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_2"}, "one positive upper bound"),
         ({"rollout_rs": "token_k1", "rollout_rs_threshold": "2_0.5"}, "lower <= upper"),
