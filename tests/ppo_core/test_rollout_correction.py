@@ -281,3 +281,22 @@ def test_config_round_trips_and_wrong_config_type() -> None:
     assert not RolloutCorrectionConfig(bypass_mode=True).enabled
     with pytest.raises(TypeError, match="RolloutCorrectionConfig"):
         compute_rollout_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "token")
+
+
+@given(log_prob_pairs(), configs())
+def test_an_empty_row_changes_no_metric(inputs, cfg) -> None:
+    """verl counts a row without a valid token as a row with log-ratio 0 in its row statistics; here it is no row."""
+    old, rollout, mask = inputs
+    if old.shape[1] == 0:
+        return
+    pad = lambda x, v: torch.cat([x, torch.full((1, x.shape[1]), v, dtype=x.dtype)])  # noqa: E731
+    w, kept, metrics = compute_rollout_correction(old, rollout, mask, cfg)
+    w2, kept2, metrics2 = compute_rollout_correction(
+        pad(old, -1.0), pad(rollout, -5.0), pad(mask, False), cfg
+    )
+    assert metrics2.keys() == metrics.keys()
+    for name, value in metrics.items():
+        assert metrics2[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+    assert not bool(kept2[-1].any()) and bool((kept2[:-1] == kept).all())
+    if w is not None:
+        assert bool((w2[-1] == 0).all()) and torch.allclose(w2[:-1], w, rtol=1e-12, atol=0)
