@@ -76,8 +76,9 @@ def parse_rollout_rs(rollout_rs: str, rollout_rs_threshold: str | float | None) 
     """The rejection filters named by ``rollout_rs`` (comma-separated, duplicates dropped, order kept) with their
     bounds from ``rollout_rs_threshold``: one entry shared by every filter, or one per filter (comma-separated).
 
-    A ``k1`` entry is an upper ratio bound ``u`` (accepted: ``1/u <= ratio <= u``) or ``"lower_upper"``; the other
-    filters take one positive upper bound. ``ValueError`` names the bad entry.
+    A ``k1`` entry is an upper ratio bound ``u`` (accepted: ``1/u <= exp(k1) <= u``, with ``exp(k1) = pi_rollout /
+    pi_old`` for a token) or ``"lower_upper"``; the other filters take one positive upper bound. ``ValueError``
+    names the bad entry.
 
     Example:
         >>> parse_rollout_rs("token_k1,seq_max_k3", "0.5_2.0,0.01")[1]
