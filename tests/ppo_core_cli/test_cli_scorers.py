@@ -195,3 +195,16 @@ def test_the_job_reads_timeout_s():
     assert load_job_config(None, ["reward.timeout_s=null"]).reward.timeout_s is None
     with pytest.raises(ValueError, match=r"reward\.timeout_s must be a finite number > 0"):
         load_job_config(None, ["reward.timeout_s=0"])
+
+
+def test_the_readme_scorer_is_a_valid_scorer(tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\n# my_reward.py\n") + len("```python\n")
+    (tmp_path / "readme_reward.py").write_text(readme[start : readme.index("```", start)])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    job = load_job_config(
+        None, ["reward.scorers.s.function=readme_reward:score", "reward.scorers.s.kwargs={b: 1}"]
+    )
+    scorer = resolve_scorers(job, tmp_path / "CONFIG.yaml")["s"]
+    assert scorer("so #### 7", 7, None) == {"score": 1.0, "acc": 1.0}
+    assert scorer("so #### 8", "7", {}) == {"score": 0.0, "acc": 0.0}
