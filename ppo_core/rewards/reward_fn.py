@@ -63,11 +63,12 @@ class ScorerTimeoutError(ScorerError):
 
 
 def scorer_name(scorer: Any) -> str:
-    """``module.qualname`` of a scorer, seeing through ``functools.partial``."""
+    """A readable name for a scorer or a reward function: ``module.qualname``, seeing through
+    ``functools.partial``."""
     fn = getattr(scorer, "func", scorer)
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module and module != "builtins" else name
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
 
 
 def _finite_score(value: Any) -> float:
