@@ -137,11 +137,10 @@ def resolve_scorer(
             raise ValueError(f"{where} must be 'module:function' (both parts non-empty)")
         dirs = scorer_search_path() if search_path is None else list(search_path)
         _put_on_import_path(dirs)
+        # a missing module, or one that fails on import (SyntaxError, its own imports...): one line either way
         try:
             module = importlib.import_module(module_name)
-        except (
-            Exception
-        ) as exc:  # a missing module, or one that fails on import (SyntaxError, its imports...)
+        except Exception as exc:
             looked = ", ".join(dirs) + (", then " if dirs else "") + "the installed packages"
             raise ValueError(
                 f"{where}: cannot import module {module_name!r} (looked in {looked}): {type(exc).__name__}: "
