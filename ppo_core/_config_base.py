@@ -76,6 +76,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _as_plain(value: Any) -> Any:
+    """``value`` with every config inside it (a field, a dict value, a list item) as its :meth:`to_dict`."""
+    if isinstance(value, ConfigBase):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _as_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_as_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_as_plain(v) for v in value]
+    return value
+
+
 def _check_any(value: Any, path: str) -> Any:
     return _plain(value)
 
@@ -308,11 +321,7 @@ class ConfigBase:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain ``dict`` (nested dicts for nested configs) that :meth:`from_dict` turns back into ``self``."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            out[f.name] = value.to_dict() if isinstance(value, ConfigBase) else value
-        return out
+        return {f.name: _as_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any] | None = None) -> T:

@@ -131,7 +131,9 @@ class ScorerConfig(ConfigBase):
 
     function: str = "gsm8k"
     """``gsm8k`` (:func:`ppo_core.rewards.gsm8k_score`), ``math`` (:func:`ppo_core.rewards.math_score`) or
-    ``module:function`` (your own; called as ``function(solution_str, ground_truth, extra_info, **kwargs)``)."""
+    ``module:function`` (your own; called as ``function(solution_str, ground_truth, extra_info, **kwargs)``,
+    returning a float or a dict with a ``score`` float; the module is imported from the config file's directory,
+    then the working directory, then the installed packages)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments bound to it (e.g. ``{method: flexible, format_score: 0.1}`` for ``gsm8k``)."""
 
@@ -150,9 +152,14 @@ class RewardConfig(ConfigBase):
     """Score in a pool of this many processes (overlapping the log-prob passes); 0: in the controller."""
     scorers: dict[str, ScorerConfig] = field(default_factory=dict)
     """``{data_source pattern: scorer}`` taking precedence over the built-in registry (``*gsm8k*``, MATH names)."""
+    timeout_s: float | None = 60.0
+    """Seconds each scorer call (one response) may take; past it the run stops with an error naming the scorer,
+    the data source and the step. None: no deadline."""
 
     def __post_init__(self) -> None:
         check_int("num_workers", self.num_workers, 0)
+        if self.timeout_s is not None:
+            check_positive("timeout_s", self.timeout_s)
 
 
 @dataclass(kw_only=True)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ppo_core.trainer import BasePPOTrainer, PPOConfig
@@ -26,6 +28,8 @@ __all__ = [
     "load_tokenizer",
     "prepare_model",
     "resolve_scorer",
+    "resolve_scorers",
+    "scorer_search_path",
     "worker_specs",
 ]
 
@@ -86,30 +90,121 @@ def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
     return train, val
 
 
-def resolve_scorer(spec: ScorerConfig) -> Any:
-    """The scorer of ``spec``: a built-in (``gsm8k``, ``math``) or ``module:function``, with its kwargs bound."""
+def scorer_search_path(config_path: str | os.PathLike[str] | None = None) -> list[str]:
+    """Where ``module:function`` scorers are imported from, first to last: the config file's directory (when
+    given), then the working directory; both ahead of the installed packages, as Python puts a script's own
+    directory first."""
+    dirs = [os.path.dirname(os.path.abspath(config_path))] if config_path is not None else []
+    dirs.append(os.getcwd())
+    return list(dict.fromkeys(dirs))
+
+
+def _put_on_import_path(dirs: Sequence[str]) -> None:
+    """Put ``dirs`` first on ``sys.path``, in order (one already there stays where it is). ``spawn``ed reward
+    workers inherit ``sys.path``, so they import the same scorer modules."""
+    present = {os.path.abspath(p or os.curdir) for p in sys.path}
+    missing = [d for d in dirs if d not in present]
+    sys.path[:0] = missing
+    if missing:
+        importlib.invalidate_caches()
+
+
+def resolve_scorer(
+    spec: ScorerConfig, *, key: str = "function", search_path: Sequence[str] | None = None
+) -> Any:
+    """The scorer of ``spec``: a built-in (``gsm8k``, ``math``) or ``module:function``, with its kwargs bound.
+
+    Args:
+        spec: the scorer's config.
+        key: its dotted key in the job (``reward.scorers.<pattern>.function``), named in errors.
+        search_path: the directories searched for the module before the installed packages (see
+            :func:`scorer_search_path`, the default); they are put on ``sys.path``.
+
+    Raises:
+        ValueError: one line naming ``key``, the module, the directories searched and the underlying error (the
+            module is missing, raises on import, lacks the function); or the function cannot be called as a
+            scorer with these kwargs.
+    """
     from ppo_core.rewards import gsm8k_score, math_score
 
     builtins = {"gsm8k": gsm8k_score, "math": math_score}
+    where = f"{key}={spec.function!r}"
     if spec.function in builtins:
         fn = builtins[spec.function]
     else:
-        module, _, name = spec.function.partition(":")
+        module_name, _, name = spec.function.partition(":")
+        if not module_name or not name:
+            raise ValueError(f"{where} must be 'module:function' (both parts non-empty)")
+        dirs = scorer_search_path() if search_path is None else list(search_path)
+        _put_on_import_path(dirs)
+        # a missing module, or one that fails on import (SyntaxError, its own imports...): one line either way
         try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"scorer function {spec.function!r} cannot be imported: {exc}") from None
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            looked = ", ".join(dirs) + (", then " if dirs else "") + "the installed packages"
+            raise ValueError(
+                f"{where}: cannot import module {module_name!r} (looked in {looked}): {type(exc).__name__}: "
+                f"{_one_line(exc)}"
+            ) from None
+        fn = module
+        for part in name.split("."):
+            if not hasattr(fn, part):
+                raise ValueError(
+                    f"{where}: module {module_name!r} ({getattr(module, '__file__', None) or 'no file'}) has no "
+                    f"attribute {name!r}"
+                )
+            fn = getattr(fn, part)
         if not callable(fn):
-            raise TypeError(f"scorer function {spec.function!r} is not callable")
+            raise ValueError(f"{where} is not callable: a {type(fn).__name__}")
+    _check_signature(fn, spec, key)
     return functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
 
 
-def build_reward(job: JobConfig, tokenizer: Any) -> Any:
-    """The trainer's reward function: a :class:`~ppo_core.rewards.RuleBasedReward` with the job's scorers."""
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or "(no message)"
+
+
+def _check_signature(fn: Any, spec: ScorerConfig, key: str) -> None:
+    """The scorer is called as ``fn(solution_str, ground_truth, extra_info, **kwargs)``: check that it can be."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some C callables): it shows at the first call
+        return
+    try:
+        signature.bind("", "", None, **spec.kwargs)
+    except TypeError as exc:
+        where = f"{key}={spec.function!r}"
+        if spec.kwargs:
+            where = f"{key.rpartition('.')[0] or 'scorer'}.kwargs={spec.kwargs}"
+        raise ValueError(
+            f"{where}: {spec.function}{signature} cannot be called as a scorer, "
+            f"fn(solution_str, ground_truth, extra_info, **kwargs): {exc}"
+        ) from None
+
+
+def resolve_scorers(job: JobConfig, config_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``{pattern: scorer}`` of ``reward.scorers``, every one imported and checked now (before any model loads).
+
+    ``module:function`` scorers are imported from ``config_path``'s directory, then the working directory, then
+    the installed packages (:func:`scorer_search_path`). Errors (``ValueError``) name the scorer's dotted key.
+    """
+    dirs = scorer_search_path(config_path)
+    return {
+        pattern: resolve_scorer(spec, key=f"reward.scorers.{pattern}.function", search_path=dirs)
+        for pattern, spec in job.reward.scorers.items()
+    }
+
+
+def build_reward(job: JobConfig, tokenizer: Any, scorers: Mapping[str, Any] | None = None) -> Any:
+    """The trainer's reward function: a :class:`~ppo_core.rewards.RuleBasedReward` with the job's scorers
+    (``scorers``: already resolved by :func:`resolve_scorers`; None resolves them here)."""
     from ppo_core.rewards import RuleBasedReward
 
-    scorers = {pattern: resolve_scorer(spec) for pattern, spec in job.reward.scorers.items()}
-    return RuleBasedReward(tokenizer, num_workers=job.reward.num_workers, scorers=scorers)
+    if scorers is None:
+        scorers = resolve_scorers(job)
+    return RuleBasedReward(
+        tokenizer, num_workers=job.reward.num_workers, scorers=scorers, timeout_s=job.reward.timeout_s
+    )
 
 
 def _with_defaults(section: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:

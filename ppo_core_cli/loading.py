@@ -11,7 +11,9 @@ same files, overrides and ``${dotted.key}`` interpolations give the same job (Om
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import numbers
 import os
 import types
 import typing
@@ -155,19 +157,51 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
 
 
 def dump_job_config(job: JobConfig, path: str | os.PathLike[str]) -> str:
-    """Write ``job`` as YAML (every field, interpolations resolved) and return the path."""
+    """Write ``job`` as YAML (every field, interpolations resolved) and return the path.
+
+    The text is built first and then replaces ``path`` atomically (a temporary file in the same directory, then
+    ``os.replace``): a value YAML cannot represent raises ``TypeError`` naming its dotted key, and ``path`` is
+    never left empty or half written.
+    """
     import yaml
 
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(_plain(job.to_dict()), f, sort_keys=False)
+    text = yaml.safe_dump(_plain(job.to_dict(), ""), sort_keys=False)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    # a name of this process's own in the same folder (``os.replace`` is atomic within a file system)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
-def _plain(value: Any) -> Any:
+_YAML_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any, key: str) -> Any:
+    """``value`` as plain YAML data: configs and other dataclasses as mappings (at any depth), tuples as lists,
+    paths as strings; anything else raises ``TypeError`` naming its dotted ``key``."""
+    if isinstance(value, ConfigBase):
+        value = value.to_dict()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+        return [_plain(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, _YAML_SCALARS):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{key}: cannot write a {type(value).__name__} to job.yaml ({value!r})")

@@ -35,6 +35,16 @@ def _load(args: argparse.Namespace):  # -> JobConfig
         raise CommandError(str(exc)) from exc
 
 
+def _resolve_scorers(job, config_path: str) -> dict:
+    """The job's scorers, imported before any model loads: a scorer that cannot be is a one-line error."""
+    from ppo_core_cli.job import resolve_scorers
+
+    try:
+        return resolve_scorers(job, config_path)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+
+
 def _parser() -> argparse.ArgumentParser:
     from ppo_core.examples.make_data import add_arguments
 
@@ -107,10 +117,11 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ppo_core_cli.train import run_train
-
     job = _load(args)
-    result = run_train(job, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
+    scorers = _resolve_scorers(job, args.config)
+    from ppo_core_cli.train import run_train  # torch, transformers...: after the checks that need none
+
+    result = run_train(job, scorers=scorers, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
     line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward

@@ -2,7 +2,8 @@
 
 One run:
 
-1. the model directory (a random-init one first when ``model.init_shape`` asks), the tokenizer, the prompts;
+1. the scorers of ``reward.scorers`` imported (before any model loads), the model directory (a random-init one
+   first when ``model.init_shape`` asks), the tokenizer, the prompts;
 2. the worker settings completed from the tokenizer and the checkpoint (:func:`~ppo_core_cli.job.complete_workers`),
    the job written to ``{checkpoints}/job.yaml`` and ``{run_dir}/job.yaml``;
 3. ``BasePPOTrainer.fit()`` on the local or Monarch backend: progress bar, logs (console, ``metrics.jsonl``,
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ from ppo_core_cli.job import (
     load_tokenizer,
     pad_token_id,
     prepare_model,
+    resolve_scorers,
     worker_specs,
 )
 from ppo_core_cli.loading import dump_job_config
@@ -90,15 +93,25 @@ def _absolute_paths(job: JobConfig) -> JobConfig:
     )
 
 
-def run_train(job: JobConfig, *, timings_json: str | None = None, warmup_steps: int = 1) -> TrainResult:
+def run_train(
+    job: JobConfig,
+    *,
+    scorers: Mapping[str, Any] | None = None,
+    timings_json: str | None = None,
+    warmup_steps: int = 1,
+) -> TrainResult:
     """Run the job (see the module docstring) and return where everything is.
 
     Args:
         job: the job.
+        scorers: ``reward.scorers`` already resolved (:func:`~ppo_core_cli.job.resolve_scorers`); None: resolve
+            them here, first, before any model loads.
         timings_json: also write the step-time breakdown, tokens/s and peak memory to this file.
         warmup_steps: steps left out of the breakdown's means (one-time costs).
     """
     start = time.perf_counter()
+    if scorers is None:
+        scorers = resolve_scorers(job)
     job = _absolute_paths(job)
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
@@ -109,7 +122,7 @@ def run_train(job: JobConfig, *, timings_json: str | None = None, warmup_steps: 
     ppo = job.ppo_config(actor_worker, critic_worker)
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
-    reward = build_reward(job, tokenizer)
+    reward = build_reward(job, tokenizer, scorers)
     trainer = build_trainer(
         job,
         ppo,

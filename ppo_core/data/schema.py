@@ -5,7 +5,8 @@ A row is a mapping with
 - ``prompt`` (the key is configurable): a non-empty list of chat messages, each a mapping with string ``role``
   and ``content`` (other message keys, e.g. ``name``, are kept for the chat template),
 - ``data_source``: a non-empty string; the rule-based reward picks its scorer by it,
-- ``reward_model``: a mapping whose ``ground_truth`` is the reference answer (any non-null value),
+- ``reward_model``: a mapping whose ``ground_truth`` is the reference answer (any non-null value; a number must be
+  finite: a NaN, as a null in a float column reads, is an error),
 - ``extra_info`` (optional): a mapping or null, passed through untouched.
 
 Other columns (``ability``...) are ignored. Errors name the file, the row and the dotted field, e.g.
@@ -14,6 +15,8 @@ Other columns (``ability``...) are ignored. Errors name the file, the row and th
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +131,11 @@ def parse_prompt_row(
     if ground_truth is None and require_ground_truth:
         raise PromptSchemaError(
             origin, "reward_model" if reward_model is None else "reward_model.ground_truth", "missing"
+        )
+    if isinstance(ground_truth, numbers.Real) and not math.isfinite(float(ground_truth)):
+        # a null in a float column reads as NaN: no reference answer, which no scorer can compare with
+        raise PromptSchemaError(
+            origin, "reward_model.ground_truth", f"is {ground_truth!r}; a ground truth must be finite"
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):

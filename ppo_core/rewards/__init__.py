@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ppo_core.rewards._builtin import GSM8K_PATTERNS, MATH_PATTERNS
 from ppo_core.rewards.boxed import boxed_contents, last_boxed_answer
+from ppo_core.rewards.deadline import DEADLINE_SIGNAL, CallDeadline, DeadlineExceeded
 from ppo_core.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score, parse_number
 from ppo_core.rewards.math_normalize import answers_match, normalize_math_answer, rational_value
 from ppo_core.rewards.math_scorer import math_equivalent, math_score, math_verify_available
@@ -24,14 +25,25 @@ from ppo_core.rewards.registry import (
     register_scorer,
     scorer_patterns,
 )
-from ppo_core.rewards.reward_fn import RuleBasedReward, score_rows
+from ppo_core.rewards.reward_fn import (
+    RuleBasedReward,
+    ScorerError,
+    ScorerTimeoutError,
+    score_rows,
+    scorer_name,
+)
 
 __all__ = [
+    "DEADLINE_SIGNAL",
     "GSM8K_PATTERNS",
     "MATH_PATTERNS",
+    "CallDeadline",
+    "DeadlineExceeded",
     "RuleBasedReward",
     "Scorer",
+    "ScorerError",
     "ScorerRegistry",
+    "ScorerTimeoutError",
     "answers_match",
     "boxed_contents",
     "extract_gsm8k_answer",
@@ -48,5 +60,6 @@ __all__ = [
     "register_scorer",
     "reward_metrics_by_source",
     "score_rows",
+    "scorer_name",
     "scorer_patterns",
 ]

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
+from ppo_core.rewards._ground_truth import check_ground_truth
+
 __all__ = ["extract_gsm8k_answer", "gsm8k_score", "parse_number"]
 
 # a number: a sign and/or dollar sign right before it, digits (thousands groups of three, or plain), decimals
@@ -106,12 +108,13 @@ def gsm8k_score(
         ``{"score": float, "acc": 1.0 or 0.0, "pred": the extracted answer as a string ("" when none)}``.
 
     Raises:
-        ValueError: the ground truth is not a number.
+        ValueError: the ground truth is missing (None, empty), NaN or inf, or not a number.
 
     Example:
         >>> gsm8k_score("#### $1,000.00", "1000")
         {'score': 1.0, 'acc': 1.0, 'pred': '1000'}
     """
+    check_ground_truth(ground_truth, "gsm8k_score")
     truth = _ground_truth_value(ground_truth)
     if truth is None:
         raise ValueError(

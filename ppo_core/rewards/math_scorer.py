@@ -25,6 +25,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ppo_core.rewards._ground_truth import check_ground_truth
 from ppo_core.rewards.boxed import last_boxed_answer
 from ppo_core.rewards.math_normalize import answers_match, normalize_math_answer
 
@@ -128,10 +129,14 @@ def math_score(
     Returns:
         ``{"score": float, "acc": 1.0 or 0.0, "pred": the normalised answer ("" when there is no box)}``.
 
+    Raises:
+        ValueError: the ground truth is missing (None, empty), NaN or inf (as :func:`gsm8k_score`).
+
     Example:
         >>> math_score(r"so $x = \\boxed{\\dfrac{1}{2}}$.", "0.5", use_math_verify=False)
         {'score': 1.0, 'acc': 1.0, 'pred': '\\\\frac{1}{2}'}
     """
+    check_ground_truth(ground_truth, "math_score")
     answer = last_boxed_answer(solution_str)
     if answer is None:
         return {"score": 0.0, "acc": 0.0, "pred": ""}

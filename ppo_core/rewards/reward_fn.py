@@ -13,12 +13,18 @@ With ``num_workers=0`` scoring runs in the caller's thread and the result is ret
 after generation and awaits it before the advantages, so slow scorers overlap with the log-prob and value passes.
 Scorers must then be picklable (module-level functions or ``functools.partial`` of them), and a script that
 creates the reward must guard its entry point with ``if __name__ == "__main__":`` (``spawn`` re-imports it).
+
+Errors: every scorer call has a deadline (``timeout_s``, 60 s by default, per call: one hung response is the
+failure to catch, whatever the batch size or the number of workers). A scorer that raises, overruns, or returns
+something other than a finite number (a NaN or inf score included) raises :class:`ScorerError` naming the
+scorer, the row's ``data_source`` and its row; the trainer re-raises it naming the step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import math
 import multiprocessing
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -28,36 +34,92 @@ import torch
 from tensordict import TensorDictBase
 
 import ppo_core.rewards._builtin  # noqa: F401  (registers the built-in scorers)
+from ppo_core.rewards.deadline import CallDeadline, DeadlineExceeded
 from ppo_core.rewards.registry import Scorer, ScorerRegistry, global_registry
 
-__all__ = ["RuleBasedReward", "score_rows"]
+__all__ = ["RuleBasedReward", "ScorerError", "ScorerTimeoutError", "score_rows", "scorer_name"]
 
 Row = tuple[str, Scorer, str, Any, "Mapping[str, Any] | None"]
 """``(data_source, scorer, solution_str, ground_truth, extra_info)``."""
 
 
-def _as_result(value: Any, data_source: str) -> dict[str, Any]:
+class ScorerError(RuntimeError):
+    """A scorer raised, returned something that is not a finite score, or did not return within ``timeout_s``.
+
+    The message names the scorer, the row's ``data_source`` and its row in the batch (the trainer adds the step).
+    Attributes: ``data_source``, ``scorer`` (its name) and ``row``.
+    """
+
+    def __init__(self, message: str, data_source: str, scorer: str, row: int) -> None:
+        super().__init__(f"scorer {scorer} of data_source {data_source!r} (row {row}) {message}")
+        self.message, self.data_source, self.scorer, self.row = message, data_source, scorer, row
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses the process pool
+        return (type(self), (self.message, self.data_source, self.scorer, self.row))
+
+
+class ScorerTimeoutError(ScorerError):
+    """A scorer did not return within the reward's ``timeout_s``."""
+
+
+def scorer_name(scorer: Any) -> str:
+    """A readable name for a scorer or a reward function: ``module.qualname``, seeing through
+    ``functools.partial``."""
+    fn = getattr(scorer, "func", scorer)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
+
+
+def _finite_score(value: Any) -> float:
+    """``value`` as a finite float; ``ValueError`` saying what it is otherwise."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise ValueError(f"returned a score that is not a number: {value!r}")
+    try:
+        score = float(value)
+    except (TypeError, ValueError) as exc:  # e.g. a tensor of several elements
+        raise ValueError(f"returned a score that is not one number: {value!r} ({exc})") from None
+    if not math.isfinite(score):
+        raise ValueError(f"returned a {score} score; a score must be finite")
+    return score
+
+
+def _as_result(value: Any) -> dict[str, Any]:
     if isinstance(value, Mapping):
         if "score" not in value:
-            raise ValueError(f"the scorer of data_source {data_source!r} returned a mapping without 'score'")
+            raise ValueError(f"returned a mapping without 'score' (keys: {sorted(map(str, value))})")
         out = dict(value)
     else:
         out = {"score": value}
-    try:
-        out["score"] = float(out["score"])
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"the scorer of data_source {data_source!r} returned a non-numeric score {out['score']!r}"
-        ) from exc
+    out["score"] = _finite_score(out["score"])
     return out
 
 
-def score_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
+def score_rows(
+    rows: Sequence[Row], timeout_s: float | None = None, first_row: int = 0
+) -> list[dict[str, Any]]:
     """Score ``(data_source, scorer, solution_str, ground_truth, extra_info)`` rows; a dict with ``score`` each.
 
-    Module-level so that a process pool can run it on a chunk of rows.
+    Each call gets ``timeout_s`` seconds (None: no bound; see :class:`~ppo_core.rewards.deadline.CallDeadline`).
+    A scorer that raises, overruns or returns no finite score raises :class:`ScorerError` naming it, the row's
+    data source and its row (``first_row`` + its index here), chained to the scorer's exception. Module-level so
+    that a process pool can run it on a chunk of rows.
     """
-    return [_as_result(scorer(text, truth, extra), source) for source, scorer, text, truth, extra in rows]
+    out = []
+    with CallDeadline(timeout_s) as deadline:
+        for i, (source, scorer, text, truth, extra) in enumerate(rows):
+            where = (source, scorer_name(scorer), first_row + i)
+            try:
+                value = deadline.call(scorer, text, truth, extra)
+            except DeadlineExceeded as exc:
+                raise ScorerTimeoutError(f"{exc} (timeout_s={timeout_s:g})", *where) from None
+            except Exception as exc:
+                raise ScorerError(f"raised {type(exc).__name__}: {exc}", *where) from exc
+            try:
+                out.append(_as_result(value))
+            except ValueError as exc:
+                raise ScorerError(str(exc), *where) from None
+    return out
 
 
 def _collect(results: list[dict[str, Any]]) -> tuple[torch.Tensor, dict[str, list]]:
@@ -77,6 +139,8 @@ class RuleBasedReward:
         scorers: ``{pattern: scorer}`` taking precedence over the global registry (same matching rules), e.g.
             ``{"openai/gsm8k": functools.partial(gsm8k_score, method="flexible")}``.
         skip_special_tokens: drop special tokens (EOS, padding) when decoding.
+        timeout_s: seconds each scorer call may take (None: no bound); past it the call is interrupted and
+            :class:`ScorerTimeoutError` raised (see :mod:`ppo_core.rewards.deadline`).
         mp_context: start method of the pool (``"spawn"`` is safe with threads and CUDA in the parent).
 
     Usage::
@@ -95,6 +159,7 @@ class RuleBasedReward:
         scorers: Mapping[str, Scorer] | None = None,
         skip_special_tokens: bool = True,
         mp_context: str = "spawn",
+        timeout_s: float | None = 60.0,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
@@ -102,6 +167,11 @@ class RuleBasedReward:
             raise ValueError(
                 f"mp_context must be one of {multiprocessing.get_all_start_methods()}, got {mp_context!r}"
             )
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.tokenizer = tokenizer
         self.num_workers = num_workers
         self.skip_special_tokens = skip_special_tokens
@@ -146,7 +216,7 @@ class RuleBasedReward:
         """Scores ``[B]`` (float32) and extra infos; a Future of them when ``num_workers > 0``."""
         rows = self.rows_of(batch)
         if self.num_workers == 0 or not rows:
-            return _collect(score_rows(rows))
+            return _collect(score_rows(rows, self.timeout_s))
         return self._submit(rows)
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -162,7 +232,7 @@ class RuleBasedReward:
         # a few chunks per worker: balances uneven scorer times without a round trip per row
         n_chunks = min(len(rows), 4 * self.num_workers)
         bounds = [len(rows) * i // n_chunks for i in range(n_chunks + 1)]
-        parts = [pool.submit(score_rows, rows[a:b]) for a, b in itertools.pairwise(bounds)]
+        parts = [pool.submit(score_rows, rows[a:b], self.timeout_s, a) for a, b in itertools.pairwise(bounds)]
         return _gather(parts, _collect)
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from ppo_core.rewards.reward_fn import scorer_name as callable_name
+
 __all__ = ["PendingReward", "RewardFunctionError", "call_reward_fn", "scores_to_token_level"]
 
 RewardFn = Callable[[TensorDictBase], Any]
@@ -45,14 +47,6 @@ class RewardFunctionError(RuntimeError):
         self.step = step
         self.batch = batch
         self.reward_fn = reward_fn
-
-
-def callable_name(fn: object) -> str:
-    """A readable name for a reward function: ``module.qualname``, seeing through ``functools.partial``."""
-    fn = getattr(fn, "func", fn)
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
 
 
 def describe_batch(batch: TensorDictBase) -> str:

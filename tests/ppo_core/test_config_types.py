@@ -384,3 +384,23 @@ def test_unsupported_annotation_is_reported_to_the_author():
 )
 def test_trainer_config_round_trips(cfg):
     assert TrainerConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Leaf(ConfigBase):
+    x: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Holder(ConfigBase):
+    by_name: dict[str, _Leaf] = dataclasses.field(default_factory=dict)
+    items: list[_Leaf] = dataclasses.field(default_factory=list)
+    pair: tuple[_Leaf, _Leaf] = (_Leaf(), _Leaf())
+
+
+def test_to_dict_turns_configs_inside_dicts_and_lists_into_dicts():
+    """A ``dict[str, Config]`` / ``list[Config]`` field round-trips through plain data (YAML writes no objects)."""
+    holder = _Holder(by_name={"a": {"x": 1}}, items=[{"x": 2}, _Leaf(x=3)], pair=(_Leaf(x=4), {"x": 5}))
+    plain = holder.to_dict()
+    assert plain == {"by_name": {"a": {"x": 1}}, "items": [{"x": 2}, {"x": 3}], "pair": ({"x": 4}, {"x": 5})}
+    assert _Holder.from_dict(plain) == holder

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
-from ppo_core.rewards import RuleBasedReward, gsm8k_score, math_score, reward_metrics_by_source
+from ppo_core.rewards import RuleBasedReward, ScorerError, gsm8k_score, math_score, reward_metrics_by_source
 from ppo_core.trainer.reward import RewardFunctionError, call_reward_fn
 
 EOS = 1
@@ -99,9 +99,9 @@ def test_bad_scorer_results_and_arguments():
     def text_score(solution_str, ground_truth, extra_info=None):
         return "high"
 
-    for scorer, message in ((no_score, "without 'score'"), (text_score, "non-numeric score 'high'")):
+    for scorer, message in ((no_score, "without 'score'"), (text_score, "not a number: 'high'")):
         reward = RuleBasedReward(CharTokenizer(), scorers={"s": scorer})
-        with pytest.raises(ValueError, match=f"data_source 's' returned a .*{message}"):
+        with pytest.raises(ScorerError, match=f"of data_source 's' \\(row 0\\) returned a .*{message}"):
             reward(_batch(["x"], ["s"], ["1"]))
     with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
         RuleBasedReward(CharTokenizer(), num_workers=-1)
