@@ -259,3 +259,55 @@ def test_smollm2_converts_with_its_logits_and_chat_template(tmp_path, monkeypatc
         64,
     )
     assert cfg.tie_word_embeddings and len(tok) <= cfg.vocab_size == 49152
+
+
+@pytest.mark.slow
+def test_train_from_a_gguf_file(tmp_path, capsys, caplog):
+    """``ppo-core train`` with ``model.path`` a GGUF file (torch workers, one GRPO step): converted once, sampling
+    stops at the template's end of turn, the export loads and carries it in its generation config."""
+    import yaml
+
+    from ppo_core.examples import make_example_data
+
+    data = make_example_data(tmp_path / "ex", n_train=8, n_test=4)
+    tok = transformers.AutoTokenizer.from_pretrained(data.model_dir)
+    gguf_file = write_tiny_gguf(str(tmp_path / "tiny.gguf"), tiny_llama(len(tok), seed=3), data.model_dir)
+    config = pathlib.Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_cpu.yaml"
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        str(config),
+        f"vars.root={tmp_path / 'ex'}",
+        f"model.path={gguf_file}",
+        f"model.convert_dir={tmp_path / 'converted'}",
+        f"run_dir={run}",
+        "data.val_files=[]",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        "actor.worker.ppo_mini_batch_size=4",
+        "actor.worker.ppo_epochs=1",
+        "actor.worker.rollout.max_new_tokens=4",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress_bar=false",
+    ]
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    converted = tmp_path / "converted" / "tiny-float32"
+    assert os.path.isfile(converted / CONVERSION_FILE)
+    export = capsys.readouterr().out.split("export:")[1].split()[0]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    generation = transformers.GenerationConfig.from_pretrained(export)
+    assert (generation.eos_token_id, generation.pad_token_id) == (end, end)
+    transformers.AutoModelForCausalLM.from_pretrained(export)
+    job = yaml.safe_load((run / "job.yaml").read_text())
+    assert job["model"]["path"] == str(converted)
+    resolved = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "ppo_core_cli.tokens" and "padding" in r.getMessage()
+    ]
+    assert resolved[-1].startswith(f"EOS '<|im_end|>' (id {end}, from the chat template's end of turn)")
