@@ -6,6 +6,7 @@ Nothing here trains; :mod:`ppo_core_cli.train` strings the pieces together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -81,8 +82,6 @@ def resolve_model_dirs(job: JobConfig) -> JobConfig:
     """``job`` with ``model.path`` (and ``model.critic_path``) naming Hugging Face checkpoint directories: GGUF
     files converted (or their earlier conversion reused), a random-init checkpoint written where asked. Everything
     after reads the returned job (workers, ``job.yaml``, the export)."""
-    import dataclasses
-
     model_dir = prepare_model(job)
     critic = job.model.critic_path
     if critic:
@@ -169,7 +168,8 @@ def complete_workers(
     """The actor and critic worker dicts as the workers receive them.
 
     Added where the job does not set them: the rollout's ``eos_token_id`` and ``pad_token_id`` (``tokens``, the
-    run's resolved EOS and padding; None: resolved here from ``tokenizer``): sampling and validation stop there. Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
+    run's resolved EOS and padding; None: resolved here from ``tokenizer``): sampling and validation stop there.
+    Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
     (:func:`~ppo_core.workers.megatron.hf_config.model_config_from_hf`, with the job's other ``model`` keys),
     ``hf_checkpoint`` (the actor: ``model_dir``; the critic: ``model.critic_path`` or ``model_dir``) and the whole
     ``parallel`` layout (so that an export can read the rank files).

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -107,8 +108,6 @@ def _sft(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(job.torch_threads)
-    import dataclasses
-
     from ppo_core_cli.job import checkpoint_dir_of
 
     sft = job.sft

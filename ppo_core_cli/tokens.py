@@ -88,11 +88,45 @@ def end_of_turn_token(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | 
     return str(tokenizer.convert_ids_to_tokens(int(ids[0])))
 
 
-def _token_id(tokenizer: Any, token: str, key: str, where: str) -> int:
+def _configured(tokenizer: Any, token: str, key: str, where: str) -> tuple[str, int, str]:
+    """``(token, id, key)`` of a token the config names; ``ValueError`` naming ``key`` when it is no token."""
     vocab = tokenizer.get_vocab()
     if token not in vocab:
         raise ValueError(f"{key}={token!r} is not a token of the tokenizer at {where!r}")
-    return int(vocab[token])
+    return token, int(vocab[token]), key
+
+
+def _eos(
+    tokenizer: Any, eos_token: str | None, chat_template_kwargs: Mapping[str, Any] | None, where: str
+) -> tuple[str, int, str]:
+    if eos_token is not None:
+        return _configured(tokenizer, eos_token, "model.eos_token", where)
+    turn = end_of_turn_token(tokenizer, chat_template_kwargs)
+    if turn is not None:
+        turn_id = int(tokenizer.convert_tokens_to_ids(turn))
+        if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) != turn_id:
+            logger.info(
+                "the tokenizer's EOS %r does not end an assistant turn in the chat template: %r does, and is used",
+                tokenizer.eos_token,
+                turn,
+            )
+        return turn, turn_id, "the chat template's end of turn"
+    if tokenizer.eos_token_id is not None:
+        return str(tokenizer.eos_token), int(tokenizer.eos_token_id), "the tokenizer's EOS"
+    raise ValueError(
+        f"the tokenizer at {where!r} has no EOS token and its chat template names no end of turn: set "
+        "model.eos_token"
+    )
+
+
+def _pad(
+    tokenizer: Any, pad_token: str | None, eos: tuple[str, int, str], where: str
+) -> tuple[str, int, str]:
+    if pad_token is not None:
+        return _configured(tokenizer, pad_token, "model.pad_token", where)
+    if tokenizer.pad_token_id is not None and int(tokenizer.pad_token_id) in _control_ids(tokenizer):
+        return str(tokenizer.pad_token), int(tokenizer.pad_token_id), "the tokenizer's pad token"
+    return eos[0], eos[1], "the EOS"
 
 
 def resolve_special_tokens(
@@ -102,7 +136,6 @@ def resolve_special_tokens(
     pad_token: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     where: str = "",
-    key_prefix: str = "model.",
 ) -> SpecialTokens:
     """The EOS and padding tokens of a run (rules in the module docstring), logged once.
 
@@ -110,8 +143,7 @@ def resolve_special_tokens(
         tokenizer: a Hugging Face tokenizer.
         eos_token, pad_token: the config's choices (``model.eos_token`` / ``model.pad_token``); None: resolved.
         chat_template_kwargs: extra variables of the chat template.
-        where: the tokenizer's directory, for the error messages.
-        key_prefix: the config section named in the errors.
+        where: the tokenizer's directory, for the error messages (default: its ``name_or_path``).
 
     Raises:
         ValueError: a configured token that is not in the vocabulary (naming the key), or no EOS at all.
@@ -119,63 +151,18 @@ def resolve_special_tokens(
     Example:
         >>> # resolve_special_tokens(tok).eos_token  -> '<|im_end|>' for a ChatML template
     """
-    vocab_where = where or getattr(tokenizer, "name_or_path", "")
-    if eos_token is not None:
-        eos, eos_id, eos_source = (
-            eos_token,
-            _token_id(tokenizer, eos_token, f"{key_prefix}eos_token", vocab_where),
-            f"{key_prefix}eos_token",
-        )
-    elif (turn := end_of_turn_token(tokenizer, chat_template_kwargs)) is not None:
-        eos, eos_id, eos_source = (
-            turn,
-            int(tokenizer.convert_tokens_to_ids(turn)),
-            "the chat template's end of turn",
-        )
-        if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) != eos_id:
-            logger.info(
-                "the tokenizer's EOS %r does not end an assistant turn in the chat template: %r does, and is used",
-                tokenizer.eos_token,
-                turn,
-            )
-    elif tokenizer.eos_token_id is not None:
-        eos, eos_id, eos_source = str(tokenizer.eos_token), int(tokenizer.eos_token_id), "the tokenizer's EOS"
-    else:
-        raise ValueError(
-            f"the tokenizer at {vocab_where!r} has no EOS token and its chat template names no end of turn: set "
-            f"{key_prefix}eos_token"
-        )
-    if pad_token is not None:
-        pad, pad_id, pad_source = (
-            pad_token,
-            _token_id(tokenizer, pad_token, f"{key_prefix}pad_token", vocab_where),
-            f"{key_prefix}pad_token",
-        )
-    elif tokenizer.pad_token_id is not None and int(tokenizer.pad_token_id) in _control_ids(tokenizer):
-        pad, pad_id, pad_source = (
-            str(tokenizer.pad_token),
-            int(tokenizer.pad_token_id),
-            "the tokenizer's pad token",
-        )
-    else:
-        pad, pad_id, pad_source = eos, eos_id, "the EOS"
+    where = where or str(getattr(tokenizer, "name_or_path", ""))
+    eos = _eos(tokenizer, eos_token, chat_template_kwargs, where)
+    pad = _pad(tokenizer, pad_token, eos, where)
     tokens = SpecialTokens(
-        eos_token=eos,
-        eos_token_id=eos_id,
-        pad_token=pad,
-        pad_token_id=pad_id,
-        eos_source=eos_source,
-        pad_source=pad_source,
+        eos_token=eos[0],
+        eos_token_id=eos[1],
+        eos_source=eos[2],
+        pad_token=pad[0],
+        pad_token_id=pad[1],
+        pad_source=pad[2],
     )
-    logger.info(
-        "EOS %r (id %d, from %s); padding %r (id %d, from %s)",
-        eos,
-        eos_id,
-        eos_source,
-        pad,
-        pad_id,
-        pad_source,
-    )
+    logger.info("EOS %r (id %d, from %s); padding %r (id %d, from %s)", *eos, *pad)
     return tokens
 
 
