@@ -112,7 +112,11 @@ def _sft(args: argparse.Namespace) -> int:
 
     sft = job.sft
     if sft.model_path:
-        sft = dataclasses.replace(sft, model_path=checkpoint_dir_of(job, sft.model_path, "sft.model_path"))
+        try:
+            model_dir = checkpoint_dir_of(job, sft.model_path, "sft.model_path")
+        except (ValueError, FileNotFoundError) as exc:  # a bad GGUF file: named in one line
+            raise CommandError(str(exc)) from exc
+        sft = dataclasses.replace(sft, model_path=model_dir)
     result = run_sft(
         sft,
         dtype=job.model.dtype,
@@ -129,9 +133,14 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ppo_core_cli.job import resolve_model_dirs
     from ppo_core_cli.train import run_train
 
     job = _load(args)
+    try:  # the model files (a GGUF file is converted here): a bad one is named in one line
+        job = resolve_model_dirs(job)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
     result = run_train(job, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
     line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:

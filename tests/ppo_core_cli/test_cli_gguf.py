@@ -177,6 +177,18 @@ def test_bad_files_are_errors_naming_them(gguf_files, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
     assert main(["convert", str(truncated), str(tmp_path / "out")]) == 2
     assert "truncated.gguf" in capsys.readouterr().err
+    job = tmp_path / "job.yaml"
+    job.write_text("sft: {output_dir: out, files: [x.parquet]}\n")
+    for command, key in (("train", "model.path"), ("sft", "sft.model_path")):
+        argv = [
+            command,
+            str(job),
+            f"{key}={truncated}",
+            f"model.convert_dir={tmp_path / 'c'}",
+            f"run_dir={tmp_path / 'r'}",
+        ]
+        assert main(argv) == 2
+        assert f"cannot read the GGUF file '{truncated}'" in capsys.readouterr().err
     with pytest.raises(
         FileNotFoundError, match=r"model\.path: the GGUF file '.*missing\.gguf' does not exist"
     ):
