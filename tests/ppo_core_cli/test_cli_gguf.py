@@ -20,7 +20,6 @@ pytest.importorskip("omegaconf")
 
 from _gguf import tiny_llama, write_tiny_gguf  # noqa: E402
 
-from ppo_core.examples.tokenizer import train_bpe_tokenizer  # noqa: E402
 from ppo_core_cli import convert  # noqa: E402
 from ppo_core_cli.config import JobConfig  # noqa: E402
 from ppo_core_cli.convert import (  # noqa: E402
@@ -31,13 +30,6 @@ from ppo_core_cli.convert import (  # noqa: E402
 )
 from ppo_core_cli.job import prepare_model, resolve_model_dirs  # noqa: E402
 from ppo_core_cli.main import main  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok")
-    train_bpe_tokenizer(["Mia has 7 shells. #### 8", "user assistant"] * 20, folder, vocab_size=300)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ pytest.importorskip("omegaconf")
 
 from tokenizers import AddedToken  # noqa: E402
 
-from ppo_core.examples.tokenizer import train_bpe_tokenizer  # noqa: E402
 from ppo_core_cli.config import JobConfig  # noqa: E402
 from ppo_core_cli.job import check_tokenizer_fits, complete_workers, load_tokenizer  # noqa: E402
 from ppo_core_cli.sft import tokenize_sft_pair  # noqa: E402
-from ppo_core_cli.shapes import write_random_checkpoint  # noqa: E402
 from ppo_core_cli.tokens import (  # noqa: E402
     check_vocabulary_fits,
     end_of_turn_token,
@@ -36,13 +34,6 @@ LLAMA3_TEMPLATE = (
 PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok")
-    train_bpe_tokenizer(["Mia has 7 shells. #### 8", "user assistant"] * 20, folder, vocab_size=300)
-    return str(folder)
 
 
 @pytest.fixture
@@ -117,11 +108,6 @@ def test_a_content_token_is_never_the_fallback_pad(tok):
     assert tok.pad_token_id == tok("Mia", add_special_tokens=False)["input_ids"][0]
     got = resolve_special_tokens(tok)
     assert (got.pad_token, got.pad_source) == ("<|im_end|>", "the EOS")
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer_dir, tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("m") / "tiny", "tiny", tokenizer_dir, seed=3)
 
 
 def test_workers_and_sft_get_the_resolved_tokens(tiny):
