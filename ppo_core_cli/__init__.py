@@ -1,9 +1,11 @@
 """The ``ppo-core`` command: from a Hugging Face checkpoint and a prompt dataset to a trained, exported policy.
 
 - :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides);
-- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``;
+- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``, ``convert``;
 - :mod:`~ppo_core_cli.sft`: the supervised (format) warm-up; :mod:`~ppo_core_cli.train`: a PPO run and its outputs;
 - :mod:`~ppo_core_cli.job`: tokenizer, prompts, reward, workers and trainer from a job;
+- :mod:`~ppo_core_cli.convert`: a GGUF file as a Hugging Face checkpoint (converted once, reused);
+  :mod:`~ppo_core_cli.tokens`: the EOS and padding of a run, and the tokenizer/embedding size check;
 - :mod:`~ppo_core_cli.export`: the actor of any checkpoint (torch or megatron workers) as a Hugging Face directory;
 - :mod:`~ppo_core_cli.timings`: the step-time breakdown JSON; :mod:`~ppo_core_cli.shapes`: random-init checkpoints.
 

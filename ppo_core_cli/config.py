@@ -64,7 +64,17 @@ class JobModelConfig(ConfigBase):
     """The Hugging Face checkpoint the actor, the reference and the critic start from."""
 
     path: str = ""
-    """Checkpoint directory (``config.json``, safetensors, tokenizer files); local only, nothing is downloaded."""
+    """Checkpoint directory (``config.json``, safetensors, tokenizer files), or a GGUF file (or a directory holding
+    exactly one ``*.gguf``): converted once into a checkpoint under ``convert_dir`` (see
+    :mod:`ppo_core_cli.convert`); local only, nothing is downloaded."""
+    convert_dir: str | None = None
+    """Where GGUF files are converted into Hugging Face checkpoints and reused from (one folder per file and
+    dtype); None: ``$XDG_CACHE_HOME/ppo-core/converted`` (``~/.cache/ppo-core/converted``)."""
+    eos_token: str | None = None
+    """The token that ends a response (a token string of the vocabulary); None: the one that ends an assistant
+    turn in the chat template, else the tokenizer's EOS (see :mod:`ppo_core_cli.tokens`)."""
+    pad_token: str | None = None
+    """The padding token; None: the tokenizer's pad token when it is a special token, else the EOS."""
     tokenizer_path: str | None = None
     """Directory of the tokenizer files; None: ``path``."""
     critic_path: str | None = None
@@ -167,7 +177,7 @@ class SFTConfig(ConfigBase):
     """``ppo-core sft``: a short supervised warm-up on prompt/response pairs, written as a new checkpoint."""
 
     model_path: str = ""
-    """Checkpoint to start from (model and tokenizer)."""
+    """Checkpoint to start from (model and tokenizer); a GGUF file is converted as ``model.path`` is."""
     files: list[str] = field(default_factory=list)
     """Parquet / JSON Lines files of pairs: chat messages in ``prompt_key``, the response text in ``response_key``."""
     output_dir: str = ""

@@ -20,11 +20,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppo_core.trainer import checkpoint as ckpt
 
-__all__ = ["JOB_FILE", "export_actor_weights", "export_checkpoint", "resolve_checkpoint"]
+if TYPE_CHECKING:
+    from ppo_core_cli.tokens import SpecialTokens
+
+__all__ = [
+    "JOB_FILE",
+    "export_actor_weights",
+    "export_checkpoint",
+    "resolve_checkpoint",
+    "write_generation_ids",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +156,18 @@ def _export_megatron(
         tokenizer_dir=base if hf_config is not None else None,
         dtype=dtype,
     )
+
+
+def write_generation_ids(out_dir: str | os.PathLike[str], tokens: SpecialTokens) -> str:
+    """Set the EOS and padding ids of ``{out_dir}/generation_config.json`` (created when missing) to ``tokens``:
+    ``model.generate`` on the export then stops where the run's sampling stopped. Returns the file's path."""
+    from transformers import GenerationConfig
+
+    out = os.fspath(out_dir)
+    try:
+        config = GenerationConfig.from_pretrained(out, local_files_only=True)
+    except OSError:
+        config = GenerationConfig()
+    config.eos_token_id, config.pad_token_id = tokens.eos_token_id, tokens.pad_token_id
+    config.save_pretrained(out)
+    return os.path.join(out, "generation_config.json")

@@ -6,6 +6,7 @@ Nothing here trains; :mod:`ppo_core_cli.train` strings the pieces together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -18,18 +19,23 @@ from typing import Any
 from ppo_core.trainer import BasePPOTrainer, PPOConfig
 from ppo_core.workers import WorkerSpec
 from ppo_core_cli.config import JobConfig, ScorerConfig
+from ppo_core_cli.tokens import SpecialTokens, check_vocabulary_fits, resolve_special_tokens
 
 __all__ = [
     "LocalTrainer",
     "build_reward",
     "build_trainer",
+    "check_tokenizer_fits",
+    "checkpoint_dir_of",
     "complete_workers",
     "load_datasets",
     "load_tokenizer",
     "prepare_model",
+    "resolve_model_dirs",
     "resolve_scorer",
     "resolve_scorers",
     "scorer_search_path",
+    "special_tokens",
     "worker_specs",
 ]
 
@@ -37,16 +43,21 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_model(job: JobConfig) -> str:
-    """``model.path``, after writing a random-init checkpoint there when ``model.init_shape`` asks for one."""
+    """The Hugging Face checkpoint directory of ``model.path``: the directory itself; the converted checkpoint of a
+    GGUF file (or of a directory holding one: :func:`~ppo_core_cli.convert.converted_checkpoint`, reused once
+    converted); or a random-init checkpoint written there when ``model.init_shape`` asks for one."""
     path = job.model.path
     if not path:
-        raise ValueError("model.path must name a Hugging Face checkpoint directory")
+        raise ValueError("model.path must name a Hugging Face checkpoint directory or a GGUF file")
+    converted = checkpoint_dir_of(job, path, "model.path")
+    if converted != path:
+        return converted
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     if job.model.init_shape is None:
         raise FileNotFoundError(
-            f"model.path={path!r} is not a Hugging Face checkpoint directory (no config.json); set "
-            "model.init_shape to create a random-init one there"
+            f"model.path={path!r} is neither a Hugging Face checkpoint directory (no config.json) nor a GGUF "
+            "file; set model.init_shape to create a random-init checkpoint there"
         )
     if not job.model.tokenizer_path:
         raise ValueError("model.init_shape needs model.tokenizer_path (where the tokenizer files are)")
@@ -57,19 +68,54 @@ def prepare_model(job: JobConfig) -> str:
     )
 
 
+def checkpoint_dir_of(job: JobConfig, path: str, key: str) -> str:
+    """``path``, or the converted checkpoint (``model.convert_dir``, ``model.dtype``) of the GGUF file it names;
+    ``key`` (the config key of ``path``) is named in the errors."""
+    from ppo_core_cli.convert import converted_checkpoint, find_gguf_file
+
+    try:
+        gguf_file = find_gguf_file(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"{key}: {exc}") from None
+    if gguf_file is None:
+        return path
+    return converted_checkpoint(gguf_file, job.model.convert_dir, dtype=job.model.dtype)
+
+
+def resolve_model_dirs(job: JobConfig) -> JobConfig:
+    """``job`` with ``model.path`` (and ``model.critic_path``) naming Hugging Face checkpoint directories: GGUF
+    files converted (or their earlier conversion reused), a random-init checkpoint written where asked. Everything
+    after reads the returned job (workers, ``job.yaml``, the export)."""
+    model_dir = prepare_model(job)
+    critic = job.model.critic_path
+    if critic:
+        critic = checkpoint_dir_of(job, critic, "model.critic_path")
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, path=model_dir, critic_path=critic))
+
+
 def load_tokenizer(job: JobConfig) -> Any:
     """The checkpoint's tokenizer (``model.tokenizer_path`` or ``model.path``)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(job.model.tokenizer_dir, local_files_only=True)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {job.model.tokenizer_dir!r} has neither a pad nor an EOS token")
-    return tokenizer
+    return AutoTokenizer.from_pretrained(job.model.tokenizer_dir, local_files_only=True)
 
 
-def pad_token_id(tokenizer: Any) -> int:
-    """The padding id: the tokenizer's pad token, else its EOS (as for Llama tokenizers)."""
-    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+def special_tokens(job: JobConfig, tokenizer: Any) -> SpecialTokens:
+    """The run's EOS and padding (:func:`ppo_core_cli.tokens.resolve_special_tokens` with ``model.eos_token``,
+    ``model.pad_token`` and ``data.chat_template_kwargs``), logged once."""
+    return resolve_special_tokens(
+        tokenizer,
+        eos_token=job.model.eos_token,
+        pad_token=job.model.pad_token,
+        chat_template_kwargs=job.data.chat_template_kwargs,
+        where=job.model.tokenizer_dir,
+    )
+
+
+def check_tokenizer_fits(job: JobConfig, tokenizer: Any) -> None:
+    """``ValueError`` when the tokenizer has more tokens than the actor's (or the critic's) embedding has rows."""
+    for model_dir in dict.fromkeys([job.model.path, job.model.critic_dir]):
+        check_vocabulary_fits(tokenizer, job.model.tokenizer_dir, model_dir)
 
 
 def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
@@ -211,18 +257,22 @@ def _with_defaults(section: Mapping[str, Any], defaults: Mapping[str, Any]) -> d
     return {**defaults, **section}
 
 
-def complete_workers(job: JobConfig, tokenizer: Any, model_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def complete_workers(
+    job: JobConfig, tokenizer: Any, model_dir: str, tokens: SpecialTokens | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The actor and critic worker dicts as the workers receive them.
 
-    Added where the job does not set them: the rollout's ``eos_token_id`` and ``pad_token_id`` (from the
-    tokenizer). Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
+    Added where the job does not set them: the rollout's ``eos_token_id`` and ``pad_token_id`` (``tokens``, the
+    run's resolved EOS and padding; None: resolved here from ``tokenizer``): sampling and validation stop there.
+    Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
     (:func:`~ppo_core.workers.megatron.hf_config.model_config_from_hf`, with the job's other ``model`` keys),
     ``hf_checkpoint`` (the actor: ``model_dir``; the critic: ``model.critic_path`` or ``model_dir``) and the whole
     ``parallel`` layout (so that an export can read the rank files).
     """
     actor = dict(job.actor.worker)
     critic = dict(job.critic.worker)
-    sampling = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_token_id(tokenizer)}
+    tokens = tokens or special_tokens(job, tokenizer)
+    sampling = {"eos_token_id": tokens.eos_token_id, "pad_token_id": tokens.pad_token_id}
     actor["rollout"] = _with_defaults(actor.get("rollout") or {}, sampling)
     if job.workers == "megatron":
         from transformers import AutoConfig

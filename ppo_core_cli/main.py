@@ -1,4 +1,4 @@
-"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train`` and ``export``.
+"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export`` and ``convert``.
 
 ::
 
@@ -6,6 +6,7 @@
     ppo-core sft CONFIG.yaml [key=value ...]            # the format warm-up: a new checkpoint (sft.output_dir)
     ppo-core train CONFIG.yaml [key=value ...]          # PPO/GRPO, then the export; prints where outputs are
     ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
+    ppo-core convert MODEL.gguf OUT_DIR [--dtype D]     # a GGUF file as a HF directory (train does it itself)
 
 ``key=value`` overrides use dotted keys (``trainer.total_training_steps=5``); see :mod:`ppo_core_cli.config`.
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -85,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-verify", action="store_true", help="skip the checksum verification of the checkpoint"
     )
+    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face checkpoint directory")
+    p.add_argument("gguf", help="the .gguf file (or a directory holding exactly one)")
+    p.add_argument("out_dir", help="the directory to write (replaced once the conversion is complete)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of the written weights",
+    )
     return parser
 
 
@@ -107,7 +118,22 @@ def _sft(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(job.torch_threads)
-    result = run_sft(job.sft, dtype=job.model.dtype, attn_implementation=job.model.attn_implementation)
+    from ppo_core_cli.job import checkpoint_dir_of
+
+    sft = job.sft
+    if sft.model_path:
+        try:
+            model_dir = checkpoint_dir_of(job, sft.model_path, "sft.model_path")
+        except (ValueError, FileNotFoundError) as exc:  # a bad GGUF file: named in one line
+            raise CommandError(str(exc)) from exc
+        sft = dataclasses.replace(sft, model_path=model_dir)
+    result = run_sft(
+        sft,
+        dtype=job.model.dtype,
+        attn_implementation=job.model.attn_implementation,
+        eos_token=job.model.eos_token,
+        pad_token=job.model.pad_token,
+    )
     print(
         f"sft: {len(result.losses)} steps on {result.num_pairs} pairs in {result.seconds:.0f} s, loss "
         f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
@@ -117,8 +143,14 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ppo_core_cli.job import resolve_model_dirs
+
     job = _load(args)
     scorers = _resolve_scorers(job, args.config)
+    try:  # the model files (a GGUF file is converted here): a bad one is named in one line
+        job = resolve_model_dirs(job)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
     from ppo_core_cli.train import run_train  # torch, transformers...: after the checks that need none
 
     result = run_train(job, scorers=scorers, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
@@ -153,6 +185,20 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from ppo_core_cli.convert import convert_gguf, find_gguf_file
+
+    try:
+        gguf_file = find_gguf_file(args.gguf)
+        if gguf_file is None:
+            raise ValueError(f"{args.gguf!r} is neither a GGUF file nor a directory holding one")
+        out = convert_gguf(gguf_file, args.out_dir, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"checkpoint: {out} (from {gguf_file}, {args.dtype})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status.
 
@@ -170,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )
     _quiet_transformers()
-    commands = {"make-data": _make_data, "sft": _sft, "train": _train, "export": _export}
+    commands = {"make-data": _make_data, "sft": _sft, "train": _train, "export": _export, "convert": _convert}
     try:
         return commands[args.command](args)
     except CommandError as exc:

@@ -5,8 +5,8 @@ have the answer's layout (``#### N``) with a random ``N``, so the model learns w
 it is, and PPO then has a well-formed answer to improve. Any pairs work (a real SFT set: the reference solutions).
 
 Each pair is the prompt's chat template with the generation prompt (:func:`ppo_core.data.tokenize_chat`, exactly
-what the PPO prompts are) followed by the response's tokens and the end-of-turn token (the tokenizer's EOS, which
-stops sampling); the loss is the mean next-token cross-entropy over the response tokens only
+what the PPO prompts are) followed by the response's tokens and the end-of-turn token (the run's EOS, which stops
+sampling: :mod:`ppo_core_cli.tokens`); the loss is the mean next-token cross-entropy over the response tokens only
 (:func:`response_nll`). Shape legend: ``B`` pairs, ``S`` tokens.
 """
 
@@ -67,17 +67,23 @@ def tokenize_sft_pair(
     messages: Sequence[Mapping[str, Any]],
     response: str,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    eos_token_id: int | None = None,
 ) -> SFTPair:
     """``chat_template(messages) + tokens(response) + [eos]``, with the loss on the response and the EOS.
+
+    ``eos_token_id``: the end-of-turn token (the run's resolved EOS, :mod:`ppo_core_cli.tokens`); None: the
+    tokenizer's EOS.
 
     Example:
         >>> # pair = tokenize_sft_pair(tok, [{"role": "user", "content": "1+1?"}], "#### 2")
     """
     prompt = tokenize_chat(tokenizer, messages, chat_template_kwargs)
-    if tokenizer.eos_token_id is None:
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    if eos is None:
         raise ValueError("the tokenizer has no eos_token_id: the response could not end")
     answer = [int(i) for i in tokenizer(response, add_special_tokens=False)["input_ids"]]
-    answer.append(int(tokenizer.eos_token_id))
+    answer.append(int(eos))
     return SFTPair(input_ids=prompt + answer, loss_mask=[0] * len(prompt) + [1] * len(answer))
 
 
@@ -88,8 +94,11 @@ def load_sft_pairs(
     prompt_key: str = "prompt",
     response_key: str = "response",
     max_length: int = 1024,
+    eos_token_id: int | None = None,
 ) -> list[SFTPair]:
-    """Read and tokenise the pairs of parquet / JSON Lines files; errors name the file, the row and the field."""
+    """Read and tokenise the pairs of parquet / JSON Lines files; errors name the file, the row and the field.
+
+    ``eos_token_id`` ends every response (None: the tokenizer's EOS)."""
     pairs = []
     for origin, row in iter_prompt_rows(normalize_paths(files)):
         # only the messages are read here: the row need not carry a data source or a ground truth
@@ -99,7 +108,7 @@ def load_sft_pairs(
         response = row.get(response_key)
         if not isinstance(response, str) or not response:
             raise PromptSchemaError(origin, response_key, f"must be a non-empty string, got {response!r}")
-        pair = tokenize_sft_pair(tokenizer, record.messages, response)
+        pair = tokenize_sft_pair(tokenizer, record.messages, response, eos_token_id=eos_token_id)
         if len(pair.input_ids) > max_length:
             raise ValueError(
                 f"{origin}: the pair is {len(pair.input_ids)} tokens, more than sft.max_length={max_length}"
@@ -161,15 +170,26 @@ def response_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch
     return (nll * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def run_sft(cfg: SFTConfig, *, dtype: str = "float32", attn_implementation: str | None = "sdpa") -> SFTResult:
+def run_sft(
+    cfg: SFTConfig,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str | None = "sdpa",
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+) -> SFTResult:
     """Train ``cfg.model_path`` on the pairs of ``cfg.files`` for ``cfg.steps`` steps and write ``cfg.output_dir``.
 
     Batches are drawn with replacement from a generator seeded by ``cfg.seed`` (the global RNG is not used), the
-    optimiser is AdamW at a constant learning rate with the gradient norm clipped to 1, dropout is off.
+    optimiser is AdamW at a constant learning rate with the gradient norm clipped to 1, dropout is off. The EOS
+    appended to every response and the padding are resolved as for training (``eos_token`` / ``pad_token``: the
+    job's ``model.eos_token`` / ``model.pad_token``; :mod:`ppo_core_cli.tokens`); the written checkpoint's
+    ``generation_config.json`` carries their ids.
     """
     from transformers import AutoTokenizer
 
-    from ppo_core.models.hf import export_hf, load_causal_lm
+    from ppo_core.models.hf import export_hf, load_causal_lm, unwrap_hf_model
+    from ppo_core_cli.tokens import check_vocabulary_fits, resolve_special_tokens
 
     for name in ("model_path", "output_dir"):
         if not getattr(cfg, name):
@@ -177,14 +197,17 @@ def run_sft(cfg: SFTConfig, *, dtype: str = "float32", attn_implementation: str 
     if not cfg.files:
         raise ValueError("sft.files must name at least one file of prompt/response pairs")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, local_files_only=True)
+    check_vocabulary_fits(tokenizer, cfg.model_path, cfg.model_path)
+    tokens = resolve_special_tokens(tokenizer, eos_token=eos_token, pad_token=pad_token, where=cfg.model_path)
     pairs = load_sft_pairs(
         cfg.files,
         tokenizer,
         prompt_key=cfg.prompt_key,
         response_key=cfg.response_key,
         max_length=cfg.max_length,
+        eos_token_id=tokens.eos_token_id,
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = tokens.pad_token_id
     model = load_causal_lm(cfg.model_path, dtype=dtype, attn_implementation=attn_implementation)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -205,5 +228,7 @@ def run_sft(cfg: SFTConfig, *, dtype: str = "float32", attn_implementation: str 
             logger.info("sft step %d/%d: loss %.4f", step, cfg.steps, result.losses[-1])
     result.seconds = time.perf_counter() - start
     model.eval()
+    generation = unwrap_hf_model(model).generation_config
+    generation.eos_token_id, generation.pad_token_id = tokens.eos_token_id, tokens.pad_token_id
     export_hf(model, cfg.model_path, cfg.output_dir)
     return result

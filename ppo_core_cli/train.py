@@ -2,14 +2,16 @@
 
 One run:
 
-1. the scorers of ``reward.scorers`` imported (before any model loads), the model directory (a random-init one
-   first when ``model.init_shape`` asks), the tokenizer, the prompts;
+1. the scorers of ``reward.scorers`` imported (before any model loads), the model directory (a GGUF file
+   converted once, or a random-init one written when ``model.init_shape`` asks), the tokenizer (checked against
+   the model's vocabulary size), the EOS and padding tokens (:mod:`ppo_core_cli.tokens`), the prompts;
 2. the worker settings completed from the tokenizer and the checkpoint (:func:`~ppo_core_cli.job.complete_workers`),
    the job written to ``{checkpoints}/job.yaml`` and ``{run_dir}/job.yaml``;
 3. ``BasePPOTrainer.fit()`` on the local or Monarch backend: progress bar, logs (console, ``metrics.jsonl``,
    TensorBoard, W&B as configured), checkpoints every ``trainer.save_freq`` steps, resume from the newest
    checkpoint (``trainer.resume_mode=auto``);
-4. the actor's weights (``save_weights``: no optimizer state) exported as a Hugging Face directory;
+4. the actor's weights (``save_weights``: no optimizer state) exported as a Hugging Face directory, its
+   ``generation_config.json`` carrying the run's EOS and padding ids;
 5. ``reward_kl.png`` and, on request, the step-time breakdown JSON (:mod:`ppo_core_cli.timings`).
 """
 
@@ -30,16 +32,17 @@ from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
 from ppo_core.trainer.plot import plot_run, validation_reward
 from ppo_core_cli.config import JobConfig
-from ppo_core_cli.export import JOB_FILE, export_actor_weights
+from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
 from ppo_core_cli.job import (
     build_reward,
     build_trainer,
+    check_tokenizer_fits,
     complete_workers,
     load_datasets,
     load_tokenizer,
-    pad_token_id,
-    prepare_model,
+    resolve_model_dirs,
     resolve_scorers,
+    special_tokens,
     worker_specs,
 )
 from ppo_core_cli.loading import dump_job_config
@@ -115,10 +118,13 @@ def run_train(
     job = _absolute_paths(job)
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
-    model_dir = prepare_model(job)
+    job = resolve_model_dirs(job)
+    model_dir = job.model.path
     tokenizer = load_tokenizer(job)
+    check_tokenizer_fits(job, tokenizer)
+    tokens = special_tokens(job, tokenizer)
     train, val = load_datasets(job, tokenizer)
-    actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir)
+    actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
@@ -130,7 +136,7 @@ def run_train(
         train_dataset=train,
         val_dataset=val,
         reward_fn=reward,
-        pad_token_id=pad_token_id(tokenizer),
+        pad_token_id=tokens.pad_token_id,
     )
     result = TrainResult(run_dir=job.run_dir, metrics_file=os.path.join(job.log_dir, "metrics.jsonl"))
     weights = os.path.join(job.run_dir, "final_actor")
@@ -150,6 +156,7 @@ def run_train(
         result.export_dir = export_actor_weights(
             weights, job.export_path, actor_worker=actor_worker, model_dir=model_dir, dtype=job.export_dtype
         )
+        write_generation_ids(result.export_dir, tokens)
         shutil.rmtree(weights, ignore_errors=True)
     records = read_metrics_jsonl(job.log_dir)
     vals = [v for r in records if (v := validation_reward(r)) is not None]

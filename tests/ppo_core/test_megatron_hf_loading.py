@@ -162,3 +162,75 @@ def test_loading_rejects_an_incomplete_checkpoint(cpu_megatron, tmp_path):
     safetensors.save_file(hf, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lm_head\.weight"):
         load_hf_checkpoint(model, str(tmp_path), cfg)
+
+
+# ----- a checkpoint as transformers saves it: SmolLM2's family (Llama, tied embeddings, 3 query heads per group) --
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+"""SmolLM2-135M-Instruct's config.json (as its GGUF file converts)."""
+
+
+def test_smollm2_shape_maps_to_megatron():
+    transformers = pytest.importorskip("transformers")
+    from ppo_core.workers.megatron.hf_config import model_config_from_hf
+
+    cfg = model_config_from_hf(transformers.LlamaConfig(**SMOLLM2_135M), dtype="bfloat16")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size) == (30, 576, 1536, 49152)
+    assert (cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.tie_word_embeddings and not cfg.qkv_bias and cfg.rotary_base == 100000.0
+    assert cfg.norm == "RMSNorm" and cfg.norm_epsilon == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_saved_transformers_llama_gives_its_own_logits(cpu_megatron, tmp_path, tied):
+    """What ``save_pretrained`` writes (a tied model: no ``lm_head.weight``) loads into the megatron model, which
+    then gives the ``transformers`` model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from ppo_core.workers.megatron import build_gpt_model, load_hf_checkpoint
+    from ppo_core.workers.megatron.hf_config import model_config_from_hf
+    from ppo_core.workers.megatron.workers import position_ids
+
+    shape = {
+        **SMOLLM2_135M,
+        "vocab_size": 70,
+        "hidden_size": 48,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": tied,
+    }
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim > 1 else 0.1) + (p.ndim == 1))
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in set(f.keys())) == (not tied)
+    cfg = model_config_from_hf(
+        transformers.AutoConfig.from_pretrained(tmp_path), dtype="float32", make_vocab_size_divisible_by=8
+    )
+    assert cfg.tie_word_embeddings == tied
+    model = build_gpt_model(cfg, ParallelConfig()).eval()
+    load_hf_checkpoint(model, str(tmp_path), cfg)
+    ids = torch.randint(0, 70, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids, position_ids(torch.ones_like(ids)), None)[..., :70]
+        ref = hf(input_ids=ids).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)

@@ -28,20 +28,6 @@ from ppo_core_cli.loading import load_job_config  # noqa: E402
 from ppo_core_cli.shapes import SHAPES, write_random_checkpoint  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from ppo_core.examples.tokenizer import train_bpe_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    train_bpe_tokenizer(["Mia has 7 shells. #### 8", "user assistant"] * 20, folder, vocab_size=300)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer_dir, tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("m") / "tiny", "tiny", tokenizer_dir, seed=3)
-
-
 def test_random_checkpoints_of_a_shape(tiny, tokenizer_dir, tmp_path):
     state = torch.random.get_rng_state()
     again = write_random_checkpoint(tmp_path / "again", "tiny", tokenizer_dir, seed=3)
