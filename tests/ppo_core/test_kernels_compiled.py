@@ -96,10 +96,10 @@ def test_a_variant_that_reaches_the_limit_is_reported(caplog: pytest.LogCaptureF
 def test_fail_on_recompile_limit_hit_raises() -> None:
     torch._dynamo.reset()
     fn = _dtype_hungry()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        with pytest.raises(Exception, match=r"recompile_limit|recompile limit"):
-            for dtype in _DTYPES:
-                fn(torch.ones(3, dtype=dtype))
+    strict = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    with strict, pytest.raises(Exception, match=r"recompile_limit|recompile limit"):
+        for dtype in _DTYPES:
+            fn(torch.ones(3, dtype=dtype))
     torch._dynamo.reset()
 
 
