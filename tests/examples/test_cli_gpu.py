@@ -59,6 +59,11 @@ def test_megatron_workers_under_monarch_train_and_export(tmp_path, capsys, algo)
         # with a zero-initialised value head every advantage, return and value is 0, no gradient is non-zero and
         # neither actor nor critic can ever move. A random head gives the critic values, hence advantages.
         argv += ["critic.worker.ppo_mini_batch_size=16", "model.value_head_init_std=0.02"]
+    else:
+        # Zero scores make every GRPO advantage 0 too, and the KL loss has a zero gradient at pi = pi_ref: only
+        # rounding differences between the training and reference forwards could move the actor. An entropy
+        # bonus gives a gradient whatever the rewards.
+        argv.append("actor.worker.entropy_coeff=0.001")
     assert main(argv) == 0
     out = capsys.readouterr().out
     records = read_metrics_jsonl(_printed(out, "metrics"))
