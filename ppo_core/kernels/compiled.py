@@ -81,7 +81,10 @@ def recompile_limit_hits() -> list[str]:
 
 def _copy(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` with a code object of its own named ``name`` (dynamo keeps its compiled graphs per code object)."""
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    renamed = (
+        {"co_name": name, "co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {"co_name": name}
+    )
+    code = fn.__code__.replace(**renamed)  # co_qualname: Python 3.11+
     out = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
