@@ -306,3 +306,41 @@ def test_advantages(groups: int, n: int, scale_rewards: str, seed: int, binary: 
         token_rewards, mask, index, norm_by_std=scale_rewards == "group", epsilon=1e-4
     )
     torch.testing.assert_close(ours, theirs[:, None].expand(-1, length), rtol=1e-12, atol=1e-12)
+
+
+def test_scale_rewards_batch_composition() -> None:
+    """``scale_rewards="batch"``: group-centred (``norm_by_std=False``), divided by the batch's std + 1e-4."""
+    gen = torch.Generator().manual_seed(4)
+    rewards = torch.randn(12, generator=gen, dtype=torch.float64)
+    grouped_mean = rewards.view(-1, 4).mean(1).repeat_interleave(4)
+    theirs = (rewards - grouped_mean) / (rewards.std() + 1e-4)
+    token_rewards = torch.zeros(12, 3, dtype=torch.float64)
+    token_rewards[:, -1] = rewards
+    centred, _ = compute_grpo_advantage(
+        token_rewards, torch.ones(12, 3), [i // 4 for i in range(12)], norm_by_std=False
+    )
+    torch.testing.assert_close(centred[:, 0] / (rewards.std() + 1e-4), theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_mask_truncated_completions_recipe() -> None:
+    """TRL scores truncated completions into the group statistics and masks them only in the loss: compute the
+    advantages with the full mask, then zero the truncated rows' mask (zeroing it first changes the groups)."""
+    gen = torch.Generator().manual_seed(5)
+    rewards = torch.randn(8, generator=gen, dtype=torch.float64)
+    truncated = torch.tensor([True, False, False, False, False, True, False, False])
+    theirs = trl_advantages(rewards, 4, "group")
+    token_rewards = torch.zeros(8, 3, dtype=torch.float64)
+    token_rewards[:, -1] = rewards
+    index = [i // 4 for i in range(8)]
+    full, _ = compute_grpo_advantage(token_rewards, torch.ones(8, 3), index, epsilon=1e-4)
+    torch.testing.assert_close(full[:, 0], theirs, rtol=1e-12, atol=1e-12)
+    loss_mask = torch.ones(8, 3, dtype=torch.long)
+    loss_mask[truncated] = 0
+    early, _ = compute_grpo_advantage(token_rewards, loss_mask, index, epsilon=1e-4)
+    assert not torch.allclose(early[~truncated, 0], theirs[~truncated])
+    # the loss then counts every row in grpo's mean (the truncated ones contribute 0)
+    old = -torch.rand(8, 3, generator=gen, dtype=torch.float64)
+    new = (old + 0.1 * torch.randn(8, 3, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    adv = theirs[:, None]
+    ours = ppo_core_loss(old, new, full[:, :1], loss_mask, ppo_core_config("grpo"))
+    _close(ours, trl_loss(old, new, adv, loss_mask, loss_type="grpo"), new)
