@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ppo_core._checks import check_choice, check_unit_interval
+from ppo_core._checks import check_choice, check_positive, check_unit_interval
 from ppo_core._config_base import ConfigBase
 from ppo_core.kl_control import KLConfig
 from ppo_core.rollout_correction.config import RolloutCorrectionConfig
@@ -62,6 +62,9 @@ class AlgorithmConfig(ConfigBase):
     """GAE lambda in [0, 1] (bias/variance trade-off of the advantage)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group standard deviation; False gives Dr.GRPO (mean-centred only)."""
+    adv_std_epsilon: float = 1e-6
+    """Added to the group standard deviation by ``grpo`` / ``grpo_passk`` (verl's 1e-6; TRL's GRPOTrainer uses
+    1e-4)."""
     use_kl_in_reward: bool = False
     """Subtract ``beta * KL(pi_old || pi_ref)`` from the token rewards (:func:`ppo_core.kl_control.apply_kl_penalty`)."""
     kl_penalty: InRewardKLEstimator = "kl"
@@ -80,3 +83,4 @@ class AlgorithmConfig(ConfigBase):
         check_choice("adv_estimator", self.adv_estimator, advantage_estimator_names())
         check_unit_interval("gamma", self.gamma)
         check_unit_interval("lam", self.lam)
+        check_positive("adv_std_epsilon", self.adv_std_epsilon, allow_zero=True)

@@ -13,6 +13,9 @@ With ``d = logprob - ref_logprob`` (log pi(y) - log pi_ref(y) of the sampled tok
 ``"<name>+"``               straight-through: the value of ``<name>``, the gradient of k2 (``d * grad logprob``)
 ==========================  =======================================================================================
 
+:func:`importance_weighted_kl` multiplies a per-token estimate by the importance ratio ``pi / pi_old`` for tokens
+sampled from ``pi_old`` (TRL's ``use_bias_correction_kl``).
+
 Deviation from verl: ``"full"`` is implemented (verl raises ``NotImplementedError``), and unknown names raise
 ``ValueError`` listing the valid names (verl: ``NotImplementedError``).
 """
@@ -37,7 +40,7 @@ from ppo_core.logprobs import (
     _row_blocks,
 )
 
-__all__ = ["KL_ESTIMATORS", "KLEstimator", "kl_penalty"]
+__all__ = ["KL_ESTIMATORS", "KLEstimator", "importance_weighted_kl", "kl_penalty"]
 
 KLEstimator = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
@@ -189,3 +192,39 @@ def kl_penalty(
     k2 = 0.5 * delta.square()
     # k2 - sg(k2) is exactly 0 in the forward pass, so the value is bit-identical to the base estimator
     return value.detach() + (k2 - k2.detach())
+
+
+_RATIO_LOG_CLAMP = 20.0
+"""The policy losses' log-ratio clamp (:data:`ppo_core.losses.LOG_RATIO_CLAMP`)."""
+
+
+def importance_weighted_kl(
+    kl: torch.Tensor, logprob: torch.Tensor, old_logprob: torch.Tensor
+) -> torch.Tensor:
+    """``r · kl`` with ``r = exp(clamp(logprob − old_logprob, ±20))``: a per-token KL estimate made unbiased for
+    tokens sampled from ``pi_old`` rather than from ``pi``.
+
+    A KL estimator ``k(y)`` such as k3 estimates ``KL(pi || pi_ref)`` when ``y ~ pi``; the tokens of a PPO update
+    come from ``pi_old``, and importance sampling gives ``E_{y~pi_old}[r(y) k(y)] = E_{y~pi}[k(y)]`` (DeepSeek-V3.2's
+    "unbiased KL estimate"; TRL's ``use_bias_correction_kl``). The ratio is *not* detached: the gradient of
+    ``E_{pi_old}[r k]`` is then the gradient of ``E_{pi}[k]`` itself. On the first mini-batch of an update
+    (``pi = pi_old``) the value equals ``kl`` and the gradient gains ``kl · ∇log pi``.
+
+    Args:
+        kl: ``[B, T]`` per-token estimate (:func:`kl_penalty`'s output), differentiable.
+        logprob: ``[B, T]`` log pi of the sampled tokens (differentiated).
+        old_logprob: ``[B, T]`` log pi_old of the same tokens (the sampling policy; not differentiated).
+
+    Returns:
+        ``[B, T]``, not masked.
+
+    Example:
+        >>> importance_weighted_kl(torch.tensor([[0.5]]), torch.tensor([[-1.0]]), torch.tensor([[-1.0]]))
+        tensor([[0.5000]])
+    """
+    kl = check_floating("kl", kl)
+    logprob = check_floating("logprob", logprob)
+    old_logprob = check_floating("old_logprob", old_logprob)
+    check_same_shape(kl=kl, logprob=logprob, old_logprob=old_logprob)
+    log_ratio = (logprob - old_logprob.detach()).clamp(-_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP)
+    return torch.exp(log_ratio) * kl

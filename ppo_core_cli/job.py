@@ -266,8 +266,9 @@ def complete_workers(
     run's resolved EOS and padding; None: resolved here from ``tokenizer``): sampling and validation stop there.
     Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
     (:func:`~ppo_core.workers.megatron.hf_config.model_config_from_hf`, with the job's other ``model`` keys),
-    ``hf_checkpoint`` (the actor: ``model_dir``; the critic: ``model.critic_path`` or ``model_dir``) and the whole
-    ``parallel`` layout (so that an export can read the rank files).
+    ``hf_checkpoint`` (the actor: ``model_dir``; the critic: ``model.critic_path`` or ``model_dir``), the whole
+    ``parallel`` layout (so that an export can read the rank files) and, for the critic, the value head's
+    initialisation (``model.value_head_init_std``, seeded by ``model.init_seed``, as the torch critic's).
     """
     actor = dict(job.actor.worker)
     critic = dict(job.critic.worker)
@@ -286,6 +287,8 @@ def complete_workers(
             worker["model"] = model_config_from_hf(hf_config, dtype=job.model.dtype, **extra).to_dict()
             worker["hf_checkpoint"] = path
             worker["parallel"] = ParallelConfig.from_dict(worker.get("parallel") or {}).to_dict()
+        critic.setdefault("value_head_init_std", job.model.value_head_init_std)
+        critic.setdefault("value_head_seed", job.model.init_seed)
     return actor, critic
 
 

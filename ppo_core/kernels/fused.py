@@ -31,10 +31,12 @@ def _math_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-@cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, in fp32 (fp64 for fp64), returned in
     ``x.dtype``.
+
+    The compiled kernel sees ``x`` as ``[N, D]`` rows, so the leading shape (megatron's ``[s, b, D]`` with
+    ``b = 1`` packed or ``b > 1`` padded, a decode step's single token) never forces a recompile of its own.
 
     Args:
         x: ``[..., D]`` activations (any floating dtype).
@@ -44,12 +46,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         ``[..., D]`` in ``x.dtype`` (the rounding of ``torch.nn.RMSNorm`` with an fp32 weight: one, at the end).
     """
+    return _rms_norm_rows(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+@cuda_compiled
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` of ``x [N, D]``."""
     xf = x.to(_math_dtype(x))
     inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * inv_rms * weight.to(xf.dtype)).to(x.dtype)
 
 
-@cuda_compiled
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +73,18 @@ def add_rms_norm(
         >>> h, n
         (tensor([[3., 4.]]), tensor([[0.8485, 1.1314]]))
     """
+    if x.shape != delta.shape:
+        x, delta = torch.broadcast_tensors(x, delta)
+    d = x.shape[-1]
+    h, normed = _add_rms_norm_rows(x.reshape(-1, d), delta.reshape(-1, d), weight, eps)
+    return h.view(x.shape), normed.view(x.shape)
+
+
+@cuda_compiled
+def _add_rms_norm_rows(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` of ``x, delta [N, D]``."""
     h = x + delta
     hf = h.to(_math_dtype(h))
     inv_rms = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)

@@ -182,6 +182,9 @@ def _attention_varlen(
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
+    from ppo_core.kernels.compiled import watch_recompile_limit
+
+    watch_recompile_limit(flex_attention.__code__.co_name, "flex_attention (packed attention)")
     return torch.compile(flex_attention)
 
 

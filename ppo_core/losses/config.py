@@ -43,8 +43,9 @@ class PolicyLossConfig(ConfigBase):
     """Lower clip ε_lo (ratio clipped below at 1 − ε_lo; a divergence threshold for dppo); None: ``clip_ratio``."""
     clip_ratio_high: float | None = None
     """Upper clip ε_hi (ratio clipped above at 1 + ε_hi, DAPO's clip-higher); None: ``clip_ratio``."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (also dppo's ratio truncation)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (also dppo's ratio truncation);
+    None turns the dual clip off (the plain clipped surrogate; dppo's ratio is then not truncated)."""
     tau_pos: float = 1.0
     """SAPO gate temperature for positive advantages."""
     tau_neg: float = 1.05
@@ -72,7 +73,8 @@ class PolicyLossConfig(ConfigBase):
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if getattr(self, name) is not None:
                 check_finite_at_least(name, getattr(self, name), 0.0)
-        check_finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        if self.clip_ratio_c is not None:
+            check_finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
         check_finite_at_least("tau_pos", self.tau_pos, 0.0, strict=True)
         check_finite_at_least("tau_neg", self.tau_neg, 0.0, strict=True)
         for name in ("clip_cov_ratio", "kl_cov_ratio"):

@@ -2,13 +2,15 @@
 
 Both compute ``L = −A · sg(min(r, c)) · log_prob · sg(valid)`` with ``r = exp(clamp(Δ, ±20))`` and
 ``c = config.clip_ratio_c`` (3.0 by default; verl's 20.0 fallback only applies to configs without the
-key), where ``valid`` says the token is still inside the trust region (``ε_lo``/``ε_hi`` are divergence thresholds
+key; None: no truncation, ``c = ∞``), where ``valid`` says the token is still inside the trust region (``ε_lo``/``ε_hi`` are divergence thresholds
 here, not ratio bounds). ``A = 0`` uses the negative-advantage branch. The loss *value* is ``−A r̃ log p``, not a
 surrogate of ``r``. Metrics: ``pg_clipfrac = mean(1 − valid)``, ``pg_clipfrac_lower = mean([r > c] ∧ valid)``,
 ``ppo_kl``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,11 +24,12 @@ _BINARY_KL_EPS = 1e-8
 
 def _dppo_loss(inp: _LossInputs, valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(inp.log_ratio()).detach()
-    truncated = ratio.clamp(max=inp.config.clip_ratio_c)
+    c = math.inf if inp.config.clip_ratio_c is None else inp.config.clip_ratio_c
+    truncated = ratio.clamp(max=c)
     per_token = -inp.adv * truncated * inp.new * valid.to(inp.new.dtype)
     metrics = {
         "pg_clipfrac": inp.mean(~valid),
-        "pg_clipfrac_lower": inp.mean((ratio > inp.config.clip_ratio_c) & valid),
+        "pg_clipfrac_lower": inp.mean((ratio > c) & valid),
         "ppo_kl": inp.ppo_kl(),
     }
     return inp.aggregate(per_token), metrics

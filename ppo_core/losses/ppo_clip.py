@@ -19,6 +19,9 @@ def vanilla_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch
         L1 = −A·r ;  L2 = −A·clip(r, 1 − ε_lo, 1 + ε_hi) ;  Lc = max(L1, L2)
         L  = min(Lc, −A·c) where A < 0, else Lc        (× rollout_is_weights) → agg_loss
 
+    ``clip_ratio_c=None`` turns the dual clip off: ``L = Lc`` everywhere (the plain clipped surrogate of Schulman et
+    al.; TRL's ``grpo``/``dapo``/... losses with ``delta=None``), and ``pg_clipfrac_lower`` is 0.
+
     The gradient is zero on tokens where the clipped branch or the dual-clip constant is active.
     Metrics: ``pg_clipfrac = mean([L2 > L1])``, ``pg_clipfrac_lower = mean([Lc > −A·c] ∧ [A < 0])``,
     ``ppo_kl = mean(−Δ)`` (the clamped log-ratio) over valid tokens.
@@ -39,12 +42,16 @@ def vanilla_policy_loss(inp: _LossInputs) -> tuple[torch.Tensor, dict[str, torch
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     clipped = torch.maximum(loss1, loss2)
-    loss3 = -adv * cfg.clip_ratio_c
-    negative = adv < 0
-    per_token = torch.where(negative, torch.minimum(clipped, loss3), clipped)
+    if cfg.clip_ratio_c is None:
+        per_token, dual_clipped = clipped, torch.zeros_like(inp.mask)
+    else:
+        loss3 = -adv * cfg.clip_ratio_c
+        negative = adv < 0
+        per_token = torch.where(negative, torch.minimum(clipped, loss3), clipped)
+        dual_clipped = (clipped > loss3) & negative
     metrics = {
         "pg_clipfrac": inp.mean(loss2 > loss1),
-        "pg_clipfrac_lower": inp.mean((clipped > loss3) & negative),
+        "pg_clipfrac_lower": inp.mean(dual_clipped),
         "ppo_kl": inp.ppo_kl(),
     }
     return inp.aggregate(per_token), metrics

@@ -164,16 +164,19 @@ def vanilla_policy_loss_oracle(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float | None = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[float, Metrics]:
-    """Reference ``vanilla`` (PPO clip + dual clip) loss."""
+    """Reference ``vanilla`` (PPO clip + dual clip; ``clip_ratio_c=None``: no dual clip) loss."""
 
     def token(o: float, n: float, a: float) -> tuple[float, dict[str, bool]]:
         r = math.exp(_log_ratio(n, o))
         l1, l2 = -a * r, -a * _clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
-        lc, l3 = max(l1, l2), -a * clip_ratio_c
+        lc = max(l1, l2)
+        if clip_ratio_c is None:
+            return lc, {"pg_clipfrac": l2 > l1, "pg_clipfrac_lower": False}
+        l3 = -a * clip_ratio_c
         value = min(lc, l3) if a < 0 else lc
         return value, {"pg_clipfrac": l2 > l1, "pg_clipfrac_lower": a < 0 and lc > l3}
 
@@ -270,8 +273,9 @@ def cispo_policy_loss_oracle(
     )
 
 
-def _dppo_token(valid: bool, o: float, n: float, a: float, c: float) -> tuple[float, dict[str, bool]]:
+def _dppo_token(valid: bool, o: float, n: float, a: float, c: float | None) -> tuple[float, dict[str, bool]]:
     r = math.exp(_log_ratio(n, o))
+    c = math.inf if c is None else c
     value = -a * min(r, c) * n if valid else 0.0
     return value, {"pg_clipfrac": not valid, "pg_clipfrac_lower": valid and r > c}
 
@@ -284,7 +288,7 @@ def dppo_tv_policy_loss_oracle(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float | None = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[float, Metrics]:
@@ -308,7 +312,7 @@ def dppo_kl_policy_loss_oracle(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float | None = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[float, Metrics]:

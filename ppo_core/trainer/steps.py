@@ -115,6 +115,7 @@ def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> Ten
         "gamma": algorithm.gamma,
         "lam": algorithm.lam,
         "norm_by_std": algorithm.norm_adv_by_std_in_grpo,
+        "epsilon": algorithm.adv_std_epsilon,
     }
     if KEYS.uid in batch:
         kwargs["index"] = list(batch.get(KEYS.uid).tolist())

@@ -120,6 +120,10 @@ class PPOActorConfig(PPOWorkerConfig):
     """Weight of the KL loss."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss (a name accepted by :func:`ppo_core.kl.kl_penalty`)."""
+    kl_loss_importance_weighted: bool = False
+    """Weight each token's KL estimate by the importance ratio ``pi / pi_old`` (not detached), which makes the
+    estimate unbiased for tokens sampled from ``pi_old`` (:func:`ppo_core.kl.importance_weighted_kl`; TRL's
+    ``use_bias_correction_kl``)."""
     use_reference: bool = True
     """Keep a frozen copy of the initial policy for ``compute_ref_log_prob``."""
 

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ppo_core.keys import KEYS
-from ppo_core.kl import kl_penalty
+from ppo_core.kl import importance_weighted_kl, kl_penalty
 from ppo_core.losses import agg_loss, compute_policy_loss, compute_value_loss
 from ppo_core.masked import masked_mean
 from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
@@ -40,7 +40,8 @@ def actor_loss(
     """One micro-batch's share of the actor loss ``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl``.
 
     The policy loss is ``config.policy_loss`` (registry); the entropy and the KL (``kl_loss_type`` between the
-    policy and the reference) are aggregated with its ``loss_agg_mode``; ``agg`` holds the mini-batch's global
+    policy and the reference, times ``pi / pi_old`` with ``kl_loss_importance_weighted``) are aggregated with its
+    ``loss_agg_mode``; ``agg`` holds the mini-batch's global
     denominators (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
 
     Args:
@@ -78,9 +79,10 @@ def actor_loss(
         loss = loss - config.entropy_coeff * entropy
         metrics["actor/update_entropy"] = entropy.detach()
     if config.use_kl_loss:
-        kl = agg_loss(
-            kl_penalty(log_probs, micro[KEYS.ref_log_probs], config.kl_loss_type), mask, mode, **agg
-        )
+        per_token = kl_penalty(log_probs, micro[KEYS.ref_log_probs], config.kl_loss_type)
+        if config.kl_loss_importance_weighted:
+            per_token = importance_weighted_kl(per_token, log_probs, micro[KEYS.old_log_probs])
+        kl = agg_loss(per_token, mask, mode, **agg)
         loss = loss + config.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl.detach()
     for name, value in pg_metrics.items():

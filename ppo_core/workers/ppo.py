@@ -15,7 +15,9 @@ balanced micro-batches of at most that many valid tokens (one forward/backward e
 with the mini-batch's token and row counts summed over all data-parallel ranks (``agg_loss``'s global
 denominators), so the micro-batch gradients add up, over micro-batches and ranks, to the gradient of the
 mini-batch loss. Metrics are means over optimiser steps of each step's value (losses summed over its
-micro-batches, ratios averaged); ``*/skipped_steps`` counts the steps skipped for a non-finite gradient norm.
+micro-batches, ratios averaged); ``*/skipped_steps`` counts the steps skipped for a non-finite gradient norm
+(each one logs a warning) and ``*/zero_grad_steps`` the steps whose gradient norm was exactly 0, in which only
+weight decay moves the parameters (one warning per update with the count).
 
 ``DP_COMPUTE`` methods return CPU tensors, and ``None`` on ranks that are not their dp group's collect rank.
 """
@@ -75,6 +77,15 @@ ACTOR_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.old_log_probs, KEYS
 """What ``update_actor`` reads (plus ``ref_log_probs`` with the KL loss, and ``rollout_is_weights`` when given)."""
 CRITIC_UPDATE_KEYS = (*FORWARD_KEYS, KEYS.response_mask, KEYS.values, KEYS.returns)
 """What ``update_critic`` reads."""
+
+
+_ZERO_GRAD_HINT = {
+    "actor": "are all the advantages 0? (every reward equal and the values 0, e.g. a zero-initialised critic "
+    "head with constant rewards, or GRPO groups whose responses all scored the same)",
+    "critic": "do the values already equal the returns? (e.g. a zero-initialised value head and all-zero "
+    "returns)",
+}
+"""Why a role's gradient is usually exactly zero, for the zero-gradient warning."""
 
 
 class PPOWorkerBase(Worker):
@@ -159,7 +170,7 @@ class PPOWorkerBase(Worker):
         local_rows = self.config.ppo_mini_batch_size // self.dp_size
         per_epoch = max(1, int(batch.batch_size[0]) // local_rows)  # mini-batches per epoch, for the warnings
         sums: dict[str, list[float]] = defaultdict(list)
-        skipped = 0
+        skipped = zero = steps = 0
         for index, mini in enumerate(self._minibatches(batch)):
             agg = global_loss_denominators(
                 mini[KEYS.response_mask],
@@ -174,10 +185,13 @@ class PPOWorkerBase(Worker):
             loss_fn = functools.partial(self._micro_loss, objective, agg, len(micros), finite)
             outs = engine.forward_backward(micros, loss_fn, spec)
             step = engine.optimizer_step()
+            steps += 1
             sums[f"{prefix}/grad_norm"].append(step.grad_norm)
             if step.skipped:
                 skipped += 1
                 self._warn_skipped(method, *divmod(index, per_epoch), finite, step)
+            elif step.grad_norm == 0.0:
+                zero += 1
             # the micro-batch metrics are shares of the mini-batch's: they add up
             totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=engine.device))
             for metrics in outs:
@@ -188,6 +202,19 @@ class PPOWorkerBase(Worker):
         metrics = {name: sum(values) / len(values) for name, values in sums.items()}
         metrics[f"{prefix}/lr"] = engine.lr
         metrics[f"{prefix}/skipped_steps"] = float(skipped)
+        metrics[f"{prefix}/zero_grad_steps"] = float(zero)
+        if zero:
+            # Adam turns any non-zero gradient into a step of about lr, but an exactly zero one into no step at all
+            logger.warning(
+                "%s: %d of %d optimizer step(s) of the %s had an exactly zero gradient: the loss did not move its "
+                "parameters (only weight decay did, if any) (rank %d); %s",
+                method,
+                zero,
+                steps,
+                prefix,
+                self.rank,
+                _ZERO_GRAD_HINT.get(prefix, ""),
+            )
         return metrics
 
     def _warn_skipped(
@@ -360,7 +387,8 @@ class PPOActorWorker(PPOWorkerBase):
         Returns:
             Means over optimiser steps: ``actor/pg_loss`` and the policy loss's metrics (``actor/pg_clipfrac``,
             ``actor/ppo_kl``...), ``actor/update_entropy`` (when ``entropy_coeff > 0``), ``actor/kl_loss`` (with
-            the KL loss), ``actor/grad_norm``; ``actor/lr``, ``actor/skipped_steps``, and ``actor/ref_kl`` (mean
+            the KL loss), ``actor/grad_norm``; ``actor/lr``, ``actor/skipped_steps``, ``actor/zero_grad_steps``, and
+            ``actor/ref_kl`` (mean
             ``old_log_probs - ref_log_probs`` over valid tokens) when the batch has ``ref_log_probs``.
         """
         cfg = self.config
@@ -418,7 +446,7 @@ class PPOCriticWorker(PPOWorkerBase):
 
         Returns:
             Means over optimiser steps: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
-            ``critic/grad_norm``; ``critic/lr``, ``critic/skipped_steps``.
+            ``critic/grad_norm``; ``critic/lr``, ``critic/skipped_steps``, ``critic/zero_grad_steps``.
         """
         check_keys(batch, CRITIC_UPDATE_KEYS, "update_critic")
         batch = batch.select(*CRITIC_UPDATE_KEYS).to(self.engine.device)

@@ -55,11 +55,20 @@ def test_megatron_workers_under_monarch_train_and_export(tmp_path, capsys, algo)
         timings,
     ]
     if algo == "ppo":
-        argv.append("critic.worker.ppo_mini_batch_size=16")
+        # The random tiny model scores 0 on every prompt and the KL penalty is 0 at step 1 (policy = reference):
+        # with a zero-initialised value head every advantage, return and value is 0, no gradient is non-zero and
+        # neither actor nor critic can ever move. A random head gives the critic values, hence advantages.
+        argv += ["critic.worker.ppo_mini_batch_size=16", "model.value_head_init_std=0.02"]
+    else:
+        # Zero scores make every GRPO advantage 0 too, and the KL loss has a zero gradient at pi = pi_ref: only
+        # rounding differences between the training and reference forwards could move the actor. An entropy
+        # bonus gives a gradient whatever the rewards.
+        argv.append("actor.worker.entropy_coeff=0.001")
     assert main(argv) == 0
     out = capsys.readouterr().out
     records = read_metrics_jsonl(_printed(out, "metrics"))
     assert [r["step"] for r in records] == [1, 2]
+    assert all(r["actor/zero_grad_steps"] == 0 and r["actor/skipped_steps"] == 0 for r in records)
     assert all("reward/synthetic/arith_gsm8k/acc/mean" in r for r in records)
     report = json.loads(pathlib.Path(timings).read_text())
     assert report["peak_memory_gib"]["actor"][0]["cuda_allocated"] > 0

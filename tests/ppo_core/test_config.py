@@ -49,6 +49,7 @@ def test_defaults_are_verls() -> None:
         "gamma": 1.0,
         "lam": 1.0,
         "norm_adv_by_std_in_grpo": True,
+        "adv_std_epsilon": 1e-6,  # verl's hard-coded value
         "use_kl_in_reward": False,
         "kl_penalty": "kl",
         "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000},

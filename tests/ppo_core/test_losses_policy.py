@@ -54,7 +54,7 @@ def configs(draw: st.DrawFn) -> PolicyLossConfig:
         clip_ratio=draw(st.sampled_from([0.1, 0.2, 0.3])),
         clip_ratio_low=draw(maybe),
         clip_ratio_high=draw(maybe),
-        clip_ratio_c=draw(st.sampled_from([1.1, 3.0, 10.0])),
+        clip_ratio_c=draw(st.sampled_from([1.1, 3.0, 10.0, None])),
         tau_pos=draw(st.sampled_from([0.5, 1.0])),
         tau_neg=draw(st.sampled_from([1.05, 2.0])),
         clip_cov_ratio=draw(st.sampled_from([2e-4, 0.2, 1.0])),

@@ -71,6 +71,54 @@ def test_clip_ratio_c_must_exceed_one(clip_ratio_c):
 
 
 @settings(max_examples=50)
+@given(
+    inputs=policy_loss_inputs(), eps=st.sampled_from([0.1, 0.2, 0.3]), mode=st.sampled_from(LOSS_AGG_MODES)
+)
+def test_dual_clip_off_is_the_plain_clipped_surrogate(inputs, eps, mode):
+    """``clip_ratio_c=None``: ``max(−A·r, −A·clip(r))`` on every token, negative advantages included (value and
+    gradient), and no token counts as dual-clipped."""
+    config = PolicyLossConfig(clip_ratio=eps, clip_ratio_c=None)
+    new = inputs.log_prob.clone().requires_grad_(True)
+    agg = {"loss_agg_mode": mode, "loss_scale_factor": 7.0}
+    loss, metrics = vanilla_policy_loss(
+        inputs.old_log_prob, new, inputs.advantages, inputs.response_mask, config=config,
+        rollout_is_weights=inputs.rollout_is_weights, **agg,
+    )  # fmt: skip
+    ref = inputs.log_prob.clone().requires_grad_(True)
+    r = torch.exp((ref - inputs.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    a = inputs.advantages
+    surrogate = torch.maximum(-a * r, -a * r.clamp(1 - eps, 1 + eps))
+    if inputs.rollout_is_weights is not None:
+        surrogate = surrogate * inputs.rollout_is_weights
+    expected = agg_loss(surrogate, inputs.response_mask, mode, loss_scale_factor=7.0)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_grad(loss, new), _grad(expected, ref), rtol=1e-12, atol=1e-12)
+    assert metrics["pg_clipfrac_lower"].item() == 0.0
+
+
+def test_dual_clip_off_leaves_large_ratios_of_negative_advantages_unbounded():
+    """r = 5, A = −1: the default dual clip caps the loss at c = 3; with None it is 5 (gradient 5, not 0)."""
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    new = torch.full((1, 1), math.log(5.0), dtype=torch.float64, requires_grad=True)
+    adv = -torch.ones(1, 1, dtype=torch.float64)
+    capped, _ = vanilla_policy_loss(old, new, adv, torch.ones(1, 1))
+    off, metrics = vanilla_policy_loss(old, new, adv, torch.ones(1, 1), config={"clip_ratio_c": None})
+    assert (capped.item(), off.item()) == (pytest.approx(3.0), pytest.approx(5.0))
+    assert (_grad(capped, new).item(), _grad(off, new).item()) == (0.0, pytest.approx(5.0))
+    assert metrics["pg_clipfrac_lower"].item() == 0.0
+
+
+def test_dppo_without_clip_ratio_c_does_not_truncate():
+    old = torch.log(torch.tensor([[0.05]], dtype=torch.float64))
+    new = torch.log(torch.tensor([[0.3]], dtype=torch.float64)).requires_grad_(True)
+    loss, metrics = dppo_tv_policy_loss(
+        old, new, -torch.ones(1, 1), torch.ones(1, 1), config={"clip_ratio_c": None}
+    )
+    assert loss.item() == pytest.approx(6.0 * math.log(0.3))
+    assert metrics["pg_clipfrac_lower"].item() == 0.0
+
+
+@settings(max_examples=50)
 @given(inputs=policy_loss_inputs(with_is_weights=False), eps=st.sampled_from([0.1, 0.2, 0.3]))
 def test_vanilla_gradient_is_exactly_zero_on_clipped_tokens(inputs, eps):
     config = PolicyLossConfig(clip_ratio=eps)

@@ -87,3 +87,21 @@ def test_sampling_through_the_last_logits_view(cpu_megatron) -> None:
     # greedy: every sampled token is the argmax of the full-vocabulary logits at its position
     logits = _full_output(engine, out)[:, P - 1 : -1, :VOCAB]
     assert torch.equal(out[KEYS.responses], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("std", [0.0, 0.02])
+def test_value_head_initialisation_is_the_torch_critics(cpu_megatron, std) -> None:
+    """``value_head_init_std`` > 0 draws the torch critic's head (same seed, same weight); 0 gives zeros."""
+    from ppo_core.models.hf import CausalLMWithValueHead
+    from ppo_core.workers.megatron import ParallelConfig, build_gpt_model
+
+    cfg = tiny_config()
+    model = build_gpt_model(
+        cfg, ParallelConfig(), value_head=True, value_head_init_std=std, value_head_seed=3
+    )
+    torch_head = CausalLMWithValueHead(
+        torch.nn.Module(), cfg.hidden_size, head_init_std=std, seed=3
+    ).value_head
+    torch.testing.assert_close(model.output_layer.linear.weight, torch_head.weight, rtol=0, atol=0)
+    assert torch.count_nonzero(model.output_layer.linear.bias) == 0
+    assert (torch.count_nonzero(model.output_layer.linear.weight) > 0) == (std > 0)

@@ -71,7 +71,8 @@ def reference_update(module, batch: TensorDict, cfg, prefix: str, micro_loss) ->
         for name, value in step.items():
             sums[name].append(float(value))
     metrics = {name: sum(v) / len(v) for name, v in sums.items()}
-    return module, metrics | {f"{prefix}/lr": cfg.optim.lr, f"{prefix}/skipped_steps": 0.0}
+    zero = {f"{prefix}/skipped_steps": 0.0, f"{prefix}/zero_grad_steps": 0.0}
+    return module, metrics | {f"{prefix}/lr": cfg.optim.lr} | zero
 
 
 def reference_actor_update(batch: TensorDict, cfg: TorchActorConfig) -> tuple[torch.nn.Module, dict]:

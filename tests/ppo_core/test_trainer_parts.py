@@ -308,6 +308,26 @@ def test_compute_advantages_uses_uids_and_values():
     assert not math.isnan(float(gae["advantages"].sum()))
 
 
+@pytest.mark.parametrize("epsilon", [1e-6, 1e-4, 0.5])
+def test_compute_advantages_passes_the_std_epsilon(epsilon):
+    """``algorithm.adv_std_epsilon`` reaches the group estimator: (s - mean) / (std + epsilon)."""
+    from ppo_core.config import AlgorithmConfig
+
+    batch = TensorDict(
+        {
+            "token_level_rewards": torch.tensor([[1.0], [0.0]], dtype=torch.float64),
+            "response_mask": torch.ones(2, 1),
+            "uid": NonTensorStack("a", "a"),
+        },
+        batch_size=[2],
+    )
+    out = compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo", adv_std_epsilon=epsilon))
+    std = math.sqrt(0.5)  # unbiased std of (1, 0)
+    assert out["advantages"][:, 0].tolist() == pytest.approx([0.5 / (std + epsilon), -0.5 / (std + epsilon)])
+    with pytest.raises(ValueError, match="adv_std_epsilon"):
+        AlgorithmConfig(adv_std_epsilon=-1.0)
+
+
 def test_tensorboard_logger_writes_events_or_warns_when_missing(tmp_path, caplog):
     try:
         import tensorboard  # noqa: F401

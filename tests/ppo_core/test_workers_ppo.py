@@ -335,6 +335,7 @@ def test_actor_metric_names(entropy_coeff: float, use_kl_loss: bool, with_ref: b
         "actor/grad_norm",
         "actor/lr",
         "actor/skipped_steps",
+        "actor/zero_grad_steps",
     } | _policy_metric_names()
     expected |= {"actor/update_entropy"} if entropy_coeff else set()
     expected |= {"actor/kl_loss"} if use_kl_loss else set()
@@ -355,6 +356,7 @@ def test_critic_metric_names_and_outputs() -> None:
         "critic/grad_norm",
         "critic/lr",
         "critic/skipped_steps",
+        "critic/zero_grad_steps",
     }
     out = critic.compute_values(batch)
     assert set(out.keys()) == {KEYS.values}
@@ -476,6 +478,28 @@ def test_skipped_steps_count_every_skipped_step() -> None:
     metrics = critic.update_critic(_batch(4))
     assert metrics["critic/skipped_steps"] == 3.0
     assert torch.equal(critic.engine.module.table, Bigram(1, 0).table)  # never stepped
+
+
+def test_zero_gradient_steps_are_counted_and_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """All advantages 0 (and no KL or entropy term): every step has a zero gradient, the parameters do not move,
+    and one warning per update names the role and the count."""
+    actor = _actor({"ppo_mini_batch_size": 2, "policy_loss": {"loss_mode": "gpg"}})  # no clipping
+    batch = _batch(6)
+    batch[KEYS.advantages] = torch.zeros_like(batch[KEYS.advantages])
+    before = actor.engine.module.table.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="ppo_core.workers.ppo"):
+        metrics = actor.update_actor(batch)
+    assert (metrics["actor/zero_grad_steps"], metrics["actor/skipped_steps"]) == (3.0, 0.0)
+    assert torch.equal(actor.engine.module.table, before)
+    (record,) = caplog.records
+    assert (
+        "3 of 3 optimizer step(s) of the actor" in record.getMessage() and "advantages" in record.getMessage()
+    )
+    caplog.clear()
+    batch[KEYS.advantages][0, 0] = 1.0  # one non-zero advantage (a valid token): the first step moves
+    with caplog.at_level(logging.WARNING, logger="ppo_core.workers.ppo"):
+        metrics = actor.update_actor(batch)
+    assert metrics["actor/zero_grad_steps"] == 2.0 and "2 of 3" in caplog.records[0].getMessage()
 
 
 # -------------------------------------------------------------------------------- rollout and wiring

@@ -127,6 +127,14 @@ def test_megatron_workers_get_the_checkpoints_shape(tiny):
     critic_cfg = MegatronCriticConfig.from_dict(critic)
     assert critic_cfg.hf_checkpoint == tiny and critic_cfg.model.attention == "sdpa"
     assert critic["parallel"]["tensor_model_parallel_size"] == 1  # the whole layout, for exports
+    # the critic's value head is initialised as the torch critic's (model.value_head_init_std, model.init_seed)
+    assert (critic["value_head_init_std"], critic["value_head_seed"]) == (0.0, 0)
+    job = load_job_config(
+        None,
+        [f"model.path={tiny}", "workers=megatron", "model.value_head_init_std=0.02", "model.init_seed=5"],
+    )
+    critic = MegatronCriticConfig.from_dict(complete_workers(job, load_tokenizer(job), tiny)[1])
+    assert (critic.value_head_init_std, critic.value_head_seed) == (0.02, 5)
 
 
 def test_scorers(tmp_path):

@@ -289,4 +289,14 @@ class MegatronActorConfig(PPOActorConfig, _MegatronFields):
 
 @dataclass(kw_only=True)
 class MegatronCriticConfig(PPOCriticConfig, _MegatronFields):
-    """Critic on megatron-core: the PPO critic's fields plus model and layout."""
+    """Critic on megatron-core: the PPO critic's fields plus model, layout and the value head's initialisation."""
+
+    value_head_init_std: float = 0.0
+    """Standard deviation of the new value head's weight (0: zeros, every value starts at 0; its bias is 0)."""
+    value_head_seed: int = 0
+    """Seed of that initialisation (the torch critic draws the same head from the same seed)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("value_head_init_std", self.value_head_init_std, allow_zero=True)
+        check_int("value_head_seed", self.value_head_seed, 0)

@@ -306,14 +306,31 @@ class ValueHead(nn.Module):
     """Replaces the output layer of a critic: ``hidden [s, b, D] -> values [s, b, 1]`` (one linear map).
 
     Its weight is replicated on every TP rank (the hidden states it reads are too), so it needs no
-    communication except the sequence-parallel gather. Called like megatron's output layer.
+    communication except the sequence-parallel gather. Called like megatron's output layer. The bias starts at 0;
+    the weight at 0 (every value starts at 0), or drawn from ``N(0, init_std²)`` by a generator seeded with
+    ``seed`` (the same on every rank, so TP replicas agree; the global RNG is not touched).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        *,
+        init_std: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, 1, bias=True, dtype=dtype)
-        nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        with torch.no_grad():
+            if (
+                init_std > 0
+            ):  # the draw of the torch critic's head (CausalLMWithValueHead): same seed, same head
+                gen = torch.Generator().manual_seed(int(seed))
+                self.linear.weight.copy_(torch.randn(self.linear.weight.shape, generator=gen) * init_std)
+            else:
+                self.linear.weight.zero_()
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
@@ -337,7 +354,12 @@ def padded_vocab_size(config: MegatronModelConfig, tp: int) -> int:
 
 
 def build_gpt_model(
-    config: MegatronModelConfig, parallel: ParallelConfig, *, value_head: bool = False
+    config: MegatronModelConfig,
+    parallel: ParallelConfig,
+    *,
+    value_head: bool = False,
+    value_head_init_std: float = 0.0,
+    value_head_seed: int = 0,
 ) -> nn.Module:
     """This rank's stage of a ``GPTModel`` (parallel state must be initialised), on the current CUDA device of a
     rank that joined with nccl, on the CPU otherwise.
@@ -346,6 +368,7 @@ def build_gpt_model(
         config: the model's shape and dtype.
         parallel: TP/PP/CP sizes (they must match megatron's parallel state).
         value_head: build a critic: the output layer is a :class:`ValueHead` and the model returns ``[B, S, 1]``.
+        value_head_init_std, value_head_seed: the value head's initialisation (see :class:`ValueHead`).
 
     Returns:
         A ``GPTModel`` whose ``forward(input_ids [B, S], position_ids [B, S], attention_mask)`` returns logits
@@ -365,7 +388,13 @@ def build_gpt_model(
         torch.manual_seed(config.seed)
         model = _gpt(GPTModel, tc, config, parallel, pre, post, value_head)
     if value_head and post:
-        model.output_layer = ValueHead(config.hidden_size, config.torch_dtype, tc.sequence_parallel)
+        model.output_layer = ValueHead(
+            config.hidden_size,
+            config.torch_dtype,
+            tc.sequence_parallel,
+            init_std=value_head_init_std,
+            seed=value_head_seed,
+        )
     elif post and not tc.sequence_parallel:
         _add_logits_window(model.output_layer)
     if cuda:

@@ -50,7 +50,13 @@ def _build_engine(config: MegatronActorConfig | MegatronCriticConfig, head: str)
         config.parallel, rank=ctx.rank, world_size=ctx.world_size, device=device, seed=config.model.seed
     )
     value_head = head == "value"
-    module = build_gpt_model(config.model, config.parallel, value_head=value_head)
+    head_init = {}
+    if isinstance(config, MegatronCriticConfig):
+        head_init = {
+            "value_head_init_std": config.value_head_init_std,
+            "value_head_seed": config.value_head_seed,
+        }
+    module = build_gpt_model(config.model, config.parallel, value_head=value_head, **head_init)
     if config.hf_checkpoint is not None:
         load_hf_checkpoint(module, config.hf_checkpoint, config.model, config.parallel, value_head=value_head)
     return MegatronEngine(

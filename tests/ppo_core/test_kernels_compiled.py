@@ -1,0 +1,128 @@
+"""``cuda_compiled`` stays compiled: one compiled variant per grad mode and ``requires_grad`` pattern (so the
+alternation of a training worker never reaches dynamo's recompile limit), and a variant that does reach it is
+reported (warning, :func:`recompile_limit_hits`) or raises when ``fail_on_recompile_limit_hit`` is set.
+
+Compiled on the CPU with the ``eager`` backend: dynamo's guards and recompiles are the same as with inductor on
+CUDA, without code generation."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from ppo_core.kernels import compiled as compiled_module
+from ppo_core.kernels import fused
+from ppo_core.kernels.compiled import cuda_compiled, recompile_limit_hits
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch):
+    """Compile ``fused``'s row kernels on the CPU (eager backend); yield dynamo's frame counters."""
+    torch._dynamo.reset()
+    for name in ("_rms_norm_rows", "_add_rms_norm_rows"):
+        fn = getattr(fused, name).__wrapped__
+        monkeypatch.setattr(fused, name, cuda_compiled(fn, device_types=("cpu",), backend="eager"))
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def _megatron_like_calls(norm, dtypes=(torch.float32,)) -> None:
+    """What a colocated megatron actor does with a norm: log-prob passes (no grad), the update (grad, trained
+    weight), the reference (no grad, frozen weight), packed ``[T, 1, D]`` and padded ``[s, b, D]`` activations of
+    several lengths, decode steps of one token."""
+    shapes = [(5, 1, 8), (7, 1, 8), (3, 2, 8), (9, 4, 8), (1, 1, 8)]
+    for grad, trained, shape, dtype in itertools.product([True, False], [True, False], shapes, dtypes):
+        weight = torch.ones(8, dtype=dtype, requires_grad=trained)
+        x = torch.randn(*shape, dtype=dtype, requires_grad=grad and trained)
+        with torch.set_grad_enabled(grad):
+            out = norm(x, weight)
+        torch.testing.assert_close(out, _reference(x.detach(), weight.detach()))
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * weight
+
+
+@pytest.mark.slow
+def test_rms_norm_never_reaches_the_recompile_limit(counted, caplog: pytest.LogCaptureFixture) -> None:
+    before = len(recompile_limit_hits())
+    with caplog.at_level(logging.WARNING):
+        _megatron_like_calls(lambda x, w: fused.rms_norm(x, w, 1e-6))
+    assert len(recompile_limit_hits()) == before
+    assert not [r for r in caplog.records if "recompile" in r.getMessage()]
+    assert counted["stats"]["unique_graphs"] > 0  # it did compile
+
+
+def test_the_old_single_compiled_function_did_reach_it(caplog: pytest.LogCaptureFixture) -> None:
+    """The regression this guards: one ``torch.compile`` of the whole norm falls back to eager."""
+    torch._dynamo.reset()
+    single = torch.compile(fused._rms_norm_rows.__wrapped__, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        _megatron_like_calls(lambda x, w: single(x, w, 1e-6))
+    assert any("recompile_limit" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
+
+
+def _dtype_hungry() -> object:
+    def scale_by_dtype(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    return cuda_compiled(scale_by_dtype, device_types=("cpu",), backend="eager")
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.uint8, torch.complex64]  # fmt: skip
+
+
+def test_a_variant_that_reaches_the_limit_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    torch._dynamo.reset()
+    fn = _dtype_hungry()
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        for dtype in _DTYPES:  # ten dtypes: ten guards on one variant
+            assert torch.equal(fn(torch.ones(3, dtype=dtype)), torch.full((3,), 2, dtype=dtype))
+    (record,) = [r for r in caplog.records if r.name == compiled_module.__name__]
+    message = record.getMessage()
+    assert "scale_by_dtype (grad mode on; requires grad: none)" in message and "recompile limit" in message
+    assert recompile_limit_hits()[-1] == "scale_by_dtype (grad mode on; requires grad: none)"
+    torch._dynamo.reset()
+
+
+def test_fail_on_recompile_limit_hit_raises() -> None:
+    torch._dynamo.reset()
+    fn = _dtype_hungry()
+    strict = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    with strict, pytest.raises(Exception, match=r"recompile_limit|recompile limit"):
+        for dtype in _DTYPES:
+            fn(torch.ones(3, dtype=dtype))
+    torch._dynamo.reset()
+
+
+def test_cpu_calls_stay_eager_by_default() -> None:
+    from torch._dynamo.utils import counters
+
+    frames = sum(counters["frames"].values())
+    out = fused.rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), 0.0)
+    torch.testing.assert_close(out, torch.tensor([[3.0, 4.0]]) / 12.5**0.5)
+    assert sum(counters["frames"].values()) == frames  # dynamo never saw the call
+
+
+def test_watched_foreign_functions_are_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """A ``torch.compile`` of a function that is not ours (flex attention) is watched by its code name."""
+    torch._dynamo.reset()
+
+    def foreign_kernel(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled_module.watch_recompile_limit("foreign_kernel", "foreign_kernel (a library's)")
+    fn = torch.compile(foreign_kernel, backend="eager")
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        for dtype in _DTYPES:
+            fn(torch.ones(3, dtype=dtype))
+    assert recompile_limit_hits()[-1] == "foreign_kernel (a library's)"
+    torch._dynamo.reset()
