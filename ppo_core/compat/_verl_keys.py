@@ -13,11 +13,24 @@ Abbreviations in the keys: ``A`` = ``actor_rollout_ref.actor``, ``R`` = ``actor_
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["IGNORED", "RULES", "SKIP", "Emit", "Ref", "Rule", "Unsupported"]
+__all__ = [
+    "IGNORED",
+    "JOB_PATHS",
+    "REFUSED",
+    "ROLLOUT_CORRECTION_RULES",
+    "RULES",
+    "SKIP",
+    "STRUCTURAL",
+    "Emit",
+    "Ref",
+    "Rule",
+    "Unsupported",
+]
 
 logger = logging.getLogger("ppo_core.compat.verl")
 
@@ -89,6 +102,7 @@ def _only(*allowed: Any, reason: str) -> Callable[[Any, Reader], Any]:
         return SKIP
 
     convert.allowed, convert.reason = allowed, reason  # type: ignore[attr-defined]  # (for the guide's table)
+    convert.skip_means = "quiet"  # type: ignore[attr-defined]  # (an accepted value: nothing to report)
     return convert
 
 
@@ -145,13 +159,6 @@ def _scale_factor(agg_key: str) -> Callable[[Any, Reader], Any]:
         return value
 
     return convert
-
-
-def _critic_agg(value: Any, get: Reader) -> Any:
-    out = {"critic.worker.loss_agg_mode": value}
-    if value == "seq-mean-token-sum-norm":
-        out["critic.worker.loss_scale_factor"] = get(f"{R}.response_length")
-    return Emit(out)
 
 
 def _use_kl_loss(value: Any, get: Reader) -> Any:
@@ -241,6 +248,9 @@ def _strategy(value: Any, get: Reader) -> Any:
     return SKIP
 
 
+_strategy.skip_means = "mapped"  # type: ignore[attr-defined]  # (it picks the workers)
+
+
 def _if_megatron(strategy_key: str) -> Callable[[Any, Reader], Any]:
     def convert(value: Any, get: Reader) -> Any:
         return value if get(strategy_key) == "megatron" else SKIP
@@ -266,6 +276,33 @@ _NO_DYNAMIC_BSZ = (
 _NO_SP = "Ulysses sequence parallelism is not implemented"
 _CONSTANT_LR = "learning-rate schedules are not implemented (ppo-core's optimiser keeps lr constant)"
 _NO_LORA = "LoRA is not implemented"
+_NO_REWARD_MODEL = "model-based rewards: compute them in your reward function"
+_NO_SANDBOX = "code-execution rewards (sandbox fusion) are not implemented"
+_CUSTOM_REWARD = (
+    "verl's compute_score(data_source, solution_str, ground_truth, extra_info) is not called by ppo-core: "
+    "register it as a scorer (`reward.scorers.<data_source>.function: module:function`, called as "
+    "function(solution_str, ground_truth, extra_info)) in the converted job"
+)
+
+ROLLOUT_CORRECTION_RULES: tuple[Rule, ...] = (
+    Rule(
+        "algorithm.rollout_correction.rollout_is",
+        None,
+        convert=_only(None, reason="rollout importance-sampling correction is not wired into the trainer"),
+    ),
+    Rule(
+        "algorithm.rollout_correction.rollout_rs",
+        None,
+        convert=_only(None, reason="rollout rejection sampling is not implemented"),
+    ),
+    Rule(
+        "algorithm.rollout_correction.bypass_mode",
+        False,
+        convert=_only(False, reason="the bypass mode (no old log-prob pass) is not implemented"),
+    ),
+)
+"""verl's ``algorithm.rollout_correction`` section: accepted while switched off (its other keys, at their defaults,
+pass quietly). The place to map it once the trainer applies the corrections."""
 
 
 def _optim_rules(section: str, lr: float, target: str) -> list[Rule]:
@@ -396,14 +433,56 @@ def _batch_rules(section: str, target: str, *, critic: bool) -> list[Rule]:
     return rules
 
 
+def _files(value: Any, get: Reader) -> Any:
+    """verl's file key (a path or a list of paths) as a list, ``~`` expanded."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    return [os.path.expanduser(str(name)) for name in names]
+
+
+def _optional_path(value: Any, get: Reader) -> Any:
+    return SKIP if value is None else os.path.expanduser(str(value))
+
+
+def _truncation(value: Any, get: Reader) -> Any:
+    if get("data.filter_overlong_prompts"):
+        return "filter"  # verl drops the longer prompts before training; truncation never applies
+    if value not in ("error", "left", "right"):
+        raise Unsupported("valid values: error, left, right (ppo-core has no `middle` truncation)")
+    return value
+
+
+_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
+"""verl's default model path: a placeholder every launch script overrides."""
+
+
+def _model_path(job_target: str, strategy_key: str) -> Callable[[Any, Reader], Any]:
+    """The checkpoint: the job's model section; also the megatron worker's ``hf_checkpoint`` (library use)."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        path = os.path.expanduser(str(value))
+        if job_target == "model.critic_path" and (
+            value == _PLACEHOLDER_MODEL or path == os.path.expanduser(str(get(f"{M}.path")))
+        ):
+            return SKIP  # the critic starts from the actor's checkpoint: ppo-core's default
+        out = {job_target: path}
+        if get(strategy_key) == "megatron":
+            out[f"{'actor' if job_target == 'model.path' else 'critic'}.worker.hf_checkpoint"] = path
+        return Emit(out)
+
+    convert.skip_means = "mapped"  # type: ignore[attr-defined]  # (the critic starts from the actor's checkpoint)
+    return convert
+
+
 def _model_rules(section: str, target: str, strategy_key: str) -> list[Rule]:
+    job_target = "model.path" if target == "actor.worker" else "model.critic_path"
     return [
         Rule(
             f"{section}.path",
-            "~/models/deepseek-llm-7b-chat",
-            (f"{target}.hf_checkpoint",),
-            _if_megatron(strategy_key),
-            "megatron strategy (local safetensors folder); the torch workers get the model from `init_workers()`",
+            _PLACEHOLDER_MODEL,
+            (job_target, f"{target}.hf_checkpoint"),
+            _model_path(job_target, strategy_key),
+            "`~` expanded; also the megatron worker's `hf_checkpoint` (ppo-core loads local checkpoints only)"
+            + ("; left out when it is the actor's or verl's placeholder" if target != "actor.worker" else ""),
         ),
         Rule(f"{section}.lora_rank", 0, convert=_only(0, reason=_NO_LORA)),
         Rule(f"{section}.lora.rank", 0, convert=_only(0, reason=_NO_LORA)),
@@ -444,6 +523,52 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule("data.datagen.path", None, convert=_only(None, reason="dynamic data generation is not supported")),
+    # ----- data: the job's prompt files
+    Rule(
+        "data.train_files",
+        "~/data/rlhf/gsm8k/train.parquet",
+        ("data.train_files",),
+        _files,
+        "a list; `~` expanded",
+    ),
+    Rule(
+        "data.val_files",
+        "~/data/rlhf/gsm8k/test.parquet",
+        ("data.val_files",),
+        _files,
+        "a list; `~` expanded",
+    ),
+    Rule("data.max_prompt_length", 512, ("data.max_prompt_length",)),
+    Rule("data.prompt_key", "prompt", ("data.prompt_key",)),
+    Rule(
+        "data.truncation",
+        "error",
+        ("data.truncation",),
+        _truncation,
+        "`filter` when `filter_overlong_prompts` is true; `middle` is refused",
+    ),
+    Rule("data.filter_overlong_prompts", False, doc="true: `data.truncation: filter`"),
+    Rule("data.apply_chat_template_kwargs", {}, ("data.chat_template_kwargs",)),
+    Rule(
+        "data.train_max_samples",
+        -1,
+        convert=_only(-1, None, reason="ppo-core reads every prompt of the files: shorten the files instead"),
+    ),
+    Rule(
+        "data.val_max_samples",
+        -1,
+        convert=_only(-1, None, reason="ppo-core reads every prompt of the files: shorten the files instead"),
+    ),
+    Rule(
+        "data.reward_fn_key",
+        "data_source",
+        convert=_only("data_source", reason="ppo-core picks the scorer by the `data_source` column"),
+    ),
+    Rule(
+        "data.custom_cls.path",
+        None,
+        convert=_only(None, reason="custom dataset classes are not supported (ppo-core reads verl's schema)"),
+    ),
     # ----- algorithm
     Rule(
         "algorithm.adv_estimator",
@@ -466,21 +591,7 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.kl_ctrl.horizon", 10000, ("algorithm.kl_ctrl.horizon",)),
     Rule("algorithm.kl_ctrl.target_kl", 0.1, ("algorithm.kl_ctrl.target_kl",)),
     Rule("algorithm.use_pf_ppo", False, convert=_only(False, reason="PF-PPO reweighting is not implemented")),
-    Rule(
-        "algorithm.rollout_correction.rollout_is",
-        None,
-        convert=_only(None, reason="rollout importance-sampling correction is not wired into the trainer"),
-    ),
-    Rule(
-        "algorithm.rollout_correction.rollout_rs",
-        None,
-        convert=_only(None, reason="rollout rejection sampling is not implemented"),
-    ),
-    Rule(
-        "algorithm.rollout_correction.bypass_mode",
-        False,
-        convert=_only(False, reason="the bypass mode (no old log-prob pass) is not implemented"),
-    ),
+    *ROLLOUT_CORRECTION_RULES,
     # ----- actor: loss
     Rule(f"{A}.clip_ratio", 0.2, ("actor.worker.policy_loss.clip_ratio",)),
     Rule(
@@ -547,6 +658,7 @@ RULES: tuple[Rule, ...] = (
     *_optim_rules(A, 1e-6, "actor.worker"),
     *_model_rules(M, "actor.worker", f"{A}.strategy"),
     Rule(f"{M}.mtp.enable", False, convert=_only(False, reason="multi-token prediction is not implemented")),
+    Rule(f"{M}.tokenizer_path", None, ("model.tokenizer_path",), _optional_path, "`~` expanded"),
     # ----- rollout
     Rule(f"{R}.n", 1, ("rollout.n",)),
     Rule(f"{R}.temperature", 1.0, ("actor.worker.rollout.temperature",)),
@@ -610,20 +722,39 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(f"{C}.cliprange_value", 0.5, ("critic.worker.cliprange_value",)),
     Rule(
+        f"{C}.loss_scale_factor",
+        None,
+        ("critic.worker.loss_scale_factor",),
+        _scale_factor(f"{C}.loss_agg_mode"),
+        "None with `seq-mean-token-sum-norm`: `rollout.response_length` (verl's padded width)",
+    ),
+    Rule(
         f"{C}.loss_agg_mode",
         Ref(f"{A}.loss_agg_mode"),
         ("critic.worker.loss_agg_mode",),
-        _critic_agg,
-        "with `seq-mean-token-sum-norm`, `loss_scale_factor` = `rollout.response_length` (verl's padded width)",
+        _registry_name("loss_agg_mode", _loss_agg_modes),
     ),
     *_optim_rules(C, 1e-5, "critic.worker"),
     *_model_rules(f"{C}.model", "critic.worker", f"{C}.strategy"),
     # ----- reward
+    Rule("reward_model.enable", None, convert=_only(False, None, reason=_NO_REWARD_MODEL)),
+    Rule("reward.reward_model.enable", False, convert=_only(False, None, reason=_NO_REWARD_MODEL)),
+    Rule("custom_reward_function.path", None, convert=_only(None, reason=_CUSTOM_REWARD)),
+    Rule("reward.custom_reward_function.path", None, convert=_only(None, reason=_CUSTOM_REWARD)),
     Rule(
-        "reward_model.enable",
-        False,
-        convert=_only(False, reason="model-based rewards: compute them in your reward function"),
+        "reward.reward_manager.name",
+        "naive",
+        convert=_only("naive", reason="ppo-core scores each response alone, as verl's `naive` manager does"),
     ),
+    Rule(
+        "reward.reward_manager.module.path",
+        None,
+        convert=_only(
+            None, reason="custom reward managers are not supported; write a scorer (`reward.scorers`)"
+        ),
+    ),
+    Rule("sandbox_fusion.url", None, convert=_only(None, reason=_NO_SANDBOX)),
+    Rule("reward.sandbox_fusion.url", None, convert=_only(None, reason=_NO_SANDBOX)),
     # ----- trainer
     Rule("trainer.total_epochs", 30, ("trainer.total_epochs",)),
     Rule("trainer.total_training_steps", None, ("trainer.total_training_steps",)),
@@ -684,6 +815,17 @@ RULES: tuple[Rule, ...] = (
 )
 """Every verl key the converter reads, in the order of the migration guide's table."""
 
+JOB_PATHS: tuple[str, ...] = (
+    "model",
+    "data.train_files",
+    "data.val_files",
+    "data.max_prompt_length",
+    "data.prompt_key",
+    "data.truncation",
+    "data.chat_template_kwargs",
+)
+"""Targets that belong to a ``ppo-core`` job (``ppo_core_cli.config.JobConfig``), not to a :class:`PPOConfig`."""
+
 _ENGINE = "engine, memory or speed setting: does not change what is computed"
 _INPUT = "an input your own code provides (model, tokenizer, dataset, reward function)"
 _LOGGING = "logging, profiling or dumps"
@@ -711,6 +853,29 @@ def _trainable_role_ignored(section: str) -> tuple[tuple[str, str], ...]:
         "vanilla_mbridge",
         "use_remove_padding",
         "forward_only",
+        "dynamic_context_parallel",
+        "max_seqlen_per_dp_cp_rank",
+        "dist_ckpt_optim_fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient",
+        "entropy_from_logits_with_chunking",
+        "entropy_from_logits_chunk_size",
+        "pad_bshd_to_minibatch_max",
+        "pad_to_length",
+        "pad_to_length_bucket",
+        "use_megatron_fsdp",
+    )
+    muon = (
+        "muon_momentum",
+        "muon_nesterov",
+        "muon_split_qkv",
+        "muon_scale_mode",
+        "muon_coefficient_type",
+        "muon_num_ns_steps",
+        "muon_tp_mode",
+        "muon_fp32_matmul_prec",
+        "muon_extra_scale_factor",
+        "muon_scalar_optimizer",
+        "muon_match_adamw_update_rms",
     )
     schedule = (
         "min_lr_ratio",
@@ -728,14 +893,48 @@ def _trainable_role_ignored(section: str) -> tuple[tuple[str, str], ...]:
         *((f"{section}.megatron.{name}", _ENGINE) for name in megatron_engine),
         (f"{section}.optim.total_training_steps", _DERIVED),
         *((f"{section}.optim.{name}", _SCHEDULE_ONLY) for name in schedule),
+        *((f"{section}.optim.{name}", "read with optim.optimizer (Muon)") for name in muon),
+        (f"{section}.megatron.router_replay", "read with megatron.router_replay.mode"),
     )
 
 
-IGNORED: tuple[tuple[str, str], ...] = (
+STRUCTURAL: tuple[tuple[str, str], ...] = (
     # (pattern, reason): a pattern matches the key and everything under it; "*" matches one segment, "**" any.
-    ("defaults", "Hydra's defaults list: the converter applies verl's defaults itself"),
+    ("defaults", "Hydra's defaults list: the converter composes it"),
     ("hydra", "Hydra's own settings"),
+    ("model_engine", "Hydra's engine choice: the `strategy` keys say the same"),
     ("**._target_", "verl's dataclass targets"),
+)
+"""Keys of Hydra's and verl's machinery: they pass quietly whatever their value."""
+
+REFUSED: tuple[tuple[str, str], ...] = (
+    # (pattern, reason) for the switches of verl features ppo-core lacks: a value other than verl's default is
+    # refused with the reason (their other keys are in IGNORED: they are read only when the switch is on).
+    ("algorithm.filter_groups.enable", "DAPO's dynamic sampling (group filtering) is not implemented"),
+    ("distillation.enabled", "distillation from teacher models is not implemented"),
+    (
+        "trainer.v1.trainer_mode",
+        "the asynchronous (off-policy) trainer modes are not implemented; ppo-core's loop is `sync`",
+    ),
+    ("skip.*.enable", "skipping rollouts (replaying dumped ones) is not implemented"),
+    ("**.qat.enable", "quantisation-aware training is not implemented"),
+    ("**.router_replay.mode", "MoE router replay is not implemented"),
+    ("**.mtp.enable", "multi-token prediction is not implemented"),
+    ("**.mtp.enable_train", "multi-token prediction is not implemented"),
+    ("**.mtp.enable_rollout", "multi-token prediction is not implemented"),
+    ("actor_rollout_ref.actor.policy_loss.dro_beta", "read only by verl's `dro` loss, which ppo-core lacks"),
+    (
+        "reward.reward_manager.source",
+        "custom reward managers are not supported; write a scorer (`reward.scorers`)",
+    ),
+    (f"{C}.fsdp.ulysses_sequence_parallel_size", _NO_SP),
+    ("actor_rollout_ref.*.fsdp_config.ulysses_sequence_parallel_size", _NO_SP),
+)
+"""Switches of features ppo-core does not have: refused, with the reason, unless at verl's default."""
+
+IGNORED: tuple[tuple[str, str], ...] = (
+    # (pattern, reason): keys that do not change what is computed; one set away from verl's default is dropped
+    # and listed (at the default it passes quietly).
     ("**.profiler", _LOGGING),
     ("global_profiler", _LOGGING),
     ("ray_kwargs", "Ray start-up"),
@@ -744,33 +943,44 @@ IGNORED: tuple[tuple[str, str], ...] = (
     # algorithm
     ("algorithm.pf_ppo", "read with algorithm.use_pf_ppo"),
     ("algorithm.rollout_correction", "read with rollout_is, rollout_rs and bypass_mode"),
+    ("algorithm.filter_groups", "read with algorithm.filter_groups.enable"),
+    ("data.gen_batch_size", "read with algorithm.filter_groups.enable"),
+    ("distillation", "read with distillation.enabled"),
+    ("trainer.v1", "read with trainer.v1.trainer_mode (the asynchronous modes)"),
+    ("trainer.use_v1", _ENGINE),
+    ("trainer.checkpoint_callback_class", "a hook run after each checkpoint save; ppo-core calls none"),
+    ("skip", "read with skip.*.enable"),
+    ("**.qat", "read with qat.enable"),
+    ("**.mtp", "read with mtp.enable"),
+    (
+        "reward.num_workers",
+        "scoring processes (ppo-core's `reward.num_workers` defaults to scoring in-process)",
+    ),
+    ("reward.reward_manager", "read with reward.reward_manager.name"),
+    ("reward.custom_reward_function", "read with reward.custom_reward_function.path"),
+    ("reward.reward_model", "read with reward.reward_model.enable"),
+    ("reward.sandbox_fusion", "read with reward.sandbox_fusion.url"),
+    ("sandbox_fusion", "read with sandbox_fusion.url"),
+    ("data.audio_key", _INPUT),
+    ("data.mm_processor_kwargs", _INPUT),
+    ("data.function_tool_path", "read with rollout.multi_turn.enable"),
     # data
     ("data.tokenizer", _INPUT),
     ("data.use_shm", _ENGINE),
-    ("data.train_files", _INPUT),
-    ("data.val_files", _INPUT),
-    ("data.train_max_samples", _INPUT),
-    ("data.val_max_samples", _INPUT),
-    ("data.prompt_key", _INPUT),
-    ("data.reward_fn_key", _INPUT),
-    ("data.max_prompt_length", _INPUT),
     ("data.tool_config_path", _INPUT),
     ("data.return_raw_input_ids", _INPUT),
     ("data.return_raw_chat", _INPUT),
     ("data.return_full_prompt", _INPUT),
     ("data.dataloader_num_workers", _ENGINE),
     ("data.image_patch_size", _INPUT),
-    ("data.filter_overlong_prompts", _INPUT),
     ("data.filter_overlong_prompts_workers", _INPUT),
-    ("data.truncation", _INPUT),
     ("data.image_key", _INPUT),
     ("data.video_key", _INPUT),
     ("data.trust_remote_code", _INPUT),
-    ("data.custom_cls", _INPUT),
+    ("data.custom_cls", "read with data.custom_cls.path"),
     ("data.return_multi_modal_inputs", _INPUT),
     ("data.sampler.class_name", "read with data.sampler.class_path"),
     ("data.datagen.name", "read with data.datagen.path"),
-    ("data.apply_chat_template_kwargs", _INPUT),
     # actor / ref / rollout / model
     ("actor_rollout_ref.hybrid_engine", _ENGINE),
     ("actor_rollout_ref.nccl_timeout", _ENGINE),
@@ -779,6 +989,9 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.*.fsdp_config", _ENGINE),
     ("actor_rollout_ref.*.entropy_from_logits_with_chunking", _ENGINE),
     ("actor_rollout_ref.*.entropy_checkpointing", _ENGINE),
+    ("actor_rollout_ref.*.entropy_from_logits_chunk_size", _ENGINE),
+    ("actor_rollout_ref.*.pad_to_length", _ENGINE),
+    ("actor_rollout_ref.*.optim.zero_indexed_step", _SCHEDULE_ONLY),
     ("actor_rollout_ref.*.load_weight", _ENGINE),
     ("actor_rollout_ref.*.router_replay", "read with actor.router_replay.mode"),
     (f"{A}.ppo_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
@@ -807,6 +1020,8 @@ IGNORED: tuple[tuple[str, str], ...] = (
     (f"{R}.skip_dump_dir", "read with skip_rollout"),
     (f"{R}.quantization_config_file", "read with quantization"),
     (f"{R}.mtp", "read with model.mtp.enable"),
+    (f"{R}.seed", "the rollout engine's seed: ppo-core's sampling draws from the actor worker's generator"),
+    (f"{R}.moe_load_balance_metrics_interval", _LOGGING),
     *(
         (f"{R}.{name}", _ENGINE)
         for name in (
@@ -835,13 +1050,17 @@ IGNORED: tuple[tuple[str, str], ...] = (
             "layered_summon",
             "skip_tokenizer_init",
             "layer_name_map",
+            "disaggregation",
+            "full_determinism",
+            "n_gpus_per_node",
+            "nnodes",
+            "router_config_path",
         )
     ),
     *(
         (f"{M}.{name}", _INPUT)
         for name in (
             "hf_config_path",
-            "tokenizer_path",
             "custom_chat_template",
             "external_lib",
             "trust_remote_code",
@@ -874,6 +1093,13 @@ IGNORED: tuple[tuple[str, str], ...] = (
     (f"{C}.forward_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
     *_trainable_role_ignored(C),
     (f"{C}.model.fsdp_config", _ENGINE),
+    (f"{C}.fsdp", "the critic's engine settings: " + _ENGINE),
+    (f"{C}.optim.zero_indexed_step", _SCHEDULE_ONLY),
+    (f"{C}.model.hf_config_path", _INPUT),
+    (f"{C}.model.custom_chat_template", _INPUT),
+    *((f"{C}.model.{name}", _ENGINE) for name in ("use_liger", "use_fused_kernels", "fused_kernel_options")),
+    *((f"{C}.model.{name}", "read with lora_rank") for name in ("exclude_modules", "lora_adapter_path")),
+    (f"{C}.model.mtp", "read with mtp.enable"),
     *((f"{C}.model.{name}", _INPUT) for name in ("tokenizer_path", "external_lib", "trust_remote_code")),
     *(
         (f"{C}.model.{name}", _ENGINE)
