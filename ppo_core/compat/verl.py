@@ -45,6 +45,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -146,7 +148,7 @@ def convert_verl(cfg: VerlInput, overrides: Sequence[str] = ()) -> VerlConversio
             problems.append(f"{key}={value!r}: {reason}")
         elif (reason := _first_match(key, IGNORED)) is not None:
             dropped[f"{key}={value!r}"] = reason
-        elif _default_of(key, megatron)[0]:
+        elif _known(key):
             problems.append(f"{key}={value!r}: changes what verl computes; ppo-core has no counterpart")
         else:
             problems.append(f"{key}={value!r}: not a key of verl's config; ppo-core has no equivalent")
@@ -253,14 +255,21 @@ def _load(cfg: VerlInput, overrides: Sequence[str]) -> tuple[dict[str, Any], Any
     # verl's defaults are merged under the user's keys so that interpolations may refer to keys left out (as plain
     # dicts: one OmegaConf tree is built, not two merged)
     tree = OmegaConf.to_container(raw, resolve=False)
-    merged = OmegaConf.create(_merged(_defaults_tree(), tree))
+    merged = _MergedTree(tree)
     user: dict[str, Any] = {}
     for key in _leaf_keys(tree):
-        if _lookup(tree, key) == {}:  # an empty section (its merged value would hold verl's defaults)
+        given = _lookup(tree, key)
+        if given == {}:  # an empty section (its merged value would hold verl's defaults)
             user[key] = {}
             continue
+        if given == "???":  # OmegaConf's missing value
+            user[key] = None
+            continue
+        if not _interpolated(given):
+            user[key] = given
+            continue
         try:
-            value = OmegaConf.select(merged, key, throw_on_resolution_failure=True)
+            value = OmegaConf.select(merged.config(), key, throw_on_resolution_failure=True)
         except Exception as err:  # omegaconf raises several error types for a bad interpolation
             user[key] = _Unresolved(f"cannot resolve {type(err).__name__}: {str(err).splitlines()[0]}")
             continue
@@ -268,6 +277,39 @@ def _load(cfg: VerlInput, overrides: Sequence[str]) -> tuple[dict[str, Any], Any
             value = OmegaConf.to_container(value, resolve=True)
         user[key] = value
     return user, merged
+
+
+class _MergedTree:
+    """The user's config over verl's defaults, as an OmegaConf tree built when first needed (to resolve an
+    interpolation): a config without interpolations is read without one."""
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+        self._config: Any = None
+
+    def config(self) -> Any:
+        if self._config is None:
+            from omegaconf import OmegaConf
+
+            self._config = OmegaConf.create(_merged(_defaults_tree(), self.tree))
+        return self._config
+
+    def given(self, key: str) -> Any:
+        """The user's value of ``key`` as written (an interpolation unresolved)."""
+        try:
+            return _lookup(self.tree, key)
+        except (KeyError, TypeError):
+            return _NOT_RESOLVED
+
+
+def _interpolated(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_interpolated(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_interpolated(v) for v in value)
+    return False
 
 
 def _load_plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -285,6 +327,7 @@ def _plain_keys(data: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k): _plain_keys(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+@functools.cache
 def _defaults_tree() -> dict[str, Any]:
     """verl's default config as a nested dict: :data:`DEFAULTS` (and the megatron-only keys), plus the defaults of
     the older keys in :data:`RULES` (interpolated rule defaults left out)."""
@@ -299,8 +342,8 @@ def _defaults_tree() -> dict[str, Any]:
             node = node.setdefault(part, {}) if not isinstance(child, dict) or child is None else child
             if not isinstance(node, dict):
                 break
-        else:
-            node.setdefault(leaf, value)  # a key that is also a section keeps its sub-keys
+        else:  # (a copy: the tables' values are never changed) a key that is also a section keeps its sub-keys
+            node.setdefault(leaf, copy.deepcopy(value))
     return tree
 
 
@@ -315,6 +358,13 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _known(key: str) -> bool:
+    """Whether verl's config has ``key``, or a free-form section above it (``model.override_config``)."""
+    parts = key.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    return any(p in DEFAULTS or p in MEGATRON_DEFAULTS or p in _RULES for p in prefixes)
+
+
 def _default_of(key: str, megatron: bool) -> tuple[bool, Any]:
     """``(known, default)``: whether verl's config has ``key``, and its default as written."""
     if megatron and key in MEGATRON_DEFAULTS:
@@ -326,7 +376,7 @@ def _default_of(key: str, megatron: bool) -> tuple[bool, Any]:
     return False, None
 
 
-def _at_default(key: str, value: Any, merged: Any, megatron: bool) -> bool:
+def _at_default(key: str, value: Any, merged: _MergedTree | None, megatron: bool) -> bool:
     """Whether ``value`` (resolved) is verl's default of ``key``; an interpolated default is resolved in place."""
     if value == {}:  # an empty section sets nothing
         return True
@@ -336,7 +386,9 @@ def _at_default(key: str, value: Any, merged: Any, megatron: bool) -> bool:
     if default == "???":  # a key verl requires (OmegaConf's missing value, read as None)
         return value is None
     if isinstance(default, str) and "${" in default and merged is not None:
-        default = _resolved_default(merged, key, default)
+        if merged.given(key) == default:  # the default as written (verl's composed config)
+            return True
+        default = _resolved_default(merged.config(), key, default)
     return _same(value, default)
 
 
