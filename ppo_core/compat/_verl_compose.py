@@ -81,7 +81,10 @@ def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = Fa
     from omegaconf import DictConfig, OmegaConf
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"verl config {path!r} (named in a defaults list) does not exist")
+        raise FileNotFoundError(
+            f"verl config {path!r} (named in a defaults list) does not exist: keep the file in verl's config folder "
+            "(verl/trainer/config), or pass the composed config (python -m verl.trainer.main_ppo --cfg job)"
+        )
     with open(path, encoding="utf-8") as f:
         text = f.read()
     header = _GLOBAL_HEADER.search(text)

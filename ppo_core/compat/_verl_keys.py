@@ -1,10 +1,13 @@
-"""The table behind :func:`ppo_core.compat.ppo_config_from_verl`: every verl config key it reads, and those it skips.
+"""The tables behind :func:`ppo_core.compat.convert_verl`: every verl config key it reads, refuses, drops or passes.
 
 Each :class:`Rule` names one verl key (dotted, as in verl's ``ppo_trainer.yaml``), verl's value when the key is
 absent, the ppo-core paths it sets and how the value changes on the way. A rule without targets only constrains
-(a feature ppo-core does not have is accepted only when it is switched off). :data:`IGNORED` lists the keys that
-do not change what is computed (engine, memory and speed knobs, logging names, file paths that your own
-``init_workers()`` and dataset read); everything else is reported as unmappable.
+(a feature ppo-core does not have is accepted only when it is switched off) or feeds another rule. The other keys
+of verl's config (:data:`ppo_core.compat._verl_defaults.DEFAULTS`) pass quietly at verl's default; set to anything
+else, a key in :data:`REFUSED` (the switch of a feature ppo-core lacks) is refused with the reason, a key in
+:data:`IGNORED` (engine, memory and speed knobs, logging, keys read only with a feature that is off) is dropped and
+listed with the reason, and any other key is refused. :data:`STRUCTURAL` keys (Hydra's and verl's machinery) pass
+whatever their value.
 
 Abbreviations in the keys: ``A`` = ``actor_rollout_ref.actor``, ``R`` = ``actor_rollout_ref.rollout``,
 ``F`` = ``actor_rollout_ref.ref``, ``M`` = ``actor_rollout_ref.model``, ``C`` = ``critic``.
