@@ -7,14 +7,17 @@ keys that differ or only exist when verl composes the megatron engine (``ppo_meg
 keys (verl's dataclass names) are left out: they never change what is computed.
 
 The converter uses the table to tell a key left at verl's default (it passes quietly) from one a user changed (it
-is mapped, dropped with its reason, or refused); the tests build a composed verl config from it.
+is mapped, dropped with its reason, or refused); :func:`composed_config` builds verl's composed config from it (the
+tests feed it to the converter).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "MEGATRON_DEFAULTS", "VERL_VERSION"]
+__all__ = ["DEFAULTS", "MEGATRON_DEFAULTS", "VERL_VERSION", "composed_config", "nested"]
 
 VERL_VERSION = "0.9.1"
 """The verl release the table was read from."""
@@ -1047,3 +1050,32 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "critic.nccl_timeout": 600,
 }
 """The keys that differ, or only exist, when verl composes the megatron engine."""
+
+
+def nested(items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """A nested dict from dotted keys and their values (a mapping or pairs).
+
+    The first value of a key wins; a key under a value that is not a section is left out; values are copied (the
+    tables are never changed through the result).
+
+    Example:
+        >>> nested({"a.b": 1, "a.c": [2], "d": None})
+        {'a': {'b': 1, 'c': [2]}, 'd': None}
+    """
+    tree: dict[str, Any] = {}
+    for key, value in items.items() if isinstance(items, Mapping) else items:
+        *parents, leaf = key.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node.setdefault(leaf, copy.deepcopy(value))
+    return tree
+
+
+def composed_config(*, megatron: bool = False) -> dict[str, Any]:
+    """verl's composed config (what ``--cfg job`` prints, ``_target_`` keys left out) as a nested dict, built from
+    the table; with ``megatron``, the megatron engine's."""
+    return nested({**DEFAULTS, **MEGATRON_DEFAULTS} if megatron else DEFAULTS)

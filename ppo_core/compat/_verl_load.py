@@ -9,13 +9,12 @@ interpolated default against the rest of the config.
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ppo_core.compat._verl_defaults import DEFAULTS, MEGATRON_DEFAULTS
+from ppo_core.compat._verl_defaults import DEFAULTS, MEGATRON_DEFAULTS, nested
 from ppo_core.compat._verl_keys import RULES, Ref
 
 __all__ = ["MergedTree", "Unresolved", "at_default", "known_key", "leaf_keys", "load_user_keys", "lookup"]
@@ -129,20 +128,9 @@ def _plain_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 def _defaults_tree() -> dict[str, Any]:
     """verl's default config as a nested dict: :data:`DEFAULTS` (and the megatron-only keys), plus the defaults of
     the older keys in :data:`RULES` (interpolated rule defaults left out)."""
-    tree: dict[str, Any] = {}
     items = [*DEFAULTS.items(), *((k, v) for k, v in MEGATRON_DEFAULTS.items() if k not in DEFAULTS)]
     items += [(rule.key, rule.default) for rule in RULES if not isinstance(rule.default, Ref)]
-    for key, value in items:
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            child = node.get(part)
-            node = node.setdefault(part, {}) if not isinstance(child, dict) or child is None else child
-            if not isinstance(node, dict):
-                break
-        else:  # (a copy: the tables' values are never changed) a key that is also a section keeps its sub-keys
-            node.setdefault(leaf, copy.deepcopy(value))
-    return tree
+    return nested(items)
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

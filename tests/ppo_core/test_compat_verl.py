@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("omegaconf")
 
 from ppo_core.compat import convert_verl, ppo_config_from_verl
-from ppo_core.compat._verl_defaults import DEFAULTS, MEGATRON_DEFAULTS
+from ppo_core.compat._verl_defaults import DEFAULTS, MEGATRON_DEFAULTS, composed_config, nested
 from ppo_core.compat._verl_keys import IGNORED, REFUSED, RULES, STRUCTURAL, Ref
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.trainer.config import PPOConfig
@@ -407,14 +407,7 @@ def _get(cfg: PPOConfig, path: str):
     )
 )
 def test_values_are_copied_to_their_place(values):
-    nested: dict = {}
-    for key, value in values.items():
-        node = nested
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    cfg = ppo_config_from_verl(nested)
+    cfg = ppo_config_from_verl(nested(values))
     for key, value in values.items():
         assert _get(cfg, PASS_THROUGH[key][0]) == value, key
 
@@ -450,33 +443,13 @@ def test_sizes_used_in_arithmetic_must_be_ints():
 # ----- verl 0.9.1's whole config: every key sorted (mapped, quiet, dropped, refused) -------------------------------
 
 
-def _nested(flat: dict) -> dict:
-    """A nested config from dotted keys."""
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def composed_verl_config(megatron: bool = False) -> dict:
-    """verl's composed config (``--cfg job`` output) built from our table of its keys and defaults."""
-    flat = dict(DEFAULTS)
-    if megatron:
-        flat.update(MEGATRON_DEFAULTS)
-    return _nested(flat)
-
-
 def _not_mapped(key: str) -> bool:
     return key not in {rule.key for rule in RULES}
 
 
 @pytest.mark.parametrize("megatron", [False, True])
 def test_the_composed_config_converts_with_every_key_mapped_or_quiet(megatron):
-    conversion = convert_verl(composed_verl_config(megatron))
+    conversion = convert_verl(composed_config(megatron=megatron))
     keys = set(DEFAULTS) | (set(MEGATRON_DEFAULTS) if megatron else set())
     assert conversion.total == len(keys)
     assert set(conversion.mapped) | set(conversion.quiet) == keys and not conversion.dropped
@@ -501,7 +474,7 @@ def test_the_rule_defaults_are_verls():
 )  # each example converts a config of up to 900 keys
 @given(st.lists(st.sampled_from(sorted(DEFAULTS)), min_size=1, max_size=40, unique=True))
 def test_keys_at_verls_defaults_pass_quietly(keys):
-    conversion = convert_verl(_nested({key: DEFAULTS[key] for key in keys}))
+    conversion = convert_verl(nested({key: DEFAULTS[key] for key in keys}))
     assert not conversion.dropped
     assert set(conversion.mapped) | set(conversion.quiet) == set(keys)
     assert {key for key in keys if _not_mapped(key)} <= set(conversion.quiet)
@@ -512,13 +485,13 @@ def test_every_key_set_away_from_its_default_is_dropped_or_refused_by_name():
     # (each its own value, so that no key's interpolated default follows another changed key)
     loose = {key: f"changed {key}" for key in DEFAULTS if _not_mapped(key)}
     with pytest.raises(ValueError) as err:
-        convert_verl(_nested({**DEFAULTS, **loose}))
+        convert_verl(nested({**DEFAULTS, **loose}))
     refused = {line.split("=", 1)[0].strip() for line in str(err.value).splitlines()[1:]}
     ignored = {key: value for key, value in loose.items() if key not in refused}
     assert refused and ignored
     for key in refused:
         assert f"{key}='changed {key}': " in str(err.value)
-    conversion = convert_verl(_nested({**DEFAULTS, **ignored}))
+    conversion = convert_verl(nested({**DEFAULTS, **ignored}))
     assert set(conversion.dropped) == {f"{key}={value!r}" for key, value in ignored.items()}
     assert all(reason for reason in conversion.dropped.values())
 

@@ -14,7 +14,7 @@ import yaml
 pytest.importorskip("omegaconf")
 pytest.importorskip("transformers")
 
-from ppo_core.compat._verl_defaults import DEFAULTS
+from ppo_core.compat._verl_defaults import DEFAULTS, composed_config
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.loading import load_job_config
 from ppo_core_cli.main import main
@@ -24,24 +24,13 @@ _SUMMARY = re.compile(
 )
 
 
-def _nested(flat: dict) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl")
     data = str(root / "ex")
     assert main(["-q", "make-data", data, "--n-train", "32", "--n-test", "8"]) == 0
     composed = root / "composed.yaml"
-    composed.write_text(yaml.safe_dump(_nested(DEFAULTS), sort_keys=False))
+    composed.write_text(yaml.safe_dump(composed_config(), sort_keys=False))
     return root, data, str(composed)
 
 
