@@ -18,6 +18,7 @@ from ppo_core.compat._verl_defaults import DEFAULTS, composed_config
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.loading import load_job_config
 from ppo_core_cli.main import main
+from ppo_core_cli.verl_job import job_from_verl
 
 _SUMMARY = re.compile(
     r"converted (\d+) verl keys: (\d+) mapped, (\d+) at verl's defaults or switched off, (\d+) dropped"
@@ -183,3 +184,21 @@ def test_the_converted_job_trains(example, capsys):
     out = capsys.readouterr().out
     assert "trained 2 steps" in out
     assert os.path.isdir(os.path.join(run_dir, "export"))
+
+
+def test_verls_megatron_strategy_gives_a_megatron_job(example):
+    _, data, _ = example
+    converted = job_from_verl(
+        composed_config(megatron=True),
+        [
+            f"actor_rollout_ref.model.path={data}/model",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        ],
+    )
+    job = converted.job
+    assert (job.workers, job.backend, job.actor.world_size) == ("megatron", "monarch", 2)
+    assert job.actor.worker["parallel"]["tensor_model_parallel_size"] == 2
+    assert "hf_checkpoint" not in job.actor.worker  # the command reads the checkpoint from model.path
+    assert job.model.path == f"{data}/model"
+    assert any("backend monarch" in note for note in converted.notes)
