@@ -1,7 +1,8 @@
 """The ``ppo-core`` command: from a Hugging Face checkpoint and a prompt dataset to a trained, exported policy.
 
 - :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides);
-- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``;
+- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``, ``convert-verl``;
+- :mod:`~ppo_core_cli.verl_job`: a verl config (and verl's overrides) as a job;
 - :mod:`~ppo_core_cli.sft`: the supervised (format) warm-up; :mod:`~ppo_core_cli.train`: a PPO run and its outputs;
 - :mod:`~ppo_core_cli.job`: tokenizer, prompts, reward, workers and trainer from a job;
 - :mod:`~ppo_core_cli.export`: the actor of any checkpoint (torch or megatron workers) as a Hugging Face directory;
