@@ -1,7 +1,9 @@
 """The ``ppo-core`` command: from a Hugging Face checkpoint and a prompt dataset to a trained, exported policy.
 
 - :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides);
-- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``, ``convert``;
+- :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``, ``convert``,
+  ``convert-verl``;
+- :mod:`~ppo_core_cli.verl_job`: a verl config (and verl's overrides) as a job;
 - :mod:`~ppo_core_cli.sft`: the supervised (format) warm-up; :mod:`~ppo_core_cli.train`: a PPO run and its outputs;
 - :mod:`~ppo_core_cli.job`: tokenizer, prompts, reward, workers and trainer from a job;
 - :mod:`~ppo_core_cli.convert`: a GGUF file as a Hugging Face checkpoint (converted once, reused);

@@ -149,11 +149,26 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
         from ppo_core_cli import _plain_yaml
 
         raw, resolve = _plain_yaml.read(file, pairs)
+    _refuse_verl_config(file, raw, overrides)
     workers = raw.get("workers", "torch")
     if workers not in ("torch", "megatron"):
         raise FieldValueError("workers", f" {workers!r}; valid values: megatron, torch", before="unknown ")
     _check_keys(JobConfig, raw, "", workers)
     return JobConfig.from_dict(resolve())
+
+
+def _refuse_verl_config(file: str | None, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
+    """A verl config given where a job is expected: say, in one line, how to convert it."""
+    from ppo_core_cli.verl_job import verl_sections
+
+    sections = verl_sections(raw)
+    if file is None or not sections:
+        return
+    command = " ".join(["ppo-core convert-verl", file, *overrides, "-o job.yaml"])
+    raise ValueError(
+        f"{file} is a verl config (it has {', '.join(sections)}), not a ppo-core job; convert it first: "
+        f"{command}, then: ppo-core train job.yaml"
+    )
 
 
 def dump_job_config(job: JobConfig, path: str | os.PathLike[str]) -> str:

@@ -1,4 +1,4 @@
-"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export`` and ``convert``.
+"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export``, ``convert`` and ``convert-verl``.
 
 ::
 
@@ -7,6 +7,7 @@
     ppo-core train CONFIG.yaml [key=value ...]          # PPO/GRPO, then the export; prints where outputs are
     ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
     ppo-core convert MODEL.gguf OUT_DIR [--dtype D]     # a GGUF file as a HF directory (train does it itself)
+    ppo-core convert-verl VERL.yaml [key=value ...] -o JOB.yaml   # a verl config (and overrides) as a job
 
 ``key=value`` overrides use dotted keys (``trainer.total_training_steps=5``); see :mod:`ppo_core_cli.config`.
 """
@@ -96,6 +97,15 @@ def _parser() -> argparse.ArgumentParser:
         default="float32",
         help="dtype of the written weights",
     )
+    p = sub.add_parser(
+        "convert-verl",
+        help="convert a verl config (composed, ppo_trainer.yaml with its defaults, or overrides) into a job YAML",
+    )
+    p.add_argument("config", help="the verl YAML file")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="verl overrides, as given to verl.trainer.main_ppo"
+    )
+    p.add_argument("-o", "--output", metavar="JOB.yaml", help="write the job here (default: print it)")
     return parser
 
 
@@ -199,6 +209,34 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_verl(args: argparse.Namespace) -> int:
+    from ppo_core_cli.verl_job import job_from_verl, write_job
+
+    try:
+        converted = job_from_verl(args.config, args.overrides)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
+    source = " ".join([args.config, *args.overrides])
+    text = write_job(converted, args.output, source)
+    c = converted.conversion
+    report = sys.stdout if args.output else sys.stderr  # without -o, stdout holds the job only
+    if not args.output:
+        print(text, end="")
+    print(
+        f"converted {c.total} verl keys: {len(c.mapped)} mapped, {len(c.quiet)} at verl's defaults or switched "
+        f"off, {len(c.dropped)} dropped",
+        file=report,
+    )
+    for key, reason in c.dropped.items():
+        print(f"  dropped {key}: {reason}", file=report)
+    for note in converted.notes:
+        print(f"note: {note}", file=report)
+    if args.output:
+        print(f"job: {args.output}", file=report)
+        print(f"train it: ppo-core train {args.output}", file=report)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status.
 
@@ -216,7 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )
     _quiet_transformers()
-    commands = {"make-data": _make_data, "sft": _sft, "train": _train, "export": _export, "convert": _convert}
+    commands = {
+        "make-data": _make_data,
+        "sft": _sft,
+        "train": _train,
+        "export": _export,
+        "convert": _convert,
+        "convert-verl": _convert_verl,
+    }
     try:
         return commands[args.command](args)
     except CommandError as exc:

@@ -1,7 +1,8 @@
-"""Adapters for users coming from other libraries: :func:`ppo_config_from_verl` reads a verl PPO config."""
+"""Adapters for users coming from other libraries: :func:`convert_verl` / :func:`ppo_config_from_verl` read a verl
+PPO config."""
 
 from __future__ import annotations
 
-from ppo_core.compat.verl import ppo_config_from_verl
+from ppo_core.compat.verl import VerlConversion, convert_verl, ppo_config_from_verl
 
-__all__ = ["ppo_config_from_verl"]
+__all__ = ["VerlConversion", "convert_verl", "ppo_config_from_verl"]

@@ -1,10 +1,13 @@
-"""The table behind :func:`ppo_core.compat.ppo_config_from_verl`: every verl config key it reads, and those it skips.
+"""The tables behind :func:`ppo_core.compat.convert_verl`: every verl config key it reads, refuses, drops or passes.
 
 Each :class:`Rule` names one verl key (dotted, as in verl's ``ppo_trainer.yaml``), verl's value when the key is
 absent, the ppo-core paths it sets and how the value changes on the way. A rule without targets only constrains
-(a feature ppo-core does not have is accepted only when it is switched off). :data:`IGNORED` lists the keys that
-do not change what is computed (engine, memory and speed knobs, logging names, file paths that your own
-``init_workers()`` and dataset read); everything else is reported as unmappable.
+(a feature ppo-core does not have is accepted only when it is switched off) or feeds another rule. The other keys
+of verl's config (:data:`ppo_core.compat._verl_defaults.DEFAULTS`) pass quietly at verl's default; set to anything
+else, a key in :data:`REFUSED` (the switch of a feature ppo-core lacks) is refused with the reason, a key in
+:data:`IGNORED` (engine, memory and speed knobs, logging, keys read only with a feature that is off) is dropped and
+listed with the reason, and any other key is refused. :data:`STRUCTURAL` keys (Hydra's and verl's machinery) pass
+whatever their value.
 
 Abbreviations in the keys: ``A`` = ``actor_rollout_ref.actor``, ``R`` = ``actor_rollout_ref.rollout``,
 ``F`` = ``actor_rollout_ref.ref``, ``M`` = ``actor_rollout_ref.model``, ``C`` = ``critic``.
@@ -13,11 +16,24 @@ Abbreviations in the keys: ``A`` = ``actor_rollout_ref.actor``, ``R`` = ``actor_
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["IGNORED", "RULES", "SKIP", "Emit", "Ref", "Rule", "Unsupported"]
+__all__ = [
+    "IGNORED",
+    "JOB_PATHS",
+    "REFUSED",
+    "ROLLOUT_CORRECTION_RULES",
+    "RULES",
+    "SKIP",
+    "STRUCTURAL",
+    "Emit",
+    "Ref",
+    "Rule",
+    "Unsupported",
+]
 
 logger = logging.getLogger("ppo_core.compat.verl")
 
@@ -89,12 +105,34 @@ def _only(*allowed: Any, reason: str) -> Callable[[Any, Reader], Any]:
         return SKIP
 
     convert.allowed, convert.reason = allowed, reason  # type: ignore[attr-defined]  # (for the guide's table)
+    convert.skip_means = "quiet"  # type: ignore[attr-defined]  # (an accepted value: nothing to report)
     return convert
 
 
 def _bypass_loss_type(value: Any, get: Reader) -> Any:
     """verl reads ``rollout_correction.loss_type`` in the bypass mode only."""
     return value if get("algorithm.rollout_correction.bypass_mode") is True else SKIP
+
+
+def _rollout_correction_on(get: Reader) -> bool:
+    """Whether verl's rollout correction reads the rollout's log-probs (weights, rejection or the bypass mode)."""
+    section = "algorithm.rollout_correction"
+    return (
+        get(f"{section}.rollout_is") is not None
+        or get(f"{section}.rollout_rs") is not None
+        or get(f"{section}.bypass_mode") is True
+    )
+
+
+def _logprobs_mode(value: Any, get: Reader) -> Any:
+    """verl's rollout log-probs of another kind than ppo-core's: refused only where the rollout correction reads
+    them (dropped otherwise)."""
+    if value != "processed_logprobs" and _rollout_correction_on(get):
+        raise Unsupported(
+            "ppo-core's rollout log-probs are log_softmax(logits / temperature) at the drawn token (verl's "
+            "processed_logprobs), which algorithm.rollout_correction compares with the old log-probs"
+        )
+    return SKIP
 
 
 def _int(value: Any, key: str) -> int:
@@ -150,13 +188,6 @@ def _scale_factor(agg_key: str) -> Callable[[Any, Reader], Any]:
         return value
 
     return convert
-
-
-def _critic_agg(value: Any, get: Reader) -> Any:
-    out = {"critic.worker.loss_agg_mode": value}
-    if value == "seq-mean-token-sum-norm":
-        out["critic.worker.loss_scale_factor"] = get(f"{R}.response_length")
-    return Emit(out)
 
 
 def _use_kl_loss(value: Any, get: Reader) -> Any:
@@ -246,6 +277,9 @@ def _strategy(value: Any, get: Reader) -> Any:
     return SKIP
 
 
+_strategy.skip_means = "mapped"  # type: ignore[attr-defined]  # (it picks the workers)
+
+
 def _if_megatron(strategy_key: str) -> Callable[[Any, Reader], Any]:
     def convert(value: Any, get: Reader) -> Any:
         return value if get(strategy_key) == "megatron" else SKIP
@@ -271,6 +305,43 @@ _NO_DYNAMIC_BSZ = (
 _NO_SP = "Ulysses sequence parallelism is not implemented"
 _CONSTANT_LR = "learning-rate schedules are not implemented (ppo-core's optimiser keeps lr constant)"
 _NO_LORA = "LoRA is not implemented"
+_NO_REWARD_MODEL = "model-based rewards: compute them in your reward function"
+_NO_SANDBOX = "code-execution rewards (sandbox fusion) are not implemented"
+_CUSTOM_REWARD = (
+    "verl's compute_score(data_source, solution_str, ground_truth, extra_info) is not called by ppo-core: "
+    "register it as a scorer (`reward.scorers.<data_source>.function: module:function`, called as "
+    "function(solution_str, ground_truth, extra_info)) in the converted job"
+)
+
+ROLLOUT_CORRECTION_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(f"algorithm.rollout_correction.{name}", default, (f"algorithm.rollout_correction.{name}",))
+        for name, default in (
+            ("rollout_is", None),
+            ("rollout_is_threshold", 2.0),
+            ("rollout_is_batch_normalize", False),
+            ("rollout_rs", None),
+            ("rollout_rs_threshold", None),
+        )
+    ),
+    Rule(
+        "algorithm.rollout_correction.bypass_mode",
+        False,
+        ("algorithm.rollout_correction.bypass_mode",),
+        doc='copied; with `rollout_is` and `rollout_rs` null only (docs/semantics.md, "Rollout correction")',
+    ),
+    Rule(
+        "algorithm.rollout_correction.loss_type",
+        "ppo_clip",
+        ("algorithm.rollout_correction.loss_type",),
+        _bypass_loss_type,
+        doc="copied with `bypass_mode` (only ppo_clip); ignored without it, as in verl",
+    ),
+)
+"""verl's ``algorithm.rollout_correction`` section, one to one to ppo-core's ``algorithm.rollout_correction``
+(:class:`~ppo_core.rollout_correction.RolloutCorrectionConfig`, same names and meanings). ``loss_type`` is read in
+the bypass mode only, as verl does; what ppo-core's config refuses (the bypass mode with ``rollout_is`` or
+``rollout_rs``, a ``loss_type`` other than ``ppo_clip``) is refused naming the verl key."""
 
 
 def _optim_rules(section: str, lr: float, target: str) -> list[Rule]:
@@ -401,14 +472,56 @@ def _batch_rules(section: str, target: str, *, critic: bool) -> list[Rule]:
     return rules
 
 
+def _files(value: Any, get: Reader) -> Any:
+    """verl's file key (a path or a list of paths) as a list, ``~`` expanded."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    return [os.path.expanduser(str(name)) for name in names]
+
+
+def _optional_path(value: Any, get: Reader) -> Any:
+    return SKIP if value is None else os.path.expanduser(str(value))
+
+
+def _truncation(value: Any, get: Reader) -> Any:
+    if get("data.filter_overlong_prompts"):
+        return "filter"  # verl drops the longer prompts before training; truncation never applies
+    if value not in ("error", "left", "right"):
+        raise Unsupported("valid values: error, left, right (ppo-core has no `middle` truncation)")
+    return value
+
+
+_PLACEHOLDER_MODEL = "~/models/deepseek-llm-7b-chat"
+"""verl's default model path: a placeholder every launch script overrides."""
+
+
+def _model_path(job_target: str, strategy_key: str) -> Callable[[Any, Reader], Any]:
+    """The checkpoint: the job's model section; also the megatron worker's ``hf_checkpoint`` (library use)."""
+
+    def convert(value: Any, get: Reader) -> Any:
+        path = os.path.expanduser(str(value))
+        if job_target == "model.critic_path" and (
+            value == _PLACEHOLDER_MODEL or path == os.path.expanduser(str(get(f"{M}.path")))
+        ):
+            return SKIP  # the critic starts from the actor's checkpoint: ppo-core's default
+        out = {job_target: path}
+        if get(strategy_key) == "megatron":
+            out[f"{'actor' if job_target == 'model.path' else 'critic'}.worker.hf_checkpoint"] = path
+        return Emit(out)
+
+    convert.skip_means = "mapped"  # type: ignore[attr-defined]  # (the critic starts from the actor's checkpoint)
+    return convert
+
+
 def _model_rules(section: str, target: str, strategy_key: str) -> list[Rule]:
+    job_target = "model.path" if target == "actor.worker" else "model.critic_path"
     return [
         Rule(
             f"{section}.path",
-            "~/models/deepseek-llm-7b-chat",
-            (f"{target}.hf_checkpoint",),
-            _if_megatron(strategy_key),
-            "megatron strategy (local safetensors folder); the torch workers get the model from `init_workers()`",
+            _PLACEHOLDER_MODEL,
+            (job_target, f"{target}.hf_checkpoint"),
+            _model_path(job_target, strategy_key),
+            "`~` expanded; also the megatron worker's `hf_checkpoint` (ppo-core loads local checkpoints only)"
+            + ("; left out when it is the actor's or verl's placeholder" if target != "actor.worker" else ""),
         ),
         Rule(f"{section}.lora_rank", 0, convert=_only(0, reason=_NO_LORA)),
         Rule(f"{section}.lora.rank", 0, convert=_only(0, reason=_NO_LORA)),
@@ -449,6 +562,52 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule("data.datagen.path", None, convert=_only(None, reason="dynamic data generation is not supported")),
+    # ----- data: the job's prompt files
+    Rule(
+        "data.train_files",
+        "~/data/rlhf/gsm8k/train.parquet",
+        ("data.train_files",),
+        _files,
+        "a list; `~` expanded",
+    ),
+    Rule(
+        "data.val_files",
+        "~/data/rlhf/gsm8k/test.parquet",
+        ("data.val_files",),
+        _files,
+        "a list; `~` expanded",
+    ),
+    Rule("data.max_prompt_length", 512, ("data.max_prompt_length",)),
+    Rule("data.prompt_key", "prompt", ("data.prompt_key",)),
+    Rule(
+        "data.truncation",
+        "error",
+        ("data.truncation",),
+        _truncation,
+        "`filter` when `filter_overlong_prompts` is true; `middle` is refused",
+    ),
+    Rule("data.filter_overlong_prompts", False, doc="true: `data.truncation: filter`"),
+    Rule("data.apply_chat_template_kwargs", {}, ("data.chat_template_kwargs",)),
+    Rule(
+        "data.train_max_samples",
+        -1,
+        convert=_only(-1, None, reason="ppo-core reads every prompt of the files: shorten the files instead"),
+    ),
+    Rule(
+        "data.val_max_samples",
+        -1,
+        convert=_only(-1, None, reason="ppo-core reads every prompt of the files: shorten the files instead"),
+    ),
+    Rule(
+        "data.reward_fn_key",
+        "data_source",
+        convert=_only("data_source", reason="ppo-core picks the scorer by the `data_source` column"),
+    ),
+    Rule(
+        "data.custom_cls.path",
+        None,
+        convert=_only(None, reason="custom dataset classes are not supported (ppo-core reads verl's schema)"),
+    ),
     # ----- algorithm
     Rule(
         "algorithm.adv_estimator",
@@ -471,24 +630,7 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.kl_ctrl.horizon", 10000, ("algorithm.kl_ctrl.horizon",)),
     Rule("algorithm.kl_ctrl.target_kl", 0.1, ("algorithm.kl_ctrl.target_kl",)),
     Rule("algorithm.use_pf_ppo", False, convert=_only(False, reason="PF-PPO reweighting is not implemented")),
-    *(
-        Rule(f"algorithm.rollout_correction.{name}", default, (f"algorithm.rollout_correction.{name}",))
-        for name, default in (
-            ("rollout_is", None),
-            ("rollout_is_threshold", 2.0),
-            ("rollout_is_batch_normalize", False),
-            ("rollout_rs", None),
-            ("rollout_rs_threshold", None),
-            ("bypass_mode", False),
-        )
-    ),
-    Rule(
-        "algorithm.rollout_correction.loss_type",
-        "ppo_clip",
-        ("algorithm.rollout_correction.loss_type",),
-        _bypass_loss_type,
-        doc="copied with `bypass_mode` (only ppo_clip); ignored without it, as in verl",
-    ),
+    *ROLLOUT_CORRECTION_RULES,
     # ----- actor: loss
     Rule(f"{A}.clip_ratio", 0.2, ("actor.worker.policy_loss.clip_ratio",)),
     Rule(
@@ -555,6 +697,7 @@ RULES: tuple[Rule, ...] = (
     *_optim_rules(A, 1e-6, "actor.worker"),
     *_model_rules(M, "actor.worker", f"{A}.strategy"),
     Rule(f"{M}.mtp.enable", False, convert=_only(False, reason="multi-token prediction is not implemented")),
+    Rule(f"{M}.tokenizer_path", None, ("model.tokenizer_path",), _optional_path, "`~` expanded"),
     # ----- rollout
     Rule(f"{R}.n", 1, ("rollout.n",)),
     Rule(f"{R}.temperature", 1.0, ("actor.worker.rollout.temperature",)),
@@ -605,6 +748,13 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{R}.skip_rollout", False, convert=_only(False, reason="not supported")),
     Rule(f"{R}.enable_rollout_routing_replay", False, convert=_only(False, reason="MoE router replay")),
     Rule(f"{R}.quantization", None, convert=_only(None, reason="quantised rollouts are not implemented")),
+    Rule(
+        f"{R}.logprobs_mode",
+        "processed_logprobs",
+        convert=_logprobs_mode,
+        doc="dropped while the rollout correction is off; with it on, only processed_logprobs (ppo-core's "
+        "rollout log-probs are log_softmax(logits / temperature))",
+    ),
     # ----- critic
     Rule("critic.enable", None, ("critic.enable",)),
     *_batch_rules(C, "critic.worker", critic=True),
@@ -618,20 +768,39 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(f"{C}.cliprange_value", 0.5, ("critic.worker.cliprange_value",)),
     Rule(
+        f"{C}.loss_scale_factor",
+        None,
+        ("critic.worker.loss_scale_factor",),
+        _scale_factor(f"{C}.loss_agg_mode"),
+        "None with `seq-mean-token-sum-norm`: `rollout.response_length` (verl's padded width)",
+    ),
+    Rule(
         f"{C}.loss_agg_mode",
         Ref(f"{A}.loss_agg_mode"),
         ("critic.worker.loss_agg_mode",),
-        _critic_agg,
-        "with `seq-mean-token-sum-norm`, `loss_scale_factor` = `rollout.response_length` (verl's padded width)",
+        _registry_name("loss_agg_mode", _loss_agg_modes),
     ),
     *_optim_rules(C, 1e-5, "critic.worker"),
     *_model_rules(f"{C}.model", "critic.worker", f"{C}.strategy"),
     # ----- reward
+    Rule("reward_model.enable", None, convert=_only(False, None, reason=_NO_REWARD_MODEL)),
+    Rule("reward.reward_model.enable", False, convert=_only(False, None, reason=_NO_REWARD_MODEL)),
+    Rule("custom_reward_function.path", None, convert=_only(None, reason=_CUSTOM_REWARD)),
+    Rule("reward.custom_reward_function.path", None, convert=_only(None, reason=_CUSTOM_REWARD)),
     Rule(
-        "reward_model.enable",
-        False,
-        convert=_only(False, reason="model-based rewards: compute them in your reward function"),
+        "reward.reward_manager.name",
+        "naive",
+        convert=_only("naive", reason="ppo-core scores each response alone, as verl's `naive` manager does"),
     ),
+    Rule(
+        "reward.reward_manager.module.path",
+        None,
+        convert=_only(
+            None, reason="custom reward managers are not supported; write a scorer (`reward.scorers`)"
+        ),
+    ),
+    Rule("sandbox_fusion.url", None, convert=_only(None, reason=_NO_SANDBOX)),
+    Rule("reward.sandbox_fusion.url", None, convert=_only(None, reason=_NO_SANDBOX)),
     # ----- trainer
     Rule("trainer.total_epochs", 30, ("trainer.total_epochs",)),
     Rule("trainer.total_training_steps", None, ("trainer.total_training_steps",)),
@@ -692,6 +861,17 @@ RULES: tuple[Rule, ...] = (
 )
 """Every verl key the converter reads, in the order of the migration guide's table."""
 
+JOB_PATHS: tuple[str, ...] = (
+    "model",
+    "data.train_files",
+    "data.val_files",
+    "data.max_prompt_length",
+    "data.prompt_key",
+    "data.truncation",
+    "data.chat_template_kwargs",
+)
+"""Targets that belong to a ``ppo-core`` job (``ppo_core_cli.config.JobConfig``), not to a :class:`PPOConfig`."""
+
 _ENGINE = "engine, memory or speed setting: does not change what is computed"
 _INPUT = "an input your own code provides (model, tokenizer, dataset, reward function)"
 _LOGGING = "logging, profiling or dumps"
@@ -719,6 +899,29 @@ def _trainable_role_ignored(section: str) -> tuple[tuple[str, str], ...]:
         "vanilla_mbridge",
         "use_remove_padding",
         "forward_only",
+        "dynamic_context_parallel",
+        "max_seqlen_per_dp_cp_rank",
+        "dist_ckpt_optim_fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient",
+        "entropy_from_logits_with_chunking",
+        "entropy_from_logits_chunk_size",
+        "pad_bshd_to_minibatch_max",
+        "pad_to_length",
+        "pad_to_length_bucket",
+        "use_megatron_fsdp",
+    )
+    muon = (
+        "muon_momentum",
+        "muon_nesterov",
+        "muon_split_qkv",
+        "muon_scale_mode",
+        "muon_coefficient_type",
+        "muon_num_ns_steps",
+        "muon_tp_mode",
+        "muon_fp32_matmul_prec",
+        "muon_extra_scale_factor",
+        "muon_scalar_optimizer",
+        "muon_match_adamw_update_rms",
     )
     schedule = (
         "min_lr_ratio",
@@ -736,14 +939,48 @@ def _trainable_role_ignored(section: str) -> tuple[tuple[str, str], ...]:
         *((f"{section}.megatron.{name}", _ENGINE) for name in megatron_engine),
         (f"{section}.optim.total_training_steps", _DERIVED),
         *((f"{section}.optim.{name}", _SCHEDULE_ONLY) for name in schedule),
+        *((f"{section}.optim.{name}", "read with optim.optimizer (Muon)") for name in muon),
+        (f"{section}.megatron.router_replay", "read with megatron.router_replay.mode"),
     )
 
 
-IGNORED: tuple[tuple[str, str], ...] = (
+STRUCTURAL: tuple[tuple[str, str], ...] = (
     # (pattern, reason): a pattern matches the key and everything under it; "*" matches one segment, "**" any.
-    ("defaults", "Hydra's defaults list: the converter applies verl's defaults itself"),
+    ("defaults", "Hydra's defaults list: the converter composes it"),
     ("hydra", "Hydra's own settings"),
+    ("model_engine", "Hydra's engine choice: the `strategy` keys say the same"),
     ("**._target_", "verl's dataclass targets"),
+)
+"""Keys of Hydra's and verl's machinery: they pass quietly whatever their value."""
+
+REFUSED: tuple[tuple[str, str], ...] = (
+    # (pattern, reason) for the switches of verl features ppo-core lacks: a value other than verl's default is
+    # refused with the reason (their other keys are in IGNORED: they are read only when the switch is on).
+    ("algorithm.filter_groups.enable", "DAPO's dynamic sampling (group filtering) is not implemented"),
+    ("distillation.enabled", "distillation from teacher models is not implemented"),
+    (
+        "trainer.v1.trainer_mode",
+        "the asynchronous (off-policy) trainer modes are not implemented; ppo-core's loop is `sync`",
+    ),
+    ("skip.*.enable", "skipping rollouts (replaying dumped ones) is not implemented"),
+    ("**.qat.enable", "quantisation-aware training is not implemented"),
+    ("**.router_replay.mode", "MoE router replay is not implemented"),
+    ("**.mtp.enable", "multi-token prediction is not implemented"),
+    ("**.mtp.enable_train", "multi-token prediction is not implemented"),
+    ("**.mtp.enable_rollout", "multi-token prediction is not implemented"),
+    ("actor_rollout_ref.actor.policy_loss.dro_beta", "read only by verl's `dro` loss, which ppo-core lacks"),
+    (
+        "reward.reward_manager.source",
+        "custom reward managers are not supported; write a scorer (`reward.scorers`)",
+    ),
+    (f"{C}.fsdp.ulysses_sequence_parallel_size", _NO_SP),
+    ("actor_rollout_ref.*.fsdp_config.ulysses_sequence_parallel_size", _NO_SP),
+)
+"""Switches of features ppo-core does not have: refused, with the reason, unless at verl's default."""
+
+IGNORED: tuple[tuple[str, str], ...] = (
+    # (pattern, reason): keys that do not change what is computed; one set away from verl's default is dropped
+    # and listed (at the default it passes quietly).
     ("**.profiler", _LOGGING),
     ("global_profiler", _LOGGING),
     ("ray_kwargs", "Ray start-up"),
@@ -751,33 +988,44 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("transfer_queue", _ENGINE),
     # algorithm
     ("algorithm.pf_ppo", "read with algorithm.use_pf_ppo"),
+    ("algorithm.filter_groups", "read with algorithm.filter_groups.enable"),
+    ("data.gen_batch_size", "read with algorithm.filter_groups.enable"),
+    ("distillation", "read with distillation.enabled"),
+    ("trainer.v1", "read with trainer.v1.trainer_mode (the asynchronous modes)"),
+    ("trainer.use_v1", _ENGINE),
+    ("trainer.checkpoint_callback_class", "a hook run after each checkpoint save; ppo-core calls none"),
+    ("skip", "read with skip.*.enable"),
+    ("**.qat", "read with qat.enable"),
+    ("**.mtp", "read with mtp.enable"),
+    (
+        "reward.num_workers",
+        "scoring processes (ppo-core's `reward.num_workers` defaults to scoring in-process)",
+    ),
+    ("reward.reward_manager", "read with reward.reward_manager.name"),
+    ("reward.custom_reward_function", "read with reward.custom_reward_function.path"),
+    ("reward.reward_model", "read with reward.reward_model.enable"),
+    ("reward.sandbox_fusion", "read with reward.sandbox_fusion.url"),
+    ("sandbox_fusion", "read with sandbox_fusion.url"),
+    ("data.audio_key", _INPUT),
+    ("data.mm_processor_kwargs", _INPUT),
+    ("data.function_tool_path", "read with rollout.multi_turn.enable"),
     # data
     ("data.tokenizer", _INPUT),
     ("data.use_shm", _ENGINE),
-    ("data.train_files", _INPUT),
-    ("data.val_files", _INPUT),
-    ("data.train_max_samples", _INPUT),
-    ("data.val_max_samples", _INPUT),
-    ("data.prompt_key", _INPUT),
-    ("data.reward_fn_key", _INPUT),
-    ("data.max_prompt_length", _INPUT),
     ("data.tool_config_path", _INPUT),
     ("data.return_raw_input_ids", _INPUT),
     ("data.return_raw_chat", _INPUT),
     ("data.return_full_prompt", _INPUT),
     ("data.dataloader_num_workers", _ENGINE),
     ("data.image_patch_size", _INPUT),
-    ("data.filter_overlong_prompts", _INPUT),
     ("data.filter_overlong_prompts_workers", _INPUT),
-    ("data.truncation", _INPUT),
     ("data.image_key", _INPUT),
     ("data.video_key", _INPUT),
     ("data.trust_remote_code", _INPUT),
-    ("data.custom_cls", _INPUT),
+    ("data.custom_cls", "read with data.custom_cls.path"),
     ("data.return_multi_modal_inputs", _INPUT),
     ("data.sampler.class_name", "read with data.sampler.class_path"),
     ("data.datagen.name", "read with data.datagen.path"),
-    ("data.apply_chat_template_kwargs", _INPUT),
     # actor / ref / rollout / model
     ("actor_rollout_ref.hybrid_engine", _ENGINE),
     ("actor_rollout_ref.nccl_timeout", _ENGINE),
@@ -786,6 +1034,9 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.*.fsdp_config", _ENGINE),
     ("actor_rollout_ref.*.entropy_from_logits_with_chunking", _ENGINE),
     ("actor_rollout_ref.*.entropy_checkpointing", _ENGINE),
+    ("actor_rollout_ref.*.entropy_from_logits_chunk_size", _ENGINE),
+    ("actor_rollout_ref.*.pad_to_length", _ENGINE),
+    ("actor_rollout_ref.*.optim.zero_indexed_step", _SCHEDULE_ONLY),
     ("actor_rollout_ref.*.load_weight", _ENGINE),
     ("actor_rollout_ref.*.router_replay", "read with actor.router_replay.mode"),
     (f"{A}.ppo_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
@@ -807,13 +1058,17 @@ IGNORED: tuple[tuple[str, str], ...] = (
     (f"{R}.mode", _ENGINE),
     (f"{R}.prompt_length", _INPUT),
     (f"{R}.log_prob_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
-    (f"{R}.calculate_log_probs", "rollout log-probs are only read by the rollout corrections"),
-    (f"{R}.logprobs_mode", "rollout log-probs are only read by the rollout corrections"),
+    (
+        f"{R}.calculate_log_probs",
+        "ppo-core's rollout always returns its log-probs (algorithm.rollout_correction reads them)",
+    ),
     (f"{R}.multi_turn", "read with multi_turn.enable"),
     (f"{R}.agent", "read with agent.default_agent_loop"),
     (f"{R}.skip_dump_dir", "read with skip_rollout"),
     (f"{R}.quantization_config_file", "read with quantization"),
     (f"{R}.mtp", "read with model.mtp.enable"),
+    (f"{R}.seed", "the rollout engine's seed: ppo-core's sampling draws from the actor worker's generator"),
+    (f"{R}.moe_load_balance_metrics_interval", _LOGGING),
     *(
         (f"{R}.{name}", _ENGINE)
         for name in (
@@ -842,13 +1097,17 @@ IGNORED: tuple[tuple[str, str], ...] = (
             "layered_summon",
             "skip_tokenizer_init",
             "layer_name_map",
+            "disaggregation",
+            "full_determinism",
+            "n_gpus_per_node",
+            "nnodes",
+            "router_config_path",
         )
     ),
     *(
         (f"{M}.{name}", _INPUT)
         for name in (
             "hf_config_path",
-            "tokenizer_path",
             "custom_chat_template",
             "external_lib",
             "trust_remote_code",
@@ -881,6 +1140,13 @@ IGNORED: tuple[tuple[str, str], ...] = (
     (f"{C}.forward_max_token_len_per_gpu", "only read with use_dynamic_bsz"),
     *_trainable_role_ignored(C),
     (f"{C}.model.fsdp_config", _ENGINE),
+    (f"{C}.fsdp", "the critic's engine settings: " + _ENGINE),
+    (f"{C}.optim.zero_indexed_step", _SCHEDULE_ONLY),
+    (f"{C}.model.hf_config_path", _INPUT),
+    (f"{C}.model.custom_chat_template", _INPUT),
+    *((f"{C}.model.{name}", _ENGINE) for name in ("use_liger", "use_fused_kernels", "fused_kernel_options")),
+    *((f"{C}.model.{name}", "read with lora_rank") for name in ("exclude_modules", "lora_adapter_path")),
+    (f"{C}.model.mtp", "read with mtp.enable"),
     *((f"{C}.model.{name}", _INPUT) for name in ("tokenizer_path", "external_lib", "trust_remote_code")),
     *(
         (f"{C}.model.{name}", _ENGINE)

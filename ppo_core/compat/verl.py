@@ -1,18 +1,31 @@
-"""Read a verl PPO config (YAML file or mapping) into a :class:`~ppo_core.trainer.PPOConfig`.
+"""Read a verl PPO config (a YAML file or a mapping) into ppo-core settings: :func:`convert_verl` gives the
+settings of a ``ppo-core`` job and a report of every key, :func:`ppo_config_from_verl` the trainer's
+:class:`~ppo_core.trainer.PPOConfig`.
 
 verl splits the same settings differently: clip ratios, KL loss and mini-batch sizes live on
 ``actor_rollout_ref.actor``, sampling on ``actor_rollout_ref.rollout``, the GPU count on ``trainer``. The converter
-puts each where ppo-core reads it: the controller's sections of :class:`PPOConfig`, and the worker settings in
+puts each where ppo-core reads it: the controller's sections of :class:`PPOConfig`, the worker settings in
 ``actor.worker`` / ``critic.worker`` (dicts of :class:`~ppo_core.workers.torch.TorchActorConfig` /
 :class:`~ppo_core.workers.torch.TorchCriticConfig` fields, or of the megatron configs when verl's ``strategy`` is
-``megatron``). Keys absent from the input take verl's defaults, so a verl config and its conversion train the
-same algorithm. The table of every key is in ``docs/migrating-from-verl.md`` (and in
-:data:`ppo_core.compat._verl_keys.RULES`); values change on the way where the two libraries count differently
-(``ppo_mini_batch_size`` is multiplied by ``rollout.n``: verl counts prompts, ppo-core responses).
+``megatron``), and the job's inputs (prompt files, ``max_prompt_length``, model paths; :data:`JOB_PATHS`). Keys
+absent from the input take verl's defaults, so a verl config and its conversion train the same algorithm. The
+table of every key is in ``docs/migrating-from-verl.md`` (and in :data:`ppo_core.compat._verl_keys.RULES`);
+values change on the way where the two libraries count differently (``ppo_mini_batch_size`` is multiplied by
+``rollout.n``: verl counts prompts, ppo-core responses).
 
-Keys that ppo-core cannot honour (a feature it lacks, switched on) and keys it does not know are all reported
-in one ``ValueError``; keys that do not change what is computed (engine and memory knobs, logging names, file
-paths your ``init_workers()`` reads) are skipped, as listed in :data:`ppo_core.compat._verl_keys.IGNORED`.
+Every key of the input ends in one of four places (:class:`VerlConversion`):
+
+- **mapped**: it has a ppo-core counterpart (or feeds one);
+- **quiet**: it is at verl's default (:data:`ppo_core.compat._verl_defaults.DEFAULTS`) or a switched-off feature,
+  or it is Hydra's / verl's machinery (``defaults``, ``_target_``);
+- **dropped**: it is set away from verl's default but does not change what is computed (engine, memory and speed
+  knobs, logging; :data:`~ppo_core.compat._verl_keys.IGNORED`): listed with the reason;
+- **refused**: it changes what verl computes and ppo-core has no counterpart (a feature it lacks switched on, an
+  unknown name, a key verl 0.9.1 does not have): all of them in one ``ValueError``, each with its reason.
+
+A file with a ``defaults:`` list (verl's ``ppo_trainer.yaml``) is composed first, and Hydra-style overrides are
+applied (:mod:`ppo_core.compat._verl_compose`): ``convert_verl("ppo_trainer.yaml", ["data.train_files=..."])``
+is what ``python -m verl.trainer.main_ppo data.train_files=...`` would train.
 
 Needs OmegaConf (``pip install ppo-core[hf]``) for YAML files and verl's ``${...}`` interpolations.
 
@@ -33,61 +46,134 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ppo_core._checks import _FieldError
-from ppo_core.compat._verl_keys import IGNORED, RULES, SKIP, Emit, Ref, Rule, Unsupported
+from ppo_core.compat._verl_keys import (
+    IGNORED,
+    JOB_PATHS,
+    REFUSED,
+    RULES,
+    SKIP,
+    STRUCTURAL,
+    Emit,
+    Ref,
+    Rule,
+    Unsupported,
+)
+from ppo_core.compat._verl_load import Unresolved, VerlInput, at_default, known_key, load_user_keys
 from ppo_core.trainer.config import PPOConfig
 
-__all__ = ["ppo_config_from_verl"]
+__all__ = ["VerlConversion", "convert_verl", "ppo_config_from_verl"]
 
 logger = logging.getLogger(__name__)
 
 _RULES: dict[str, Rule] = {rule.key: rule for rule in RULES}
 
 
-def ppo_config_from_verl(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> PPOConfig:
-    """Convert a verl PPO trainer config into a :class:`PPOConfig` with worker dicts for ppo-core's workers.
+@dataclass(frozen=True)
+class VerlConversion:
+    """What :func:`convert_verl` made of a verl config: the ppo-core settings and where each verl key went."""
+
+    settings: dict[str, Any]
+    """ppo-core settings, nested: :class:`PPOConfig`'s sections plus the job's inputs at :data:`JOB_PATHS`."""
+    mapped: tuple[str, ...] = ()
+    """The input's keys with a ppo-core counterpart (dotted)."""
+    quiet: tuple[str, ...] = ()
+    """The input's keys at verl's default or switched off, and Hydra's machinery: nothing to carry over."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """``"key=value"`` -> reason, for the input's keys set away from verl's default that ppo-core does not read
+    (they do not change what is computed)."""
+    strategy: str = "fsdp"
+    """verl's actor strategy (``fsdp``, ``fsdp2`` or ``megatron``): which ppo-core workers fit."""
+
+    @property
+    def total(self) -> int:
+        """How many keys the input had."""
+        return len(self.mapped) + len(self.quiet) + len(self.dropped)
+
+    def ppo_settings(self) -> dict[str, Any]:
+        """:attr:`settings` without the job's inputs: what :meth:`PPOConfig.from_dict` reads."""
+        out = _copy_tree(self.settings)
+        for path in JOB_PATHS:
+            *parents, leaf = path.split(".")
+            node = out
+            for part in parents:
+                node = node.get(part, {})
+            node.pop(leaf, None)
+        return out
+
+
+def convert_verl(cfg: VerlInput, overrides: Sequence[str] = ()) -> VerlConversion:
+    """Convert a verl PPO trainer config into ppo-core settings, sorting every key (see the module docstring).
 
     Args:
-        cfg: the path of a YAML file, or a mapping (a dict or an OmegaConf ``DictConfig``) with verl's sections
-            ``actor_rollout_ref``, ``critic``, ``algorithm``, ``data``, ``trainer`` (and others, which are
-            checked too). ``${...}`` interpolations are resolved, with verl's defaults available to them.
+        cfg: the path of a YAML file (composed, a primary config with a ``defaults:`` list, or overrides only),
+            or a mapping (a dict or an OmegaConf ``DictConfig``) with verl's sections ``actor_rollout_ref``,
+            ``critic``, ``algorithm``, ``data``, ``trainer`` (and others, which are checked too). ``${...}``
+            interpolations are resolved, with verl's defaults available to them.
+        overrides: Hydra-style ``key=value`` strings applied on top (as given to ``verl.trainer.main_ppo``).
 
     Returns:
-        The config; ``actor.worker`` and ``critic.worker`` hold the worker settings verl has an equivalent for.
+        The settings (checked by :class:`PPOConfig` and the workers' configs) and the report of every key.
 
     Raises:
-        ValueError: one error listing every key that cannot be mapped, with its value and the reason; or naming
-            the verl key whose value ppo-core's configs reject.
+        ValueError: one error listing every key that is refused, with its value and the reason; or naming the
+            verl key whose value ppo-core's configs reject.
         TypeError: ``cfg`` is neither a mapping nor a path.
         FileNotFoundError: ``cfg`` names a file that does not exist.
     """
-    user = _load(cfg)
+    user, merged = load_user_keys(cfg, overrides)
     reader = _Reader(user)
+    megatron = reader("actor_rollout_ref.actor.strategy") == "megatron"
     problems: list[str] = []
+    quiet: list[str] = []
+    dropped: dict[str, str] = {}
     for key in sorted(user):
         value = user[key]
-        if isinstance(value, _Unresolved):
+        if isinstance(value, Unresolved):
             problems.append(f"{key}: {value}")
-        elif key not in _RULES and not _ignored(key) and value != {}:  # an empty section sets nothing
-            problems.append(f"{key}={value!r}: no ppo-core equivalent (see docs/migrating-from-verl.md)")
+        elif key in _RULES:
+            continue  # sorted below, with its rule
+        elif _first_match(key, STRUCTURAL) is not None or at_default(key, value, merged, megatron):
+            quiet.append(key)
+        elif (reason := _first_match(key, REFUSED)) is not None:
+            problems.append(f"{key}={value!r}: {reason}")
+        elif (reason := _first_match(key, IGNORED)) is not None:
+            dropped[f"{key}={value!r}"] = reason
+        elif known_key(key):
+            problems.append(f"{key}={value!r}: changes what verl computes; ppo-core has no counterpart")
+        else:
+            problems.append(f"{key}={value!r}: not a key of verl's config; ppo-core has no equivalent")
     out: dict[str, Any] = {}
     source: dict[str, str] = {}  # ppo-core path -> the verl key it came from
+    mapped: list[str] = []
     for rule in RULES:
-        if isinstance(user.get(rule.key), _Unresolved):
+        given = reader.given(rule.key)
+        if isinstance(user.get(rule.key), Unresolved):
             continue
         value = reader(rule.key)
         try:
             converted = rule.convert(value, reader)
         except (Unsupported, TypeError) as err:  # TypeError: a value of a type the conversion cannot use
-            if reader.given(rule.key) or not isinstance(rule.default, Ref):  # else the key it follows says it
+            if given or not isinstance(rule.default, Ref):  # else the key it follows says it
                 problems.append(f"{rule.key}={value!r}: {err}")
             continue
-        if converted is SKIP:
+        if converted is SKIP:  # nothing to set: say why, for a key the input gives
+            means = getattr(rule.convert, "skip_means", "dropped")
+            if not given:
+                pass
+            elif means == "quiet" or at_default(rule.key, value, merged, megatron):
+                quiet.append(rule.key)  # a switch that is off, or a default ppo-core's own default matches
+            elif means == "mapped":
+                mapped.append(rule.key)  # read by the caller (the strategy picks the workers)
+            else:
+                dropped[f"{rule.key}={value!r}"] = rule.doc or "not read by verl with these settings"
             continue
+        if given:
+            mapped.append(rule.key)
         emitted = converted.values if isinstance(converted, Emit) else dict.fromkeys(rule.targets, converted)
         for path, item in emitted.items():
             _set(out, path, item)
@@ -97,11 +183,27 @@ def ppo_config_from_verl(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> PPO
             f"cannot convert {len(problems)} verl config key(s) to ppo-core:\n  "
             + "\n  ".join(sorted(problems))
         )
-    return _build(out, source, reader)
+    conversion = VerlConversion(
+        settings=out,
+        mapped=tuple(sorted(mapped)),
+        quiet=tuple(sorted(quiet)),
+        dropped=dict(sorted(dropped.items())),
+        strategy=str(reader("actor_rollout_ref.actor.strategy")),
+    )
+    _check(conversion, source, reader)
+    return conversion
 
 
-class _Unresolved(str):
-    """The error of an interpolation that could not be resolved (kept so that it is reported with the rest)."""
+def ppo_config_from_verl(cfg: VerlInput, overrides: Sequence[str] = ()) -> PPOConfig:
+    """Convert a verl PPO trainer config into a :class:`PPOConfig` with worker dicts for ppo-core's workers.
+
+    The job's inputs (prompt files, model paths) are left out: use :func:`convert_verl` (or
+    ``ppo-core convert-verl``) for a runnable job. Arguments and errors as :func:`convert_verl`.
+
+    Returns:
+        The config; ``actor.worker`` and ``critic.worker`` hold the worker settings verl has an equivalent for.
+    """
+    return PPOConfig.from_dict(convert_verl(cfg, overrides).ppo_settings())
 
 
 class _Reader:
@@ -120,91 +222,14 @@ class _Reader:
         return key in self._values
 
 
-def _load(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """The user's leaf keys (dotted) with their resolved values (an :class:`_Unresolved` error where that failed)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError as err:  # omegaconf is in the hf extra; a plain dict without interpolations needs none
-        if isinstance(cfg, Mapping):
-            return _load_plain(cfg)
-        raise ImportError("reading a verl YAML file needs omegaconf: pip install 'ppo-core[hf]'") from err
-    if isinstance(cfg, (str, os.PathLike)):
-        path = os.fspath(cfg)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"verl config {path!r} does not exist")
-        raw = OmegaConf.load(path)
-    elif isinstance(cfg, Mapping):
-        raw = OmegaConf.create(cfg if isinstance(cfg, DictConfig) else _plain_keys(cfg))
-    else:
-        raise TypeError(f"cfg must be a mapping or the path of a YAML file, got {type(cfg).__name__}")
-    if not isinstance(raw, DictConfig):
-        raise ValueError(f"a verl config is a mapping of sections, got a {type(raw).__name__}")
-    # verl's defaults are merged under the user's keys so that interpolations may refer to keys left out
-    merged = OmegaConf.merge(_defaults_tree(), raw)
-    user: dict[str, Any] = {}
-    tree = OmegaConf.to_container(raw, resolve=False)
-    for key in _leaf_keys(tree):
-        if _lookup(tree, key) == {}:  # an empty section (its merged value would hold verl's defaults)
-            user[key] = {}
-            continue
-        try:
-            value = OmegaConf.select(merged, key, throw_on_resolution_failure=True)
-        except Exception as err:  # omegaconf raises several error types for a bad interpolation
-            user[key] = _Unresolved(f"cannot resolve {type(err).__name__}: {str(err).splitlines()[0]}")
-            continue
-        if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value, resolve=True)
-        user[key] = value
-    return user
+def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: _copy_tree(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
-def _load_plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`_load` without OmegaConf: the leaves as given; an interpolation cannot be resolved."""
-    tree = _plain_keys(cfg)
-    user: dict[str, Any] = {}
-    for key in _leaf_keys(tree):
-        value = _lookup(tree, key)
-        interpolated = isinstance(value, str) and "${" in value
-        user[key] = _Unresolved("cannot resolve ${...} without omegaconf") if interpolated else value
-    return user
-
-
-def _plain_keys(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {str(k): _plain_keys(v) if isinstance(v, Mapping) else v for k, v in data.items()}
-
-
-def _defaults_tree() -> dict[str, Any]:
-    """verl's defaults of the keys in :data:`RULES`, as a nested dict (interpolated defaults left out)."""
-    tree: dict[str, Any] = {}
-    for rule in RULES:
-        if not isinstance(rule.default, Ref):
-            *parents, leaf = rule.key.split(".")
-            node = tree
-            for part in parents:
-                node = node.setdefault(part, {})
-            node.setdefault(leaf, rule.default)  # a key that is also a section keeps its sub-keys
-    return tree
-
-
-def _leaf_keys(tree: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of the leaves of a nested dict (lists and empty dicts are leaves)."""
-    if isinstance(tree, dict) and (tree or not prefix):
-        keys: list[str] = []
-        for k, v in tree.items():
-            keys += _leaf_keys(v, f"{prefix}.{k}" if prefix else str(k))
-        return keys
-    return [prefix]
-
-
-def _lookup(tree: Any, key: str) -> Any:
-    for part in key.split("."):
-        tree = tree[part]
-    return tree
-
-
-def _ignored(key: str) -> bool:
+def _first_match(key: str, table: tuple[tuple[str, str], ...]) -> str | None:
+    """The reason of the first pattern of ``table`` that matches ``key`` (or a section above it), else None."""
     parts = key.split(".")
-    return any(_matches(pattern.split("."), parts) for pattern, _ in IGNORED)
+    return next((reason for pattern, reason in table if _matches(pattern.split("."), parts)), None)
 
 
 def _matches(pattern: list[str], parts: list[str]) -> bool:
@@ -224,8 +249,8 @@ def _set(tree: dict[str, Any], path: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def _build(out: dict[str, Any], source: dict[str, str], reader: _Reader) -> PPOConfig:
-    """The :class:`PPOConfig`, and the worker dicts checked by the workers' configs; errors name the verl key."""
+def _check(conversion: VerlConversion, source: dict[str, str], reader: _Reader) -> None:
+    """Build the :class:`PPOConfig` and check the worker dicts with the workers' configs; errors name the verl key."""
     from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 
     def explain(err: Exception, prefix: str) -> ValueError:
@@ -236,7 +261,7 @@ def _build(out: dict[str, Any], source: dict[str, str], reader: _Reader) -> PPOC
         return ValueError(f"verl's {key}={reader(key)!r} is not valid for ppo-core: {err}")
 
     try:
-        config = PPOConfig.from_dict(out)
+        config = PPOConfig.from_dict(conversion.ppo_settings())
     except (TypeError, ValueError) as err:
         raise explain(err, "") from err
     for role, cls in (("actor", TorchActorConfig), ("critic", TorchCriticConfig)):
@@ -249,7 +274,6 @@ def _build(out: dict[str, Any], source: dict[str, str], reader: _Reader) -> PPOC
             cls.from_dict(worker)
         except (TypeError, ValueError) as err:
             raise explain(err, f"{role}.worker.") from err
-    return config
 
 
 def _ancestors(path: str) -> list[str]:

@@ -6,6 +6,7 @@ The verl values below are verl's documented defaults and semantics (its ``ppo_tr
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 
 import pytest
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("omegaconf")
 
-from ppo_core.compat import ppo_config_from_verl
-from ppo_core.compat._verl_keys import IGNORED, RULES
+from ppo_core.compat import convert_verl, ppo_config_from_verl
+from ppo_core.compat._verl_defaults import DEFAULTS, MEGATRON_DEFAULTS, composed_config, nested
+from ppo_core.compat._verl_keys import IGNORED, REFUSED, RULES, STRUCTURAL, Ref
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
@@ -214,7 +216,7 @@ def test_every_unmappable_key_is_listed_in_one_error():
         "algorithm.use_pf_ppo=True",
         "trainer.val_only=True",
         "trainer.resume_mode='latest'",
-        "made_up.section.key=1: no ppo-core equivalent",
+        "made_up.section.key=1: not a key of verl's config",
     ]
     for key in expected:
         assert key in message, key
@@ -245,7 +247,7 @@ def test_ignored_keys_are_skipped():
                 "rollout.multi_turn.max_assistant_turns": 3,
             },
             reward_model={"model.path": "/models/rm"},
-            custom_reward_function={"path": "reward.py", "name": "compute_score"},
+            custom_reward_function={"name": "compute_score"},
             ray_kwargs={"ray_init.num_cpus": 8},
         )
     )
@@ -361,7 +363,7 @@ def test_the_guide_lists_every_key():
     text = DOC.read_text()
     for rule in RULES:
         assert f"`{rule.key}`" in text, rule.key
-    for pattern, _ in IGNORED:
+    for pattern, _ in (*IGNORED, *REFUSED, *STRUCTURAL):
         assert f"`{pattern}`" in text, pattern
 
 
@@ -405,14 +407,7 @@ def _get(cfg: PPOConfig, path: str):
     )
 )
 def test_values_are_copied_to_their_place(values):
-    nested: dict = {}
-    for key, value in values.items():
-        node = nested
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    cfg = ppo_config_from_verl(nested)
+    cfg = ppo_config_from_verl(nested(values))
     for key, value in values.items():
         assert _get(cfg, PASS_THROUGH[key][0]) == value, key
 
@@ -486,3 +481,206 @@ def test_rollout_correction_converts_one_to_one():
         )
     with pytest.raises(ValueError, match=r"rollout_correction\.unknown_key"):
         ppo_config_from_verl(_verl(algorithm={"rollout_correction.unknown_key": 1}))
+
+
+_RC = "algorithm.rollout_correction"
+
+
+def test_the_composed_config_with_rollout_correction_maps_it_one_to_one():
+    overrides = [
+        f"{_RC}.rollout_is=token",
+        f"{_RC}.rollout_rs=seq_mean_k3",
+        f"{_RC}.rollout_rs_threshold=0.01",
+    ]
+    conversion = convert_verl(composed_config(), overrides)
+    assert not conversion.dropped
+    assert {f"{_RC}.rollout_is", f"{_RC}.rollout_rs", f"{_RC}.rollout_rs_threshold"} <= set(conversion.mapped)
+    correction = PPOConfig.from_dict(conversion.ppo_settings()).algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_rs, correction.rollout_rs_threshold) == (
+        "token",
+        "seq_mean_k3",
+        0.01,
+    )
+    assert correction.rollout_is_threshold == 2.0 and correction.bypass_mode is False  # verl's defaults
+
+
+@pytest.mark.parametrize("switch", [f"{_RC}.rollout_is=token", f"{_RC}.rollout_rs=token_k3"])
+def test_the_bypass_mode_with_weights_or_rejection_is_refused_naming_the_verl_key(switch):
+    overrides = [f"{_RC}.bypass_mode=true", switch, f"{_RC}.rollout_rs_threshold=0.1"]
+    with pytest.raises(
+        ValueError, match=rf"verl's {_RC}\.bypass_mode=True .*rollout_is=None and rollout_rs=None"
+    ):
+        convert_verl(composed_config(), overrides)
+    bypass = convert_verl(composed_config(), [f"{_RC}.bypass_mode=true"])
+    assert bypass.settings["algorithm"]["rollout_correction"]["bypass_mode"] is True
+
+
+@pytest.mark.parametrize(
+    "switch", [None, f"{_RC}.rollout_is=sequence", f"{_RC}.rollout_rs=token_k2", f"{_RC}.bypass_mode=true"]
+)
+def test_other_rollout_log_probs_are_refused_only_where_the_correction_reads_them(switch):
+    on = [] if switch is None else [switch, f"{_RC}.rollout_rs_threshold=0.1"]
+    key = "actor_rollout_ref.rollout.logprobs_mode"
+    # ppo-core's rollout always returns its log-probs: calculate_log_probs=false is dropped, correction on or off
+    base = [*on, "actor_rollout_ref.rollout.calculate_log_probs=false"]
+    assert (
+        "actor_rollout_ref.rollout.calculate_log_probs=False" in convert_verl(composed_config(), base).dropped
+    )
+    assert key in convert_verl(composed_config(), [*base, f"{key}=processed_logprobs"]).quiet
+    if switch is None:
+        dropped = convert_verl(composed_config(), [*base, f"{key}=raw_logprobs"]).dropped
+        assert "rollout correction is off" in dropped[f"{key}='raw_logprobs'"]
+        return
+    with pytest.raises(
+        ValueError, match=rf"{key}='raw_logprobs': ppo-core's rollout log-probs are log_softmax"
+    ):
+        convert_verl(composed_config(), [*base, f"{key}=raw_logprobs"])
+
+
+# ----- verl 0.9.1's whole config: every key sorted (mapped, quiet, dropped, refused) -------------------------------
+
+
+def _not_mapped(key: str) -> bool:
+    return key not in {rule.key for rule in RULES}
+
+
+@pytest.mark.parametrize("megatron", [False, True])
+def test_the_composed_config_converts_with_every_key_mapped_or_quiet(megatron):
+    conversion = convert_verl(composed_config(megatron=megatron))
+    keys = set(DEFAULTS) | (set(MEGATRON_DEFAULTS) if megatron else set())
+    assert conversion.total == len(keys)
+    assert set(conversion.mapped) | set(conversion.quiet) == keys and not conversion.dropped
+    assert not set(conversion.mapped) & set(conversion.quiet)
+    assert conversion.strategy == ("megatron" if megatron else "fsdp")
+    assert "reward_model.enable" in conversion.quiet  # null: verl's default, not a reward model
+    # the rollout correction maps one to one; loss_type is read in the bypass mode only (quiet without it)
+    assert "algorithm.rollout_correction.rollout_is_threshold" in conversion.mapped
+    assert "algorithm.rollout_correction.loss_type" in conversion.quiet
+    assert "data.train_files" in conversion.mapped and "actor_rollout_ref.model.path" in conversion.mapped
+    # verl's composed defaults give the same trainer settings as an empty verl config
+    empty = {"actor_rollout_ref": {"actor": {"strategy": "megatron"}}} if megatron else {}
+    assert PPOConfig.from_dict(conversion.ppo_settings()) == ppo_config_from_verl(empty)
+
+
+def test_the_rule_defaults_are_verls():
+    for rule in RULES:
+        if rule.key in DEFAULTS and not isinstance(rule.default, Ref) and "${" not in str(DEFAULTS[rule.key]):
+            assert rule.default == DEFAULTS[rule.key], rule.key
+
+
+@settings(
+    max_examples=min(5, _CI_EXAMPLES), deadline=None
+)  # each example converts a config of up to 900 keys
+@given(st.lists(st.sampled_from(sorted(DEFAULTS)), min_size=1, max_size=40, unique=True))
+def test_keys_at_verls_defaults_pass_quietly(keys):
+    conversion = convert_verl(nested({key: DEFAULTS[key] for key in keys}))
+    assert not conversion.dropped
+    assert set(conversion.mapped) | set(conversion.quiet) == set(keys)
+    assert {key for key in keys if _not_mapped(key)} <= set(conversion.quiet)
+
+
+def test_every_key_set_away_from_its_default_is_dropped_or_refused_by_name():
+    # the keys without a rule: one with no effect on what is computed is dropped with the reason, any other refused
+    # (each its own value, so that no key's interpolated default follows another changed key)
+    loose = {key: f"changed {key}" for key in DEFAULTS if _not_mapped(key)}
+    with pytest.raises(ValueError) as err:
+        convert_verl(nested({**DEFAULTS, **loose}))
+    refused = {line.split("=", 1)[0].strip() for line in str(err.value).splitlines()[1:]}
+    ignored = {key: value for key, value in loose.items() if key not in refused}
+    assert refused and ignored
+    for key in refused:
+        assert f"{key}='changed {key}': " in str(err.value)
+    conversion = convert_verl(nested({**DEFAULTS, **ignored}))
+    assert set(conversion.dropped) == {f"{key}={value!r}" for key, value in ignored.items()}
+    assert all(reason for reason in conversion.dropped.values())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("algorithm.filter_groups.enable", True, "DAPO's dynamic sampling"),
+        ("distillation.enabled", True, "distillation"),
+        ("trainer.v1.trainer_mode", "colocate_async", "asynchronous"),
+        ("skip.rollout.enable", True, "skipping rollouts"),
+        ("reward.reward_model.enable", True, "model-based rewards"),
+        ("reward_model.enable", True, "model-based rewards"),
+        ("reward.custom_reward_function.path", "my_reward.py", "reward.scorers"),
+        ("custom_reward_function.path", "my_reward.py", "reward.scorers"),
+        ("reward.reward_manager.name", "dapo", "naive"),
+        ("actor_rollout_ref.actor.qat.enable", True, "quantisation-aware training"),
+        ("data.truncation", "middle", "middle"),
+        ("data.train_max_samples", 100, "shorten the files"),
+        ("actor_rollout_ref.model.override_config.attention_dropout", 0.1, "no counterpart"),
+        ("actor_rollout_ref.model.override_config", "x", "no counterpart"),
+        ("trainer.made_up_key", 1, "not a key of verl's config"),
+    ],
+)
+def test_a_refusal_names_the_key_and_the_reason(key, value, reason):
+    with pytest.raises(ValueError) as err:
+        convert_verl(_merge_into({"trainer": {"n_gpus_per_node": 1}}, key, value))
+    line = next(line for line in str(err.value).splitlines() if line.strip().startswith(f"{key}="))
+    assert f"{key}={value!r}: " in line and reason in line.split(": ", 1)[1]
+
+
+def _merge_into(config: dict, key: str, value) -> dict:
+    node = config
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return config
+
+
+def test_dropped_keys_are_listed_with_the_reason():
+    conversion = convert_verl(
+        _verl(
+            actor_rollout_ref={
+                "rollout.name": "vllm",
+                "rollout.gpu_memory_utilization": 0.4,
+                "ref.log_prob_micro_batch_size_per_gpu": 4,
+                "rollout.n": 2,
+            }
+        )
+    )
+    assert set(conversion.dropped) == {
+        "actor_rollout_ref.rollout.name='vllm'",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+    }
+    assert "engine" in conversion.dropped["actor_rollout_ref.rollout.gpu_memory_utilization=0.4"]
+    assert conversion.mapped == ("actor_rollout_ref.rollout.n",)
+
+
+def test_an_overrides_file_keeps_the_prompt_files_lengths_and_model_paths(tmp_path):
+    path = tmp_path / "overrides.yaml"
+    path.write_text(
+        "data:\n  train_files: ~/gsm8k/train.parquet\n  val_files: [a.parquet, b.parquet]\n"
+        "  max_prompt_length: 300\n  filter_overlong_prompts: true\n"
+        "actor_rollout_ref:\n  model:\n    path: /models/qwen\n    tokenizer_path: /models/tok\n"
+        "critic:\n  model:\n    path: /models/critic\n"
+    )
+    conversion = convert_verl(path)
+    data, model = conversion.settings["data"], conversion.settings["model"]
+    assert data["train_files"] == [os.path.expanduser("~/gsm8k/train.parquet")]
+    assert data["val_files"] == ["a.parquet", "b.parquet"]
+    assert data["max_prompt_length"] == 300 and data["truncation"] == "filter"
+    assert model == {"path": "/models/qwen", "tokenizer_path": "/models/tok", "critic_path": "/models/critic"}
+    assert "model" not in conversion.ppo_settings() and "train_files" not in conversion.ppo_settings()["data"]
+    # the critic starting from the actor's checkpoint (or verl's placeholder path) is ppo-core's default
+    same = convert_verl(path, ["critic.model.path=/models/qwen"])
+    assert "critic_path" not in same.settings["model"]
+    assert "critic_path" not in convert_verl({}).settings["model"]
+
+
+def test_overrides_apply_as_in_hydra(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text("algorithm:\n  adv_estimator: gae\ntrainer:\n  val_only: true\n")
+    conversion = convert_verl(
+        path, ["algorithm.adv_estimator=grpo", "+actor_rollout_ref.rollout.n=4", "~trainer.val_only"]
+    )
+    assert conversion.settings["algorithm"]["adv_estimator"] == "grpo"
+    assert conversion.settings["rollout"]["n"] == 4
+    assert "trainer.val_only" not in conversion.quiet + conversion.mapped
+    assert convert_verl({}, ["data.train_batch_size=8"]).settings["data"]["train_batch_size"] == 8
+    with pytest.raises(ValueError, match=r"override 'nonsense'"):
+        convert_verl(path, ["nonsense"])
