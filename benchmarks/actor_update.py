@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -62,6 +61,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
 
 PEAK_FLOPS = 989e12
 MODEL = {
@@ -488,11 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
     packed = result.get("realistic", {}).get("ours_packed", {}).get("tokens_per_s")
     if dense and packed:
         result["realistic"]["packed_vs_dense"] = round(packed / dense, 3)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
