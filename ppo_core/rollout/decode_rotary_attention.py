@@ -232,10 +232,9 @@ if triton is not None:
             m_i = m_new
         # The rest (the block holding the new slot, and the range's end) is decode_attention._decode_kernel's loop,
         # line for line but for the new slot and the chunk's bounds. The three loops share the online softmax's
-        # step (_softmax_block: the sm_90 SASS of both kernels is the same as with it written out, checked with
-        # Triton 3.6); the whole loop is not one shared helper because inlining that changed the two-launch
-        # kernel's register allocation (sm_90 SASS), and that path must stay the code it was while the two are
-        # benchmarked against each other.
+        # step (_softmax_block: both kernels compile to the same code as with it written out); the whole loop is
+        # not one shared helper because inlining that changed the two-launch kernel's register allocation, and
+        # that path must stay the code it was while the two are benchmarked against each other.
         for start in range(plain_end, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
