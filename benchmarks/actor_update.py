@@ -38,7 +38,7 @@ adding the causal attention FLOPs each row actually needs (``6 L D len^2`` per r
 10%), and the Qwen case's best ``budget<N>_packed`` MFU (``best_budget_mfu``; target >= 0.30).
 
 Measured before this benchmark had the realistic and Qwen cases (one H200, torch 2.11, transformers 5.17,
-megatron-core 0.16.1, dense 4 x 2048, prompt 512, median of 15 steps; ``results_h200_actor_update.json``): ours
+megatron-core 0.16.1, dense 4 x 2048, prompt 512, median of 15 steps; ``results_h200_actor_update.json`` at e3baa8f): ours
 141 ms/step, 58.0k tokens/s, MFU 0.435 (0.458 with attention), 34 GiB; HF 196 ms, 41.9k tokens/s, MFU 0.314.
 
 Usage: ``python benchmarks/actor_update.py [--cases dense,realistic,qwen] [--steps 3] [--warmup 1]
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -62,6 +61,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
 
 PEAK_FLOPS = 989e12
 MODEL = {
@@ -488,11 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
     packed = result.get("realistic", {}).get("ours_packed", {}).get("tokens_per_s")
     if dense and packed:
         result["realistic"]["packed_vs_dense"] = round(packed / dense, 3)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

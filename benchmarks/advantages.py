@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -50,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from ppo_core import advantages, kernels
 from ppo_core.advantages._common import zero_outside
 from ppo_core.kernels import chunked, dispatch, reference, triton_scan
@@ -572,10 +572,8 @@ def main() -> None:
         if load is not None:
             section["load_avg"] = {"before": load, "after": os.getloadavg()}
         result[device] = section
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    names = [result[d]["name"] for d in devices if isinstance(result.get(d), dict) and "name" in result[d]]
+    emit(result, args.out, device_name=" + ".join(names) or None)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ row), as the trainer holds it. Timed (median ms over ``--repeats`` interleaved r
 - ``shallow_copy``: the copy the trainer's steps make before setting a key (ours: ``_shallow_copy``), against
   ``batch.clone(False)``.
 
-Usage: ``python benchmarks/batch_ops.py [--batch 1024] [--seqlen 512] [--repeats 9]``
+Usage: ``python benchmarks/batch_ops.py [--batch 1024] [--seqlen 512] [--repeats 9] [--out FILE]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ from tensordict import NonTensorStack, TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from ppo_core.batch import concat, split_for_dp
 from ppo_core.batch._td import _shallow_copy
 
@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument(
+        "--out", default=None, help="also write the JSON (with commit, date, device) to this file"
+    )
     args = ap.parse_args(argv)
     batch = _batch(args.batch, args.seqlen)
     pairs = {
@@ -93,8 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             "clone_ms": round(former, 3),
             "speedup": round(former / ours, 1),
         }
-    print(json.dumps(result, indent=1))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

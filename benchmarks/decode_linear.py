@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from ppo_core.rollout.decode_linear import DecodeLinearConfig, _default_config, decode_linear
 from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, silu_mul_as_model
 
@@ -275,18 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
             result["chain"] = _chain_report(m, gen)
         if args.head:
             result["head"] = _head_report(m, gen)
-        print(json.dumps(result, indent=1))
-        return result
+        return emit(result, args.out)
     for name, (n, k) in SHAPES.items():
         result[name] = _shape_report(
             name, n, k, m, bandwidth, gen, sweep=not args.no_sweep, wide=args.wide_sweep
         )
         torch.cuda.empty_cache()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

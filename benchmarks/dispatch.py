@@ -14,17 +14,18 @@ plain-message pattern, see docs); (c) ``ray``: Ray actors (the engine under verl
 hits all of them); ratios compare engines within this run.
 
 Usage:
-    python benchmarks/dispatch.py [--workers 4] [--batch 1024] [--seqlen 2048] [--repeats 7]
+    python benchmarks/dispatch.py [--workers 4] [--batch 1024] [--seqlen 2048] [--repeats 7] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import ppo_core_monarch  # noqa: F401  (before monarch, which reads its supervision poll at import)
 
@@ -33,6 +34,9 @@ import torch
 from monarch.actor import Actor, endpoint
 from tensordict import TensorDict
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
 from ppo_core.workers import Dispatch, Worker, register
 from ppo_core_monarch.group import MonarchWorkerGroup
 
@@ -152,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=9, help="rounds of the DP call (x5 for the empty call)"
     )
+    parser.add_argument(
+        "--out", default=None, help="also write the JSON (with commit, date, device) to this file"
+    )
     args = parser.parse_args(argv)
     batch = _batch(args.batch, args.seqlen)
     expected = batch["old_log_probs"] * 2
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         "empty_within_1.5x_monarch": result["ratios"]["ours_empty_over_monarch"] <= 1.5,
         "dp_at_most_half_of_ray": None if ray_ is None else result["ratios"]["ours_dp_over_ray"] <= 0.5,
     }
-    print(json.dumps(result))
+    emit(result, args.out, indent=None)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def long_prompts(train_file: str, tokenizer_dir: str, out: str, tokens: int) -> 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from benchmarks._meta import emit
     from ppo_core.examples import make_example_data
     from ppo_core_cli.loading import load_job_config
     from ppo_core_cli.train import run_train
@@ -127,11 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "meets_target": step <= REFERENCE["target_step_s"],
     }
     report["export"] = result.export_dir
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(json.dumps(report))
-    return report
+    return emit(report, out, indent=2)
 
 
 if __name__ == "__main__":

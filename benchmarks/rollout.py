@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -50,6 +49,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
 
 # the Llama-3.2-1B shape of the actor-update benchmark
 from benchmarks.actor_update import MODEL, hf_llama
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         if args.out:  # what has run so far, in case a later method does not finish
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            emit(result, args.out, quiet=True)
 
     from transformers import __version__ as tf_version
 
@@ -426,11 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         ours = result.get(method, {}).get("b64", {}).get("new_tokens_per_s")
         if ours and static:
             result[f"{method}_over_hf_static_b64"] = round(ours / static, 2)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,12 @@ some changes worth measuring. This script builds the HF engine and the megatron 
 on ``benchmarks/rollout.py``'s B = 64 case and prints one JSON object: per engine the median call (new tokens/s from
 it), the median prefill and decode ms/step, and every measured call's seconds.
 
-    python benchmarks/rollout_interleaved.py --calls 14 --warmup 3
+    python benchmarks/rollout_interleaved.py --calls 14 --warmup 3 [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from benchmarks.rollout import CASES, MODEL, _hf_model, _megatron_model, _prompts
 
 
@@ -29,6 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=14, help="rotations (each calls every engine once)")
     ap.add_argument("--warmup", type=int, default=3, help="first rotations not measured")
+    ap.add_argument(
+        "--out", default=None, help="also write the JSON (with commit, date, device) to this file"
+    )
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
     from ppo_core.rollout.hf import HFRolloutEngine
@@ -76,7 +79,7 @@ def main() -> None:
             "median_decode_ms_per_step": round(statistics.median(r["decode_ms"]), 4),
             "s_all": [round(x, 5) for x in r["s"]],
         }
-    print(json.dumps(result))
+    emit(result, args.out, indent=None)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from benchmarks.rollout import MODEL, _hf_model, _prompts
 
 
@@ -326,7 +327,7 @@ def main() -> None:
 
     def save() -> None:
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            emit(result, args.out, quiet=True)
 
     if args.prefill:
         model = _hf_model()
@@ -337,14 +338,12 @@ def main() -> None:
         engine.generate(ids, mask, one, generator=gen)
         result["prefill_s"] = _ms_per_step(engine, ids, mask, one, gen)["prefill_s"]
         result["prefill_profile_top"] = _profile_top(engine, ids, mask, one, gen)
-        print(json.dumps(result, indent=1))
-        save()
+        emit(result, args.out)
         return
     if args.attention_sweep:
         result["fused_attention_b64"] = _fused_attention_sweep(64)
         result["fused_attention_b256"] = _fused_attention_sweep(256, layers=2, splits=(1, 2))
-        print(json.dumps(result, indent=1))
-        save()
+        emit(result, args.out)
         return
     if args.host_gaps:
         from benchmarks.rollout import _megatron_model
@@ -360,8 +359,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         megatron, megatron_cfg = _megatron_model()
         result["megatron"] = _host_gaps(MegatronRolloutEngine(megatron, megatron_cfg), ids, mask, cfg, gen)
-        print(json.dumps(result, indent=1))
-        save()
+        emit(result, args.out)
         return
     if args.timeline:
         model = _hf_model()
@@ -382,8 +380,7 @@ def main() -> None:
         engine = MegatronRolloutEngine(megatron, megatron_cfg)
         result["megatron"] = _ms_per_step(engine, ids, mask, cfg, gen)
         result["megatron"]["timeline"] = _timeline(engine, ids, mask, cfg, gen)
-        print(json.dumps(result, indent=1))
-        save()
+        emit(result, args.out)
         return
     result["attention_b64_l384"] = _attn_times(64, 384)
     result["attention_b256_l384"] = _attn_times(256, 384)
@@ -429,10 +426,7 @@ def main() -> None:
         # the former path (GPTModel.forward through the cache) against the engine's own forward, in the same run
         gpt_forward = MegatronRolloutEngine(mmodel, mcfg, own_forward=False)
         result["megatron_gpt_forward_graphs"] = _ms_per_step(gpt_forward, ids, mask, cfg, gen)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ Prints ONE JSON object, microseconds per draw (the median of 20 replays of a CUD
 The script calls only the public signatures of ``fused_sample_record`` and ``fused_sample``, so it also times a
 previous release's draws when run against that tree (``PYTHONPATH``).
 
-Usage: ``python benchmarks/sampling.py [--rows 64] [--vocab 128256] [--sweep]`` (CUDA only).
+Usage: ``python benchmarks/sampling.py [--rows 64] [--vocab 128256] [--sweep] [--out FILE]`` (CUDA only).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._meta import emit
 from benchmarks.decode_linear import _graph_us
 from ppo_core.rollout import fused_sampling
 
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--out", default=None, help="also write the JSON (with commit, date, device) to this file"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/sampling.py needs a CUDA device")
@@ -97,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             sweep[f"bv{block}_bw{warps}_cw{combine}"] = _record_us(logits, 1.0)
         fused_sampling.BLOCK_V, fused_sampling._BLOCK_WARPS, fused_sampling._COMBINE_WARPS = saved
         result["sweep"] = sweep
-    print(json.dumps(result, indent=1))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

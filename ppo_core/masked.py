@@ -59,7 +59,7 @@ def _first_valid_index(mask: torch.Tensor) -> torch.Tensor:
     flags = mask.view(torch.uint8)
     if flags.dim() < 2 or flags.device.type != "cpu":
         return flags.argmax()  # argmax returns the first maximal entry
-    # On CPU an argmax over a whole [B, T] mask is ~50x slower than a max (it is not vectorised): each row's max
+    # On CPU an argmax over a whole [B, T] mask is far slower than a max (it is not vectorised): each row's max
     # finds the first row with a true entry, and the argmax runs over that row only.
     rows = flags.reshape(-1, flags.shape[-1])
     row = rows.amax(dim=-1).argmax()

@@ -82,7 +82,7 @@ def export_checkpoint(
         out_dir: the Hugging Face directory to write.
         model_dir: the checkpoint the run started from (torch workers; default: from ``job.yaml``).
         dtype: dtype of the written weights (``bfloat16``...); None: as trained.
-        verify: check every file against the checkpoint's manifest first (about 1 s per GB).
+        verify: check every file against the checkpoint's manifest first (one more read of every file).
 
     Returns:
         ``out_dir`` as a string.

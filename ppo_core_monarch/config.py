@@ -57,7 +57,7 @@ class MonarchConfig(ConfigBase):
     """``torch.set_num_threads`` in every worker; 0: automatic, i.e. ``OMP_NUM_THREADS`` when the worker's
     environment sets it, else the worker's usable cores divided by the workers on its host (at least 1).
     torch's own default (one thread per core in every process) oversubscribes a shared host, and its idle
-    threads spin: 4 workers on 2 cores ran a 42 MB data-parallel call 2.5x slower."""
+    threads spin, which slows a data-parallel call several-fold."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of every worker, set before its worker is built (e.g. NCCL settings)."""
     shared_memory: bool = True

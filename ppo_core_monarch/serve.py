@@ -20,7 +20,7 @@ import ppo_core_monarch  # noqa: F401  (sets Monarch's supervision environment b
 __all__ = ["main"]
 
 LISTEN_CHECK_S = 0.5
-"""How long the loop waits for its listener to fail before it counts as listening (a taken port fails in ~2 ms)."""
+"""How long the loop waits for its listener to fail before it counts as listening (a taken port fails almost at once)."""
 
 
 def main(argv: list[str] | None = None) -> None:

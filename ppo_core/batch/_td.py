@@ -11,7 +11,7 @@ What tensordict 0.15.3 does and does not do for us (checked by ``tests/ppo_core/
 - A slice of a batch is a view: pickling it serializes the parent's whole storage, so shards are cloned.
 - ``td[key]`` returns a ``LinkedList`` for a non-tensor field; :func:`_nontensor_values` returns a plain list.
 - ``clone()`` and ``clone(False)`` of a batch with a ``NonTensorStack`` field copy each row's ``NonTensorData``
-  through tensorclass machinery (about 30 us a row); indexing with an integer tensor gives the same independent
+  through tensorclass machinery, slowly; indexing with an integer tensor gives the same independent
   rows (tensors gathered into new storage, each row's Python object copied) several times faster, and a shallow
   copy needs no per-row work at all: :func:`_slice`, :func:`_copy` and :func:`_shallow_copy` use those.
 """

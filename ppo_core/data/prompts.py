@@ -7,8 +7,7 @@
 
 Tokenisation happens here, once, not per epoch: each prompt is
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``, so the ids are exactly
-what the checkpoint's tokenizer produces (the template's own special tokens, no extra BOS). About 1 s per 10k
-short prompts on one loaded CPU core.
+what the checkpoint's tokenizer produces (the template's own special tokens, no extra BOS).
 
 Prompts longer than ``max_prompt_length`` tokens follow ``truncation``:
 

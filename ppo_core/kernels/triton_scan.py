@@ -20,7 +20,7 @@ inputs and one host sync to read the flags (:func:`flag_bits`).
 
 Precision: the scans run in float32 for float32 inputs; against the float64 loop the largest error seen at
 1024 x 8192 was 5e-5 (gamma = lam = 1, the worst case: nothing decays). ``accumulate_fp64=True`` runs them in
-float64 for ~40% more time on an H100.
+float64, for more time.
 
 Falls back cleanly: without Triton or CUDA, :func:`is_available` is False and nothing here is compiled.
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (slowly), which the tests use where Triton is installed.
@@ -89,7 +89,7 @@ def is_available(device: torch.device | str | None = None) -> bool:
 
 
 def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv / next_power_of_2 are ConstexprFunctions: ~1.5 us a call on the host, a noticeable share of a
+    # triton.cdiv / next_power_of_2 are ConstexprFunctions, slow to call on the host: a noticeable share of a
     # public estimator's few tens of microseconds beyond its kernels
     return -(-a // b)
 
@@ -100,8 +100,8 @@ def _next_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _default_launch(length: int) -> ScanLaunch:
-    # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep on an
-    # H100 at 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
+    # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep at
+    # 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
     block_t = min(512, max(128, _next_pow2(length)))
     return ScanLaunch(block_b=1, block_t=block_t, num_warps=block_t // 128, num_stages=3)
 
@@ -121,7 +121,7 @@ if triton is not None:
     # launch of a configuration), which needs every runtime parameter unspecialised: no kernel for a row count or
     # length of 1 or a multiple of 16, none for 16-byte aligned pointers (the kernels mask every access and assume
     # neither). Losing those hints may cost vectorised loads: benchmarks/advantages.py measures the kernels
-    # (kernel_ms) and the launch (estimator_layer_us) on the next GPU run.
+    # (kernel_ms) and the launch (estimator_layer_us).
     _SCALARS = ("n_rows", "length", "gamma", "coef", "eps")
     _POINTERS = tuple(
         f"{name}_ptr" for name in ("r", "v", "m", "x", "adv", "ret", "out", "flag", "stats", "b")

@@ -10,8 +10,7 @@ Two implementations, the same maths:
 - :func:`decode_attention_triton`: one Triton program per (row, key/value head) streams that head's keys and values
   once, in blocks of ``BLOCK_L`` slots, with an online softmax (fp32 statistics and accumulator), for all the
   group's query heads at once. A decode step reads the cache once at memory speed; PyTorch's fused kernels are
-  built for long queries and spend most of their time on a query of one token (cuDNN's took 32 us per layer for
-  64 rows x 384 slots on an H200, where reading the cache takes about 12 us).
+  built for long queries and, for a query of one token, take several times what reading the cache takes.
 
 :func:`decode_attention` picks Triton on CUDA when it is installed (``PPO_CORE_DECODE_ATTENTION=sdpa`` forces the
 reference). Given ``filled`` (a device scalar: slots ``>= filled`` are all masked), the Triton kernel stops reading

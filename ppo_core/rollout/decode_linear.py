@@ -5,8 +5,8 @@ each projection is bound by reading its weight once, and at this size a kernel's
 much as the read of a small matrix. Unfused, a Llama-family layer spends five more kernels around its four
 products: the residual add + RMSNorm before the q/k/v and the gate/up products (twice), SiLU x up after gate/up,
 and the split-K reduction of the down product. :func:`decode_linear` folds them into the products' epilogues and
-keeps the main loop a plain product (an element-wise prologue on the rows measured 3-4x slower on an H200: it keeps
-the rows from feeding the tensor cores straight from shared memory):
+keeps the main loop a plain product (an element-wise prologue on the rows is slower: it keeps the rows from feeding
+the tensor cores straight from shared memory):
 
 - **residual epilogue** (``residual``): the product, rounded to the model dtype, is added to the residual stream as
   the models add it, and the new residual ``h`` is the output; each program also writes the sum of squares of its
@@ -146,11 +146,10 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
     rounded to ``out``'s dtype, as ``torch.mul`` rounds it).
 
     On CUDA, with contiguous tensors of one dtype and at most :data:`FOLD_MAX_WEIGHTS` weights, one Triton launch
-    writes the whole stack; elsewhere one ``torch.mul`` per weight. On one H200 the HF engine's refresh of
-    Llama-3.2-1B (32 groups) took ~1.7 ms of GPU time per generation through ``torch.mul`` per weight (the ``[K]``
-    scale broadcast over the rows runs PyTorch's unvectorised element-wise kernel), and a compiled function per
-    group cost 100-200 us of host time per call with the GPU idle
-    (``benchmarks/results_h200_rollout_host_gaps.json``).
+    writes the whole stack; elsewhere one ``torch.mul`` per weight. The HF engine refreshes these stacks before every
+    generation: ``torch.mul`` per weight broadcasts the ``[K]`` scale over the rows through PyTorch's unvectorised
+    element-wise kernel, and a compiled function per group costs host time with the GPU idle, both ahead of the
+    prefill.
 
     Example:
         >>> out = torch.empty(3, 2)
@@ -456,21 +455,20 @@ def _persistent(
 def _default_config(
     width: int, k: int, swiglu: bool, device: torch.device, *, plain: bool = True
 ) -> DecodeLinearConfig:
-    """From sweeps on an H200 at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
+    """From sweeps at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
     products, 64 for wide or deep ones (and with SwiGLU's two weights). For a vocabulary without a residual (the
     output layer) a persistent launch: one program per SM, each running the fewest tiles of at most 128 columns
     that cover the vocabulary (Llama-3.2-1B's head: 8 tiles of 122 columns) through 128-column ``K`` blocks in one
     four-stage pipeline, so that every program reads the same share of the weight and none refills its pipeline
-    between tiles (133 us against 141.5 for the grid launch of 256 x 64 tiles, 501 programs in 3.8 waves, the same
-    bits; ``benchmarks/results_h200_rollout_head_persistent.json``); otherwise 256 columns of 64-column ``K``
+    between tiles: the product is bound by reading its weight, and a grid launch of many tiles runs in a
+    fractional number of waves that leaves SMs idle at its tail (the same bits); otherwise 256 columns of 64-column ``K``
     blocks in a four-stage pipeline. ``K`` split while there are fewer programs than half the SMs (each split keeping at
     least four ``block_k`` iterations).
 
     Pipeline depth (``stages + 1`` tiles in shared memory, the first loaded before the loop): three stages with
     SwiGLU's two weights (four do not fit the 227 KiB of shared memory); six where one program per
     column block leaves SMs idle (the q/k/v product of a Llama-3.2-1B layer: 96 programs), so that each streams more
-    of its weight at once (a 16-layer chain of a decode step's products: 50.0 against 50.8 us a layer,
-    ``benchmarks/results_h200_rollout_persistent_tail.json``); four otherwise."""
+    of its weight at once; four otherwise. The timings behind these choices are in ``docs/performance.md``."""
     vocabulary = width >= 65536 and not swiglu
     sms = sm_count(device)
     if vocabulary and plain:  # persistent: the fewest tiles of at most 128 columns a program

@@ -16,8 +16,8 @@ Two roundings of ``t cos + rotate_half(t) sin`` (``rotate_half([t1, t2]) = [-t2,
   with tables in its dtype (:func:`ppo_core.rollout.eager_rounding.rotary_as_model`, the Hugging Face engine's).
   Compiled, the kernels form each product with an explicit ``mul.rn.f32``: LLVM would otherwise narrow the rounded
   products and their sum to the model dtype and, with Triton's default FP contraction, fuse one product into the
-  sum, leaving it unrounded (on an H200 that changed a bf16 result by one step in about a quarter of the
-  elements); ``rotary_as_model`` is compiled without contraction (inductor's ``emulate_precision_casts``).
+  sum, leaving it unrounded (which changes bf16 results by one step); ``rotary_as_model`` is compiled without
+  contraction (inductor's ``emulate_precision_casts``).
 
 :func:`rotate_and_write` and :func:`rotate_and_write_prompt` are the kernel's contracts in PyTorch (any device, the
 references of the tests); ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors.

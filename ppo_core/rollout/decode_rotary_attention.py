@@ -16,9 +16,9 @@ layer, the second waiting on the first. Here the programs of a (row ``b``, key/v
    slot takes them from its registers instead (another program wrote the cache, and nothing orders that store
    before this program's loads), and its loads skip that slot.
 
-**Split over the slots** (flash-decoding). With one program per ``(b, g)`` a step of 64 rows of Llama-3.2-1B (8
-key/value heads) is 512 programs, each walking its ~5 blocks of 64 slots one after the other: too few loads in
-flight to read the cache at the memory's bandwidth (2.4 of 4.2 TB/s on an H200). So the ``n`` slots are split into
+**Split over the slots** (flash-decoding). With one program per ``(b, g)`` each program walks its blocks of slots one
+after the other; with few rows over a long cache that leaves too few programs, so too few loads in flight, to read
+the cache at the memory's bandwidth. So the ``n`` slots are split into
 ``S`` contiguous chunks of ``ceil(ceil(n / S) / BLOCK_L) * BLOCK_L`` slots, one program each (grid ``(B, G, S)``;
 the chunks are computed in the kernel from ``n``, since ``slot`` is a device scalar and the grid of a launch
 captured in a CUDA graph cannot depend on it; late chunks may be empty). Every program rotates the query itself
@@ -36,30 +36,20 @@ product) and fetches its first block of cached keys and values into the L2 (``pr
 held for the data): the slot is written by the step's first kernels and the cached slots by earlier steps, all
 finished before the previous kernel started, so the first block's memory latency overlaps that kernel's end.
 
-**The loop's cost.** At 64 rows the kernel is bound by its loop's arithmetic rather than its reads (with the cache
-loads replaced by constants it kept 14.3 of its 17.1 us on one H200): per block of slots two 16-row MMAs for the
+**The loop's cost.** At a rollout's batch sizes the kernel is bound by its loop's arithmetic rather than its reads
+(it keeps most of its time with the cache loads replaced by constants): per block of slots two 16-row MMAs for the
 group's query heads, the softmax's reductions across the warps and the layout changes between them. A program
 therefore walks the blocks wholly below the new slot with a body of its own: every slot in them is cached and
 attended, so the loads take no masks and no slot is swapped for the new key or value (the values are the ones the
 general body computes, so the bits are too); only the block holding the new slot, and a chunk's last block, run the
 general body. Each block's additive bias is loaded one block ahead (the next block's bias while this one is
 computed, carried in registers), in both loops: loaded in the block that adds it, as Triton's pipeliner leaves a load
-that does not feed a product, every block paid an L2 round trip before its softmax (sm_90 SASS: the bias loads sat
-between the block's cache-tile wait and its scores). The values, so the bits, are the same; on one H200 the kernel
-alone measured within noise of the version that loads the bias in its block (14.33 against 14.50 us at 320 filled
-slots, 16.31 against 16.03 at 384) and the megatron engine's decode step 1.224-1.231 ms against 1.234-1.241. When
-the plain body landed (before the look-ahead), compiled for sm_90 it was 272 instructions against the general
-body's 456; alone at B = 64 and 320 filled slots the kernel took 14.9 us against 17.1, and a decode step of the HF
-engine 1.282-1.286 ms against 1.299-1.321 (one call, two rounds; ``benchmarks/results_h200_rollout_peel.json``).
-With the look-ahead, compiled by Triton 3.6 for sm_90, the plain body is 283 instructions, the general body 306 and
-the unsplit kernel 1,368, in 121 registers. Unsplit, the block holding the new slot reads it from
-the cache (step 3) rather than selecting the registers' key and value into the loaded tiles: that select kept the
-tiles in registers and made the general body 456 instructions; without it the unsplit kernel was 1,256 instructions
-instead of 1,600 and took 114 registers instead of 128, and alone at B = 64 it took 14.1 / 14.5 / 16.2 us against
-14.9 / 15.1 / 16.9 at 260 / 320 / 380 filled slots, the same bits
-(``benchmarks/results_h200_rollout_tail_read.json``). The pipeline is three stages deep (the default
-``num_stages``): with the register cap it was as fast as two or faster at every size measured (B = 64: 15.0 against
-15.3 us; B = 256: 57.9 against 61.5 before the plain blocks).
+that does not feed a product, every block paid an L2 round trip before its softmax (the bias loads sat between the
+block's cache-tile wait and its scores). The values, so the bits, are the same. Unsplit, the block holding the new
+slot reads it from the cache (step 3) rather than selecting the registers' key and value into the loaded tiles:
+that select kept the tiles in registers and made the loop body longer and the kernel slower, for the same bits. The
+pipeline is three stages deep (the default ``num_stages``): under the register cap (:data:`MAX_REGISTERS`) it is as
+fast as two or faster at a rollout's sizes. The timings behind these choices are in ``docs/performance.md``.
 
 With ``S = 1`` (the default where ``B G`` programs already fill the GPU) the kernel is the unsplit one: every value
 entering the attention equals the unfused path's bit for bit (the rotated query is rounded to the model dtype there
@@ -106,9 +96,8 @@ __all__ = [
 
 MAX_REGISTERS = 128
 """Registers a thread of a four-warp program may take: four programs fit an SM (the rule of :func:`default_split`
-assumes it). Compiled for sm_90 by Triton 3.6 the kernel took 134 with two pipeline stages once it prefetched its
-first block before waiting (PDL); under the cap it takes 125-128 with two or three stages, split or not, with no
-spill (unsplit, since the new slot is read back from the cache: 114 at three stages)."""
+assumes it). Without the cap, prefetching the first block before waiting (PDL) takes the kernel past it; under it
+the kernel compiles without spilling at the pipeline depths it uses."""
 
 
 def rotate_write_attend_triton_available(q: torch.Tensor) -> bool:
@@ -206,7 +195,6 @@ if triton is not None:
         k_new = k_new.to(KCache.dtype.element_ty)
         v_new = tl.load(V + b * sv_b + g * sv_g + d).to(VCache.dtype.element_ty)
         # one program of the (row, group) writes them; with SPLIT = 1 the test is on a constant and compiles away
-        # (the sm_90 SASS of SPLIT = 1 is the unsplit kernel's, instruction for instruction)
         if split == 0:
             tl.store(KCache + b * skc_b + g * skc_g + slot.to(tl.int64) * skc_l + d, k_new)
             tl.store(VCache + b * svc_b + g * svc_g + slot.to(tl.int64) * svc_l + d, v_new)
@@ -220,7 +208,7 @@ if triton is not None:
         acc = tl.zeros([REP_PAD, D], tl.float32)
         # The blocks wholly below the new slot first: every slot in them is cached and inside the range, so they
         # load without masks and select no new key or value (the same values, so the same bits, as the general
-        # body below gives them; on sm_90 a block is 283 instructions instead of 306).
+        # body below gives them, in fewer instructions a block).
         plain_end = lo + (tl.maximum(tl.minimum(hi, slot) - lo, 0) // BLOCK_L) * BLOCK_L
         # A plain block's bias is loaded one block ahead (the next block's while this one is computed): loaded in
         # the block that adds it, its latency (an L2 round trip) was paid by every block.
@@ -244,10 +232,9 @@ if triton is not None:
             m_i = m_new
         # The rest (the block holding the new slot, and the range's end) is decode_attention._decode_kernel's loop,
         # line for line but for the new slot and the chunk's bounds. The three loops share the online softmax's
-        # step (_softmax_block: the sm_90 SASS of both kernels is the same as with it written out, checked with
-        # Triton 3.6); the whole loop is not one shared helper because inlining that changed the two-launch
-        # kernel's register allocation (sm_90 SASS), and that path must stay the code it was while the two are
-        # benchmarked against each other.
+        # step (_softmax_block: both kernels compile to the same code as with it written out); the whole loop is
+        # not one shared helper because inlining that changed the two-launch kernel's register allocation, and
+        # that path must stay the code it was while the two are benchmarked against each other.
         for start in range(plain_end, hi, BLOCK_L):
             slots = start + tl.arange(0, BLOCK_L)
             inside = slots < n
@@ -483,10 +470,10 @@ def default_split(programs: int, kv_len: int, block_l: int, device: torch.device
     pairs attending over up to ``kv_len`` slots: the smallest power of two ``S`` for which the ``programs * S``
     programs are at least two per SM (four fit at once: a four-warp program takes at most :data:`MAX_REGISTERS`
     registers a thread), but no more than the ``ceil(kv_len / block_l)`` blocks of slots (each program keeping at
-    least one block of the longest range). 1 where the ``(b, g)`` pairs alone are that many: on one H200 at B = 64 of
-    Llama-3.2-1B (512 pairs, 320 filled slots, the cache read from HBM) ``S = 2`` took 21.9 us a call against
-    18.3 for ``S = 1`` (4: 25.9, 8: 34.3; ``benchmarks/results_h200_rollout_split_attention.json``), so the split
-    is for few rows over long caches (8 rows of 8 heads over 4096 slots: ``S = 64``), which was not timed.
+    least one block of the longest range). 1 where the ``(b, g)`` pairs alone are that many: there the programs
+    already fill the GPU and splitting only adds the combine (slower at a rollout's 64 rows of 8 heads; see
+    ``docs/performance.md``), so the split is for few rows over long caches (8 rows of 8 heads over 4096 slots:
+    ``S = 64``).
     ``PPO_CORE_DECODE_SPLIT=<S>`` sets ``S`` instead (for measurements).
 
     Example:

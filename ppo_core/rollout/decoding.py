@@ -142,11 +142,11 @@ class StaticCacheDecoder:
         kv_bucket: granularity (slots) of the cache length a decode graph attends to.
         check_every: decode steps between two checks for "every row has finished" (each a host sync).
         steps_per_graph: most consecutive decode steps captured in one CUDA graph (never across a check): one
-            launch instead of one a step. On one H200 a graph's launch leaves the GPU idle ~4.5 us before each step
-            of a B = 64 Llama-3.2-1B rollout, and inside a group of 8 the steps follow each other with no gap; but
-            capturing a group costs its steps' host time, so a generation that captures its graphs anew (without
-            ``keep_cache``) spent more than that saved (30,000 against 39,000 new tokens/s). Worth raising with
-            ``keep_cache=True`` (graphs captured once for every generation of the same shapes and settings).
+            launch instead of one a step. A graph's launch leaves the GPU idle briefly before each step, and
+            inside a group the steps follow each other with no gap; but capturing a group costs its steps' host
+            time, so a generation that captures its graphs anew (without ``keep_cache``) spends more than that
+            saves. Worth raising with ``keep_cache=True`` (graphs captured once for every generation of the same
+            shapes and settings).
         keep_cache: keep the cache and graphs for the next call with the same shapes and settings.
     """
 
@@ -208,7 +208,7 @@ class StaticCacheDecoder:
         """The end of a generation without ``keep_cache``: free the cache now, and keep its graphs (their memory
         pool: the decode steps' intermediates, tens of MB) until the next generation destroys them while the device
         runs its prefill, or :meth:`release`. Destroying a generation's graphs and freeing their pool at its end
-        kept the caller waiting ~0.3 ms with the device idle (one H200, B = 64). A retired graph is never replayed:
+        kept the caller waiting with the device idle. A retired graph is never replayed:
         the next generation captures its own, in the same pool."""
         if self._state is not None:
             self._retired.extend(self._state.graphs.values())
@@ -525,7 +525,7 @@ def _padded(mask: torch.Tensor, invalid: torch.Tensor | None) -> bool:
 
 def _peak_allocated(device: torch.device) -> int:
     """``torch.cuda.max_memory_allocated(device)`` without flattening every allocator statistic into a sorted dict
-    first (~0.3 ms of host time at the end of every generation on one H200)."""
+    first (host time at the end of every generation, with the device idle)."""
     return int(torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"])
 
 
@@ -609,7 +609,7 @@ class CachedRolloutEngine:
     def _eval_mode(self) -> Iterator[None]:
         """The module in eval mode for one generation and back afterwards, where that changes anything: not when it
         is in eval mode already, nor when the forward runs no module whose output depends on the mode (setting the
-        mode visits every submodule: about 2 ms a call for a 16-layer Hugging Face Llama on a CPU core)."""
+        mode visits every submodule, host time on every call)."""
         if not self.module.training or not self._runs_module_forwards():
             yield
             return

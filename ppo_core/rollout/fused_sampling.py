@@ -9,8 +9,8 @@ The first kernel splits every row into blocks of ``BLOCK_V`` entries, reads each
 ``m_b``, the largest ``x``, and ``s_b = sum exp(x - m_b)`` (greedy: also the block's argmax); the second combines
 the blocks of a row into ``logsumexp(x)`` and the token. Both are plain launches with fixed shapes, so a decode
 step that samples with them is captured in its CUDA graph. Unfused, PyTorch reads the ``[B, V]`` logits and noise
-several times (log-softmax, noise transform, argmax, gather: about 110 us per decode step of a 128k vocabulary at
-``B = 64`` on an H200).
+several times (log-softmax, noise transform, argmax, gather), a large share of a decode step at a 128k
+vocabulary.
 
 How the token is drawn depends on where the randomness comes from:
 
@@ -29,8 +29,7 @@ How the token is drawn depends on where the randomness comes from:
   block's share times the entry's share of its block, ``softmax(x)[token]``, up to fp32 rounding of the running
   sums (about ``1e-7`` of the total) and the 2^-23 steps of the uniforms. The entries get no noise of their own:
   the first kernel does an exponential and a sum an entry, where a Gumbel draw there also needs a Philox word, a
-  logarithm and a division (on one H200 at ``B = 64``, ``V = 128256``, a draw and record took 10.5 us against
-  29.1 with Gumbel-max on in-kernel noise: ``benchmarks/sampling.py``). Every
+  logarithm and a division (``benchmarks/sampling.py`` times both). Every
   ``(seed, step, row)`` has its own counter, so no randomness is reused within a generation; the step is read
   from device memory, so a captured CUDA graph replays the next step's draw. :func:`fused_sampling_uniforms`
   materialises the uniforms.

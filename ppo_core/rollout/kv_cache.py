@@ -87,8 +87,7 @@ class KVCache:
         kv_len: slots the current decode step attends to (a multiple of the caller's bucket, ``<= L``).
         prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`); None when no
             prompt is padded (the mask is then the causal one, which SDPA applies itself: ``is_causal``, each
-            key/value head shared by its query heads without a copy, so that CUDA runs a flash kernel: cuDNN's on an
-            H200).
+            key/value head shared by its query heads without a copy, so that CUDA runs a flash kernel).
         batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
             by the forward): each query alone over the slots up to its own, so that a prefill of the whole
             sequence and the decode step of a token give its query the same bits.

@@ -9,10 +9,10 @@ that the next one can be scheduled. CUDA graphs capture these launches with thei
 
 Every kernel that takes part must wait before its first dependent read and before its first write, which the
 kernels of :mod:`ppo_core.rollout.decode_linear` and :mod:`ppo_core.rollout.decode_rotary_attention` do. On by
-default where supported: on one H200 a chain of the decode products of 16 layers took 50 us a layer with it against
-55 without, and the HF engine's B = 64 rollout ran at 35,500 new tokens/s against 33,300 (same call). The cuBLAS path
-(``fused_decode=False``) gains nothing from it (its products do not take part). ``PPO_CORE_PDL=0`` turns it off (the
-kernels then launch as usual, with the same results).
+default where supported: the gaps between the step's kernels disappear, which is what makes the fused products
+faster than cuBLAS's (alone they are not; ``docs/performance.md``). The cuBLAS path (``fused_decode=False``) gains
+nothing from it (its products do not take part). ``PPO_CORE_PDL=0`` turns it off (the kernels then launch as usual,
+with the same results).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ _OUTGROWN: list[torch.Tensor] = []
 
 @functools.cache
 def sm_count(device: torch.device) -> int:
-    """The number of streaming multiprocessors of ``device`` (132, an H100/H200's, off CUDA: under
+    """The number of streaming multiprocessors of ``device`` (off CUDA 132, a large Hopper GPU's: under
     ``TRITON_INTERPRET=1`` the kernels choose their launch shape as they would on such a GPU)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -11,8 +11,8 @@ real prompt tokens before it, then its responses). Before the step's forward:
   step, shared by every layer);
 - the filled count is ``slot + 1``.
 
-In PyTorch these are four kernels with a launch gap each (on one H200, ~6 us of a ~1.2 ms step at B = 64 of
-Llama-3.2-1B); :func:`decode_step_inputs` writes them in one Triton launch, one program a row, on CUDA (and under
+In PyTorch these are four kernels with a launch gap each; :func:`decode_step_inputs` writes them in one Triton
+launch, one program a row, on CUDA (and under
 ``TRITON_INTERPRET=1`` on CPU tensors), and :func:`decode_step_inputs_reference` is its contract (any device).
 """
 

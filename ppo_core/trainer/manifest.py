@@ -6,9 +6,9 @@ need not know their layout). :func:`verify_manifest` runs before anything is loa
 overwritten file is reported with its path instead of loading "successfully" and failing steps later (a few
 random bytes in a weight file unpickle into garbage tensors).
 
-Files are hashed in 1 MiB chunks (constant memory), several files at a time (``hashlib`` releases the GIL);
-SHA-256 runs at 0.7-1.5 GB/s per core on a machine with SHA extensions, so the manifest adds about 1 s per GB to
-a save and to a resume (less with several files on several cores).
+Files are hashed in 1 MiB chunks (constant memory), several files at a time (``hashlib`` releases the GIL): the
+manifest adds one read of every file to a save and to a resume, bound by SHA-256's speed per core
+(``docs/performance.md``).
 
 Example:
     >>> import pathlib, tempfile

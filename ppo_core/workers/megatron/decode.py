@@ -30,8 +30,8 @@ steps take this path copies the q/k/v and ``linear_fc1`` weights with the weight
 into their columns (about half the weights again in memory, refreshed at each layer's first use in the prefill, as
 the Hugging Face engine folds its concatenated weights), and the products read the residual itself; without it no
 weight is copied and the residual epilogue also writes the new residual times the next norm's weight (rounded) for
-the next product to read, which on one H200 made the decode step ~20 us longer
-(``benchmarks/results_h200_rollout_megatron_fold.json``). The norms and SwiGLU then round as
+the next product to read, which makes the decode step longer (``docs/performance.md``). The norms and SwiGLU then
+round as
 :mod:`~ppo_core.rollout.decode_linear` documents, not as megatron's fused kernels do.
 
 Tensor parallelism: this rank's shards of every weight; the row-parallel outputs (``linear_proj``,
