@@ -3,6 +3,7 @@
 ::
 
     ppo-core make-data OUT_DIR                          # the offline example: prompts, tokenizer, tiny Qwen2
+    ppo-core make-data OUT_DIR --task arithmetic        # word problems by level (GSM8K format, disjoint splits)
     ppo-core sft CONFIG.yaml [key=value ...]            # the format warm-up: a new checkpoint (sft.output_dir)
     ppo-core train CONFIG.yaml [key=value ...]          # PPO/GRPO, then the export; prints where outputs are
     ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
@@ -46,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(
         sub.add_parser(
             "make-data",
-            help="write the offline example (synthetic GSM8K-format prompts, tokenizer, tiny Qwen2 checkpoint)",
+            help="write the offline example (synthetic GSM8K-format prompts, tokenizer, tiny Qwen2 checkpoint) "
+            "or, with --task arithmetic, arithmetic word problems for a small pretrained model",
         )
     )
     for name, text in (
@@ -81,11 +83,15 @@ def _parser() -> argparse.ArgumentParser:
 def _make_data(args: argparse.Namespace) -> int:
     from ppo_core.examples.make_data import run
 
-    data = run(args)
-    print(f"train prompts: {data.train_file}")
-    print(f"test prompts:  {data.test_file}")
+    try:
+        data = run(args)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"train prompts: {data.train_file} ({data.extra['n_train']})")
+    print(f"test prompts:  {data.test_file} ({data.extra['n_test']})")
     print(f"sft pairs:     {data.sft_file}")
-    print(f"model:         {data.model_dir} ({data.extra['num_parameters']} parameters)")
+    if data.model_dir is not None:
+        print(f"model:         {data.model_dir} ({data.extra['num_parameters']} parameters)")
     return 0
 
 
