@@ -121,6 +121,12 @@ def _train(args: argparse.Namespace) -> int:
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward
         line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    for name, before, after in (
+        ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
+        ("format rate", result.initial_val_format, result.final_val_format),
+    ):
+        if before is not None and after is not None:
+            line += f", {name} {before:.1%} -> {after:.1%}"
     print(line)
     print(f"metrics:    {result.metrics_file}")
     if result.plot:
