@@ -17,6 +17,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ppo_core_cli.train import TrainResult
 
 __all__ = ["CommandError", "main"]
 
@@ -117,17 +121,7 @@ def _train(args: argparse.Namespace) -> int:
 
     job = _load(args)
     result = run_train(job, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
-    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
-    if result.initial_val_reward is not None and result.final_val_reward is not None:
-        gain = result.final_val_reward - result.initial_val_reward
-        line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
-    for name, before, after in (
-        ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
-        ("format rate", result.initial_val_format, result.final_val_format),
-    ):
-        if before is not None and after is not None:
-            line += f", {name} {before:.1%} -> {after:.1%}"
-    print(line)
+    print(_train_summary(result))
     print(f"metrics:    {result.metrics_file}")
     if result.plot:
         print(f"plot:       {result.plot}")
@@ -138,6 +132,22 @@ def _train(args: argparse.Namespace) -> int:
     if result.timings_json:
         print(f"timings:    {result.timings_json}")
     return 0
+
+
+def _train_summary(result: TrainResult) -> str:
+    """The first line ``train`` prints: steps, time, and the first and last validation's reward, accuracy and
+    format rate (each when the run logged it)."""
+    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
+    if result.initial_val_reward is not None and result.final_val_reward is not None:
+        gain = result.final_val_reward - result.initial_val_reward
+        line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    for name, before, after in (
+        ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
+        ("format rate", result.initial_val_format, result.final_val_format),
+    ):
+        if before is not None and after is not None:
+            line += f", {name} {before:.1%} -> {after:.1%}"
+    return line
 
 
 def _export(args: argparse.Namespace) -> int:
