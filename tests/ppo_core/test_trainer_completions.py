@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -11,9 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
-from test_trainer_loop import EOS, ToyTrainer, make_config, make_dataset, reward_first_token
+from test_trainer_loop import EOS, ToyActor, ToyTrainer, make_config, make_dataset, reward_first_token
 
-from ppo_core.trainer import read_metrics_jsonl
+from ppo_core.backends import LocalWorkerGroup
+from ppo_core.trainer import RolloutConfig, read_metrics_jsonl
 from ppo_core.trainer.completions import (
     append_completions,
     completion_indices,
@@ -21,6 +23,8 @@ from ppo_core.trainer.completions import (
     read_completions,
     reset_completions,
 )
+from ppo_core.trainer.validation import run_validation
+from ppo_core.workers import WorkerSpec
 
 
 class WordTokenizer:
@@ -167,3 +171,29 @@ def test_log_dir_holds_the_file_and_records_are_json(tmp_path):
     assert [(json.loads(line)["step"], json.loads(line)["index"]) for line in lines] == [
         (s, i) for s in (0, 3) for i in (0, 1, 2)
     ]
+
+
+@pytest.mark.parametrize("name", ["reward", "response_length", "response_clipped"])
+def test_extra_infos_must_not_take_the_validations_own_names(name):
+    def reward(batch):
+        scores = reward_first_token(batch)
+        return scores, {name: scores.tolist()}
+
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    with (
+        LocalWorkerGroup(WorkerSpec(ToyActor)) as group,
+        pytest.raises(ValueError, match=f"'{name}' \\(reserved\\)"),
+    ):
+        run_validation(
+            group,
+            make_dataset(2),
+            reward,
+            rollout=RolloutConfig(),
+            batch_size=None,
+            step=0,
+            seed=0,
+            pad_token_id=0,
+            collate_fn=None,
+            executor=executor,
+        )
+    executor.shutdown()
