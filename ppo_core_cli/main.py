@@ -3,6 +3,7 @@
 ::
 
     ppo-core make-data OUT_DIR                          # the offline example: prompts, tokenizer, tiny Qwen2
+    ppo-core make-data OUT_DIR --task arithmetic        # word problems by level (GSM8K format, disjoint splits)
     ppo-core sft CONFIG.yaml [key=value ...]            # the format warm-up: a new checkpoint (sft.output_dir)
     ppo-core train CONFIG.yaml [key=value ...]          # PPO/GRPO, then the export; prints where outputs are
     ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
@@ -19,6 +20,10 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ppo_core_cli.train import TrainResult
 
 __all__ = ["CommandError", "main"]
 
@@ -59,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(
         sub.add_parser(
             "make-data",
-            help="write the offline example (synthetic GSM8K-format prompts, tokenizer, tiny Qwen2 checkpoint)",
+            help="write the offline example (synthetic GSM8K-format prompts, tokenizer, tiny Qwen2 checkpoint) "
+            "or, with --task arithmetic, arithmetic word problems for a small pretrained model",
         )
     )
     for name, text in (
@@ -112,11 +118,15 @@ def _parser() -> argparse.ArgumentParser:
 def _make_data(args: argparse.Namespace) -> int:
     from ppo_core.examples.make_data import run
 
-    data = run(args)
-    print(f"train prompts: {data.train_file}")
-    print(f"test prompts:  {data.test_file}")
+    try:
+        data = run(args)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"train prompts: {data.train_file} ({data.extra['n_train']})")
+    print(f"test prompts:  {data.test_file} ({data.extra['n_test']})")
     print(f"sft pairs:     {data.sft_file}")
-    print(f"model:         {data.model_dir} ({data.extra['num_parameters']} parameters)")
+    if data.model_dir is not None:
+        print(f"model:         {data.model_dir} ({data.extra['num_parameters']} parameters)")
     return 0
 
 
@@ -164,11 +174,7 @@ def _train(args: argparse.Namespace) -> int:
     from ppo_core_cli.train import run_train  # torch, transformers...: after the checks that need none
 
     result = run_train(job, scorers=scorers, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
-    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
-    if result.initial_val_reward is not None and result.final_val_reward is not None:
-        gain = result.final_val_reward - result.initial_val_reward
-        line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
-    print(line)
+    print(_train_summary(result))
     print(f"metrics:    {result.metrics_file}")
     if result.plot:
         print(f"plot:       {result.plot}")
@@ -179,6 +185,22 @@ def _train(args: argparse.Namespace) -> int:
     if result.timings_json:
         print(f"timings:    {result.timings_json}")
     return 0
+
+
+def _train_summary(result: TrainResult) -> str:
+    """The first line ``train`` prints: steps, time, and the first and last validation's reward, accuracy and
+    format rate (each when the run logged it)."""
+    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
+    if result.initial_val_reward is not None and result.final_val_reward is not None:
+        gain = result.final_val_reward - result.initial_val_reward
+        line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    for name, before, after in (
+        ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
+        ("format rate", result.initial_val_format, result.final_val_format),
+    ):
+        if before is not None and after is not None:
+            line += f", {name} {before:.1%} -> {after:.1%}"
+    return line
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ One run:
    checkpoint (``trainer.resume_mode=auto``);
 4. the actor's weights (``save_weights``: no optimizer state) exported as a Hugging Face directory, its
    ``generation_config.json`` carrying the run's EOS and padding ids;
-5. ``reward_kl.png`` and, on request, the step-time breakdown JSON (:mod:`ppo_core_cli.timings`).
+5. ``reward_kl.png`` (reward, validation accuracy and format rate, response length, entropy, KL, rollout/training
+   mismatch: :func:`~ppo_core.trainer.plot.plot_run`) and, on request, the step-time breakdown JSON
+   (:mod:`ppo_core_cli.timings`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
-from ppo_core.trainer.plot import plot_run, validation_reward
+from ppo_core.trainer.plot import plot_run, validation_mean
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
 from ppo_core_cli.job import (
@@ -66,6 +68,12 @@ class TrainResult:
     steps: int = 0
     initial_val_reward: float | None = None
     final_val_reward: float | None = None
+    initial_val_accuracy: float | None = None
+    """Validation accuracy (``acc``, mean over the data sources) of the first validation; None without one."""
+    final_val_accuracy: float | None = None
+    initial_val_format: float | None = None
+    """Validation format rate (``format``: a number after ``####``) of the first validation; None without one."""
+    final_val_format: float | None = None
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,6 +145,7 @@ def run_train(
         val_dataset=val,
         reward_fn=reward,
         pad_token_id=tokens.pad_token_id,
+        tokenizer=tokenizer,
     )
     result = TrainResult(run_dir=job.run_dir, metrics_file=os.path.join(job.log_dir, "metrics.jsonl"))
     weights = os.path.join(job.run_dir, "final_actor")
@@ -159,9 +168,15 @@ def run_train(
         write_generation_ids(result.export_dir, tokens)
         shutil.rmtree(weights, ignore_errors=True)
     records = read_metrics_jsonl(job.log_dir)
-    vals = [v for r in records if (v := validation_reward(r)) is not None]
-    if vals:
-        result.initial_val_reward, result.final_val_reward = vals[0], vals[-1]
+    for variable, first, last in (
+        ("reward", "initial_val_reward", "final_val_reward"),
+        ("acc", "initial_val_accuracy", "final_val_accuracy"),
+        ("format", "initial_val_format", "final_val_format"),
+    ):
+        vals = [v for r in records if (v := validation_mean(r, variable)) is not None]
+        if vals:
+            setattr(result, first, vals[0])
+            setattr(result, last, vals[-1])
     result.wall_seconds = time.perf_counter() - start
     algo = (
         "PPO (GAE + critic)" if job.algorithm.adv_estimator == "gae" else job.algorithm.adv_estimator.upper()

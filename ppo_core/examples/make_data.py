@@ -6,6 +6,11 @@
     OUT_DIR/data/sft.parquet                                # format warm-up pairs: prompt, response ("#### N")
     OUT_DIR/model/                                          # config.json, model.safetensors, tokenizer files
 
+With ``task=ArithmeticConfig(...)`` (``--task arithmetic``) the prompts are instead the arithmetic word problems of
+:mod:`ppo_core.examples.arithmetic` (data sources ``arithmetic/gsm8k-format/level-{k}``, disjoint splits), the
+task for a small pretrained instruct model; the tokenizer and the tiny model are still written (they make a quick
+CPU run possible) unless ``--no-model``.
+
 The tokenizer is trained on the task's text; the model is a ``Qwen2ForCausalLM`` sized for CPU training
 (:class:`TinyModelConfig`), initialised under ``torch.random.fork_rng`` from the seed (the caller's global RNG is
 left as it was). The same seed gives the same files.
@@ -23,6 +28,7 @@ import torch
 
 from ppo_core._config_base import ConfigBase
 from ppo_core.examples.arith_task import ArithTaskConfig, format_sft_pairs, make_arith_rows
+from ppo_core.examples.arithmetic import LEVELS, ArithmeticConfig, make_arithmetic_splits
 from ppo_core.examples.tokenizer import CHAT_TEMPLATE, train_bpe_tokenizer
 
 __all__ = [
@@ -81,8 +87,8 @@ class ExampleData:
     """Validation prompts (parquet)."""
     sft_file: str
     """Format warm-up pairs (parquet: ``data_source``, ``prompt`` messages, ``response`` text) for ``ppo-core sft``."""
-    model_dir: str
-    """The Hugging Face checkpoint directory (model and tokenizer)."""
+    model_dir: str | None
+    """The Hugging Face checkpoint directory (model and tokenizer); None when none was written."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Sizes: ``vocab_size``, ``num_parameters``, ``n_train``, ``n_test``."""
 
@@ -112,25 +118,32 @@ def make_example_data(
     seed: int = 0,
     n_train: int = 2048,
     n_test: int = 128,
-    task: ArithTaskConfig | None = None,
+    task: ArithTaskConfig | ArithmeticConfig | None = None,
     model: TinyModelConfig | None = None,
     vocab_size: int = 512,
+    write_model: bool = True,
 ) -> ExampleData:
     """Write the example's train/test parquet files and its tokenizer + Qwen2 checkpoint under ``out_dir``.
 
     Args:
         out_dir: output directory (created).
-        seed: seeds the task (train: ``seed``, test: ``seed + 1``) and the model initialisation.
+        seed: seeds the task (the example task: train ``seed``, test ``seed + 1``; the arithmetic word problems:
+            :func:`~ppo_core.examples.arithmetic.make_arithmetic_splits`) and the model initialisation.
         n_train, n_test: number of problems per split.
-        task: difficulty of the task (:class:`~ppo_core.examples.arith_task.ArithTaskConfig`).
+        task: the example task's difficulty (:class:`~ppo_core.examples.arith_task.ArithTaskConfig`), or the
+            arithmetic word problems (:class:`~ppo_core.examples.arithmetic.ArithmeticConfig`).
         model: shape of the checkpoint.
         vocab_size: upper bound of the BPE vocabulary.
+        write_model: also write the tokenizer and the tiny checkpoint (``model/``).
     """
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     root = os.fspath(out_dir)
-    train_rows = make_arith_rows(n_train, seed=seed, split="train", config=task)
-    test_rows = make_arith_rows(n_test, seed=seed + 1, split="test", config=task)
+    if isinstance(task, ArithmeticConfig):
+        train_rows, test_rows = make_arithmetic_splits(n_train, n_test, seed=seed, config=task)
+    else:
+        train_rows = make_arith_rows(n_train, seed=seed, split="train", config=task)
+        test_rows = make_arith_rows(n_test, seed=seed + 1, split="test", config=task)
     train_file = write_parquet(train_rows, os.path.join(root, "data", "train.parquet"))
     test_file = write_parquet(test_rows, os.path.join(root, "data", "test.parquet"))
     sft_rows = [
@@ -139,6 +152,17 @@ def make_example_data(
     ]
     sft_file = write_parquet(sft_rows, os.path.join(root, "data", "sft.parquet"))
 
+    sizes = {"n_train": len(train_rows), "n_test": len(test_rows)}
+    if not write_model:
+        logger.info("data in %s: %d train / %d test prompts", root, len(train_rows), len(test_rows))
+        return ExampleData(
+            root=root,
+            train_file=train_file,
+            test_file=test_file,
+            sft_file=sft_file,
+            model_dir=None,
+            extra=sizes,
+        )
     model_dir = os.path.join(root, "model")
     tokenizer = train_bpe_tokenizer(_corpus(train_rows), model_dir, vocab_size=vocab_size)
     assert tokenizer.chat_template == CHAT_TEMPLATE
@@ -177,39 +201,88 @@ def make_example_data(
         extra={
             "vocab_size": len(tokenizer),
             "num_parameters": n_params,
-            "n_train": n_train,
-            "n_test": n_test,
+            **sizes,
         },
     )
+
+
+_LEVEL_HELP = {
+    1: "one step, one-digit numbers (+, -, x)",
+    2: "one step, two-digit numbers (+, -, two-digit x one-digit)",
+    3: "two steps (a + b - c, a - b + c, a + b + c, a x b + c, a x b - c)",
+}
+
+
+_TASK_DEFAULTS = {"example": (2048, 128), "arithmetic": (4096, 256)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The command-line options of :func:`main` (shared with ``ppo-core make-data``)."""
     parser.add_argument("out_dir", help="output directory (data/, model/)")
+    parser.add_argument(
+        "--task",
+        choices=sorted(_TASK_DEFAULTS),
+        default="example",
+        help="'example': the tiny model's task ('Mia has 7 shells. Mia finds one more. ...'); 'arithmetic': "
+        "natural-language word problems (+, -, small x, two steps) by level, train/test disjoint, data sources "
+        "arithmetic/gsm8k-format/level-K, for a small pretrained instruct model (default: example)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-train", type=int, default=2048)
-    parser.add_argument("--n-test", type=int, default=128)
-    parser.add_argument("--max-operand", type=int, default=9)
-    parser.add_argument("--ops", default="+", help="operations, e.g. '+-'")
+    parser.add_argument(
+        "--n-train", type=int, help="training problems (default: 2048 example, 4096 arithmetic)"
+    )
+    parser.add_argument("--n-test", type=int, help="test problems (default: 128 example, 256 arithmetic)")
+    parser.add_argument(
+        "--levels",
+        help="arithmetic only: comma-separated levels, each an equal share of both splits (default: 1,2,3); "
+        + "; ".join(f"{k}: {_LEVEL_HELP[k]}" for k in sorted(LEVELS)),
+    )
+    parser.add_argument(
+        "--no-model", action="store_true", help="write the data only (no tokenizer, no model/)"
+    )
+    parser.add_argument("--max-operand", type=int, help="example only: largest operand (default 9)")
+    parser.add_argument("--ops", help="example only: operations, e.g. '+-' (default '+')")
     parser.add_argument(
         "--word-operands",
-        default="1",
-        help="comma-separated values of the second operand, written as words ('1': 'finds one more', what the "
-        "tiny model learns in minutes); 'none': a digit operand like the first (much harder)",
+        help="example only: comma-separated values of the second operand, written as words (default '1': "
+        "'finds one more', what the tiny model learns in minutes); 'none': a digit operand like the first "
+        "(much harder)",
     )
     return parser
 
 
+def _task(args: argparse.Namespace) -> ArithTaskConfig | ArithmeticConfig:
+    if args.task == "arithmetic":
+        given = [
+            f"--{k.replace('_', '-')}" for k in ("max_operand", "ops", "word_operands") if getattr(args, k)
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --task example only")
+        levels = [1, 2, 3] if args.levels is None else [int(v) for v in args.levels.split(",") if v.strip()]
+        return ArithmeticConfig(levels=levels)
+    if args.levels is not None:
+        raise ValueError("--levels applies to --task arithmetic only")
+    words = "1" if args.word_operands is None else args.word_operands
+    word_operands = (
+        None if words.strip().lower() == "none" else [int(v) for v in words.split(",") if v.strip()]
+    )
+    return ArithTaskConfig(
+        max_operand=9 if args.max_operand is None else args.max_operand,
+        ops=list(args.ops or "+"),
+        word_operands=word_operands,
+    )
+
+
 def run(args: argparse.Namespace) -> ExampleData:
-    """Make the example from parsed :func:`add_arguments` options."""
-    words = None if args.word_operands.strip().lower() == "none" else args.word_operands
-    word_operands = None if words is None else [int(v) for v in words.split(",") if v.strip()]
+    """Make the example from parsed :func:`add_arguments` options (``ValueError`` for options that conflict)."""
+    n_train, n_test = _TASK_DEFAULTS[args.task]
     return make_example_data(
         args.out_dir,
         seed=args.seed,
-        n_train=args.n_train,
-        n_test=args.n_test,
-        task=ArithTaskConfig(max_operand=args.max_operand, ops=list(args.ops), word_operands=word_operands),
+        n_train=n_train if args.n_train is None else args.n_train,
+        n_test=n_test if args.n_test is None else args.n_test,
+        task=_task(args),
+        write_model=not args.no_model,
     )
 
 

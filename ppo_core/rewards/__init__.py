@@ -13,7 +13,7 @@ from __future__ import annotations
 from ppo_core.rewards._builtin import GSM8K_PATTERNS, MATH_PATTERNS
 from ppo_core.rewards.boxed import boxed_contents, last_boxed_answer
 from ppo_core.rewards.deadline import DEADLINE_SIGNAL, CallDeadline, DeadlineExceeded
-from ppo_core.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score, parse_number
+from ppo_core.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score, has_gsm8k_answer, parse_number
 from ppo_core.rewards.math_normalize import answers_match, normalize_math_answer, rational_value
 from ppo_core.rewards.math_scorer import math_equivalent, math_score, math_verify_available
 from ppo_core.rewards.metrics import reward_metrics_by_source
@@ -50,6 +50,7 @@ __all__ = [
     "get_scorer",
     "global_registry",
     "gsm8k_score",
+    "has_gsm8k_answer",
     "last_boxed_answer",
     "math_equivalent",
     "math_score",

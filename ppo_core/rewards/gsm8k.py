@@ -9,6 +9,11 @@ strings (verl scores ``3.50`` against ``3.5`` as wrong, and ``18.`` as unparsabl
 
 Scores: ``score`` for a correct answer, ``format_score`` (default 0, as verl) for a well-formed answer with a wrong
 value, 0 when no answer can be extracted.
+
+The format check, :func:`has_gsm8k_answer` (a number after ``####``, the strict extraction), is also returned by
+:func:`gsm8k_score` as ``format`` (1.0 or 0.0, whatever the extraction ``method``): averaged over responses it is
+the *format rate*, logged per data source by training (``reward/{source}/format/mean``) and validation
+(``val-aux/{source}/format/mean@N``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, Literal
 
 from ppo_core.rewards._ground_truth import check_ground_truth
 
-__all__ = ["extract_gsm8k_answer", "gsm8k_score", "parse_number"]
+__all__ = ["extract_gsm8k_answer", "gsm8k_score", "has_gsm8k_answer", "parse_number"]
 
 # a number: a sign and/or dollar sign right before it, digits (thousands groups of three, or plain), decimals
 _NUMBER = r"(?:-\$|\$-|-|\$)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
@@ -75,6 +80,16 @@ def extract_gsm8k_answer(solution_str: str, method: Method = "strict") -> Decima
     return None
 
 
+def has_gsm8k_answer(solution_str: str) -> bool:
+    """Whether a response is in GSM8K's answer format: a number after ``####`` (the strict extraction finds one).
+
+    Example:
+        >>> has_gsm8k_answer("3 + 4 = 7\\n#### 7"), has_gsm8k_answer("#### seven"), has_gsm8k_answer("so 7")
+        (True, False, False)
+    """
+    return extract_gsm8k_answer(solution_str, "strict") is not None
+
+
 def _ground_truth_value(ground_truth: Any) -> Decimal | None:
     if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
         return Decimal(str(ground_truth))
@@ -105,14 +120,15 @@ def gsm8k_score(
         score: score of a correct answer.
 
     Returns:
-        ``{"score": float, "acc": 1.0 or 0.0, "pred": the extracted answer as a string ("" when none)}``.
+        ``{"score": float, "acc": 1.0 or 0.0, "format": 1.0 or 0.0 (:func:`has_gsm8k_answer`), "pred": the
+        extracted answer as a string ("" when none)}``.
 
     Raises:
         ValueError: the ground truth is missing (None, empty), NaN or inf, or not a number.
 
     Example:
         >>> gsm8k_score("#### $1,000.00", "1000")
-        {'score': 1.0, 'acc': 1.0, 'pred': '1000'}
+        {'score': 1.0, 'acc': 1.0, 'format': 1.0, 'pred': '1000'}
     """
     check_ground_truth(ground_truth, "gsm8k_score")
     truth = _ground_truth_value(ground_truth)
@@ -121,9 +137,15 @@ def gsm8k_score(
             f"gsm8k ground_truth must be a number (or a solution ending in '#### N'), got {ground_truth!r}"
         )
     answer = extract_gsm8k_answer(solution_str, method)
+    well_formed = float(answer is not None if method == "strict" else has_gsm8k_answer(solution_str))
     if answer is None:
-        return {"score": 0.0, "acc": 0.0, "pred": ""}
+        return {"score": 0.0, "acc": 0.0, "format": well_formed, "pred": ""}
     correct = answer == truth
     # normalize() drops trailing zeros so equal values vote for the same answer in maj@N
     pred = format(answer.normalize(), "f")
-    return {"score": float(score if correct else format_score), "acc": float(correct), "pred": pred}
+    return {
+        "score": float(score if correct else format_score),
+        "acc": float(correct),
+        "format": well_formed,
+        "pred": pred,
+    }

@@ -15,7 +15,7 @@ from ppo_core.trainer.config import (
 )
 from ppo_core.trainer.data import PromptDataLoader, collate_prompts
 from ppo_core.trainer.manifest import CheckpointCorruptError
-from ppo_core.trainer.plot import plot_run, validation_reward
+from ppo_core.trainer.plot import plot_run, validation_mean, validation_reward
 from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError, scores_to_token_level
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation
@@ -43,5 +43,6 @@ __all__ = [
     "plot_run",
     "read_metrics_jsonl",
     "scores_to_token_level",
+    "validation_mean",
     "validation_reward",
 ]

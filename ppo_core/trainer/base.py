@@ -47,6 +47,7 @@ from ppo_core.metrics import (
 from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from ppo_core.trainer import checkpoint as ckpt
+from ppo_core.trainer.completions import COMPLETIONS_FILE, reset_completions
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
 from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
@@ -76,6 +77,8 @@ class BasePPOTrainer(abc.ABC):
         val_reward_fn: reward for validation (default ``reward_fn``).
         pad_token_id: id used to left-pad prompts.
         collate_fn: replaces :func:`ppo_core.trainer.data.collate_prompts` for both datasets.
+        tokenizer: decodes the completions validation logs as text (``trainer.log_val_generations``); None: no
+            completions are logged.
 
     Example:
         >>> class MyTrainer(BasePPOTrainer):
@@ -95,6 +98,7 @@ class BasePPOTrainer(abc.ABC):
         val_reward_fn: RewardFn | None = None,
         pad_token_id: int = 0,
         collate_fn: Callable[[Sequence[Mapping[str, Any]]], TensorDictBase] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         if isinstance(config, Mapping):
             config = PPOConfig.from_dict(config)
@@ -108,6 +112,8 @@ class BasePPOTrainer(abc.ABC):
         self.val_dataset = val_dataset
         self.pad_token_id = pad_token_id
         self.collate_fn = collate_fn
+        self.tokenizer = tokenizer
+        self._completions_file: str | None = None
         data = config.data
         self.train_dataloader = PromptDataLoader(
             train_dataset,
@@ -197,6 +203,10 @@ class BasePPOTrainer(abc.ABC):
             resume_step=self.global_steps if resumed else None,
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-reward")
+        self._completions_file = None
+        if cfg.log_val_generations > 0 and self.tokenizer is not None:
+            self._completions_file = os.path.join(cfg.log_dir or cfg.default_local_dir, COMPLETIONS_FILE)
+            reset_completions(self._completions_file, self.global_steps if resumed else None)
         total = self.total_training_steps
         bar = _progress_bar(cfg.progress_bar, initial=self.global_steps, total=total)
         last: dict[str, float] = {}
@@ -340,6 +350,9 @@ class BasePPOTrainer(abc.ABC):
             pad_token_id=self.pad_token_id,
             collate_fn=self.collate_fn,
             executor=self._executor,
+            tokenizer=self.tokenizer,
+            num_completions=cfg.trainer.log_val_generations,
+            completions_file=self._completions_file,
         )
 
     # ----- checkpoints ---------------------------------------------------------------------------------------

@@ -124,6 +124,10 @@ class TrainerConfig(ConfigBase):
     """Validate every this many steps (and after the last step); 0: only before training and at the end."""
     val_before_train: bool = True
     """Validate once before the first step."""
+    log_val_generations: int = 3
+    """At each validation, log this many completions as text (the first response to each of as many fixed
+    prompts) and append them to ``{log_dir}/completions.jsonl`` (:mod:`ppo_core.trainer.completions`); needs the
+    trainer's ``tokenizer``; 0: none."""
     save_freq: int = 0
     """Checkpoint every this many steps (and after the last step); 0 disables checkpoints."""
     default_local_dir: str = "checkpoints"
@@ -144,7 +148,7 @@ class TrainerConfig(ConfigBase):
     """Metric sinks among ``console``, ``jsonl``, ``tensorboard`` and ``wandb`` (a sink whose package is missing
     is skipped with a warning)."""
     log_dir: str | None = None
-    """Where ``metrics.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
+    """Where ``metrics.jsonl``, ``completions.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
     console_every: int = 1
     """Log to the console every this many steps."""
     progress_bar: bool = True
@@ -154,7 +158,7 @@ class TrainerConfig(ConfigBase):
         check_int("total_epochs", self.total_epochs, 1)
         if self.total_training_steps is not None:
             check_int("total_training_steps", self.total_training_steps, 1)
-        for name in ("critic_warmup", "test_freq", "save_freq"):
+        for name in ("critic_warmup", "test_freq", "save_freq", "log_val_generations"):
             check_int(name, getattr(self, name), 0)
         check_int("seed", self.seed, 0)  # numpy rejects negative seeds
         check_int("console_every", self.console_every, 1)

@@ -62,6 +62,7 @@ IGNORED_KEYS: tuple[str, ...] = (
     "trainer.resume_allow_changes",
     "trainer.progress_bar",
     "trainer.console_every",
+    "trainer.log_val_generations",
 )
 """Dotted keys that are not compared: they say how to resume and how to show progress, not what to train."""
 

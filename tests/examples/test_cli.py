@@ -18,6 +18,7 @@ pytest.importorskip("omegaconf")
 
 from ppo_core.models import load_causal_lm  # noqa: E402
 from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
+from ppo_core.trainer.completions import read_completions  # noqa: E402
 from ppo_core_cli.main import main  # noqa: E402
 from ppo_core_cli.timings import STAGES  # noqa: E402
 
@@ -83,9 +84,13 @@ def test_train_resume_and_export(example, capsys):
     metrics, plot, export = _printed(out, "metrics"), _printed(out, "plot"), _printed(out, "export")
     checkpoint = _printed(out, "checkpoint")
     assert os.path.isfile(metrics) and os.path.getsize(plot) > 0 and checkpoint.endswith("global_step_3")
-    assert "validation reward" in out
+    assert "validation reward" in out and ", accuracy " in out and ", format rate " in out
     records = read_metrics_jsonl(metrics)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    # three fixed validation prompts' completions as text, at every validation (before, step 2, the end)
+    completions = read_completions(os.path.dirname(metrics))
+    assert [(c["step"], c["index"]) for c in completions] == [(s, i) for s in (0, 2, 3) for i in (0, 5, 10)]
+    assert all(c["prompt"].startswith("<|im_start|>user\n") for c in completions)
     assert all(
         r["reward/synthetic/arith_gsm8k/count"] == 16 for r in records[1:]
     )  # per-source reward metrics
@@ -108,6 +113,9 @@ def test_train_resume_and_export(example, capsys):
     out = _run(capsys, "train", *common, "trainer.total_training_steps=5")
     assert _printed(out, "checkpoint").endswith("global_step_5")
     assert [r["step"] for r in read_metrics_jsonl(metrics)] == [0, 1, 2, 3, 4, 5]
+    # the resumed run keeps the completions up to its checkpoint and adds its own
+    completions = read_completions(os.path.dirname(metrics))
+    assert [c["step"] for c in completions] == [s for s in (0, 2, 3, 4, 5) for _ in range(3)]
 
     # export any checkpoint with the command
     out = _run(capsys, "export", os.path.join(run, "checkpoints", "global_step_4"), str(root / "x4"))

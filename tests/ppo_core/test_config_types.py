@@ -23,6 +23,7 @@ from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
 from ppo_core.data.prompts import PromptDatasetConfig
 from ppo_core.examples.arith_task import ArithTaskConfig
+from ppo_core.examples.arithmetic import ArithmeticConfig
 from ppo_core.examples.make_data import TinyModelConfig
 from ppo_core.kernels.triton_scan import ScanLaunch
 from ppo_core.kl_control import KLConfig
@@ -92,6 +93,7 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     ScanLaunch: {"block_b": 1, "block_t": 128},
     PromptDatasetConfig: {},
     ArithTaskConfig: {},
+    ArithmeticConfig: {},
     TinyModelConfig: {},
     JobConfig: {},
     JobDataConfig: {},

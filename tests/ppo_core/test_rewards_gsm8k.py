@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_core.rewards import extract_gsm8k_answer, get_scorer, gsm8k_score, parse_number
+from ppo_core.rewards import extract_gsm8k_answer, get_scorer, gsm8k_score, has_gsm8k_answer, parse_number
 
 # (response, strict answer, flexible answer)
 EXTRACTION = [
@@ -71,8 +71,18 @@ def test_score_table(text, truth, expected):
 
 
 def test_format_score_for_a_well_formed_wrong_answer_only():
-    assert gsm8k_score("#### 8", "7", format_score=0.1) == {"score": 0.1, "acc": 0.0, "pred": "8"}
-    assert gsm8k_score("seven", "7", format_score=0.1) == {"score": 0.0, "acc": 0.0, "pred": ""}
+    assert gsm8k_score("#### 8", "7", format_score=0.1) == {
+        "score": 0.1,
+        "acc": 0.0,
+        "format": 1.0,
+        "pred": "8",
+    }
+    assert gsm8k_score("seven", "7", format_score=0.1) == {
+        "score": 0.0,
+        "acc": 0.0,
+        "format": 0.0,
+        "pred": "",
+    }
     assert gsm8k_score("#### 7", "7", format_score=0.1, score=2.0)["score"] == 2.0
     assert gsm8k_score("it is 7", "7", method="flexible")["acc"] == 1.0
 
@@ -126,3 +136,33 @@ def test_the_whole_response_is_searched():
     response = "#### 42\n" + "Let me double-check this carefully. " * 20
     assert len(response) > 600
     assert gsm8k_score(response, "42")["acc"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 + 4 = 7\n#### 7", True),
+        ("####7", True),
+        ("#### $1,234.50 dollars", True),
+        ("#### -3", True),
+        ("#### seven", False),
+        ("####", False),
+        ("the answer is 7", False),
+        ("", False),
+        ("# 7", False),
+        ("#### 7 then #### eight", True),  # the last #### with a number counts
+    ],
+)
+def test_has_gsm8k_answer_edge_cases(text, expected):
+    assert has_gsm8k_answer(text) is expected
+    assert gsm8k_score(text, "7")["format"] == float(expected)
+    assert gsm8k_score(text, "7", method="flexible")["format"] == float(expected)  # format is always strict
+
+
+@given(st.text(alphabet="#0123456789 ,.$-abc\n", max_size=30))
+def test_format_is_the_strict_extraction_and_bounds_the_accuracy(text):
+    result = gsm8k_score(text, "7")
+    assert has_gsm8k_answer(text) == (extract_gsm8k_answer(text, "strict") is not None)
+    assert result["format"] == float(has_gsm8k_answer(text))
+    assert result["acc"] <= result["format"]  # a strict answer is right only when it is well formed
+    assert (result["pred"] != "") == has_gsm8k_answer(text)

@@ -85,7 +85,8 @@ def test_overrides_extra_info_and_missing_keys():
     )
     scores, infos = reward(batch)
     assert scores.tolist() == [1.0, 13.0]
-    assert infos == {"acc": [1.0, None], "pred": ["7", None]}  # a float scorer returns no acc/pred
+    # a float scorer returns no acc/format/pred; the format is GSM8K's "#### N" whatever the extraction method
+    assert infos == {"acc": [1.0, None], "format": [0.0, None], "pred": ["7", None]}
     with pytest.raises(ValueError, match="no scorer is registered for data_source 'other'"):
         reward(_batch(["x"], ["other"], ["1"]))
     with pytest.raises(ValueError, match="needs batch key 'ground_truth'"):
