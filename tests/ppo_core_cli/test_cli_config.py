@@ -241,3 +241,16 @@ def test_command_still_rejects_unknown_options(capsys):
         main(["train", TINY, "--no-such-option", "trainer.seed=1"])
     assert exc.value.code == 2
     assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_package_dir_interpolation_names_an_installed_package_folder(tmp_path, monkeypatch) -> None:
+    """``${package_dir:NAME}`` is the folder of an installed package, found without importing it (its
+    ``__init__`` raises here); a missing package is an error naming the key and the package."""
+    pkg = tmp_path / "site" / "shipped_model_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('needs a dependency that is not installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    job = load_job_config(None, ["model.path=${package_dir:shipped_model_pkg}"])
+    assert job.model.path == str(pkg)
+    with pytest.raises(ValueError, match=r"model\.path.*no installed Python package 'no_such_pkg_xyz'"):
+        load_job_config(None, ["model.path=${package_dir:no_such_pkg_xyz}"])
