@@ -212,6 +212,42 @@ class Worker:
         """Ids of the resident batches this process holds."""
         return self._resident_store.ids()
 
+    def resident_reshard_p2p(
+        self, plan: Any, source_id: str, keys: tuple, new_id: str, step: int, timeout_s: float
+    ) -> Any:
+        """This rank's part of an in-group reshard over ``torch.distributed`` point-to-point."""
+        from ppo_core.workers.reshard_exec import run_p2p
+
+        out = run_p2p(self._resident_store, plan, source_id, keys, self._rank, timeout_s)
+        return self._keep_resharded(new_id, out, step)
+
+    def resident_listen(self, plan: Any, keys: tuple, new_id: str, timeout_s: float, host: str | None) -> Any:
+        """Start receiving this consumer rank's rows of a TCP reshard; the ``(host, port)`` producers connect to."""
+        from ppo_core.workers.reshard_exec import TcpReceiver
+
+        receivers = self.__dict__.setdefault("_resident_receivers", {})
+        receivers[new_id] = TcpReceiver(plan, self._rank, keys, timeout_s, host)
+        return receivers[new_id].address
+
+    def resident_send(self, plan: Any, source_id: str, keys: tuple, addresses: list, timeout_s: float) -> int:
+        """Send this producer rank's rows of a TCP reshard; the bytes sent."""
+        from ppo_core.workers.reshard_exec import tcp_send
+
+        return tcp_send(self._resident_store, plan, source_id, keys, self._rank, addresses, timeout_s)
+
+    def resident_finish(self, source_id: str, new_id: str, step: int) -> Any:
+        """Wait for this consumer rank's rows of a TCP reshard and keep them under ``new_id``."""
+        receiver = self.__dict__.get("_resident_receivers", {}).pop(new_id, None)
+        if receiver is None:
+            raise RuntimeError(f"no reshard into {new_id} was started on rank {self._rank}")
+        return self._keep_resharded(new_id, receiver.finish(self._resident_store, source_id), step)
+
+    def _keep_resharded(self, new_id: str, out: Any, step: int) -> Any:
+        from ppo_core.workers.resident import ShardInfo, describe_keys
+
+        self._resident_store.put(new_id, out, step)
+        return ShardInfo(rows=int(out.batch_size[0]), keys=describe_keys(out), columns=None)
+
 
 @dataclasses.dataclass(frozen=True)
 class Registration:

@@ -611,6 +611,59 @@ class WorkerGroup(abc.ABC):
         receiving its rows only; returns the updated handle."""
         return self.dispatch_resident("resident_update", ref, data, into=ref)[0]
 
+    def reshard(
+        self,
+        ref: BatchRef,
+        source: WorkerGroup | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        executor: str = "auto",
+        host: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> BatchRef:
+        """Lay a resident batch of ``source`` (default: this group) out for this group's dp layout, worker to worker.
+
+        The controller computes the plan (:func:`~ppo_core.workers.reshard.plan_reshard`) and sends it and the
+        handle only. ``executor``: ``"p2p"`` (``torch.distributed`` inside one group whose ranks run concurrently),
+        ``"tcp"`` (sockets; across groups, or any backend), ``"auto"`` (p2p where possible). ``keys``: the keys to
+        move (default: all). The new batch lives until the end of the same step as ``ref``; ``ref`` stays held.
+        ``timeout_s`` bounds every wait of the transfer.
+        """
+        from ppo_core.workers.reshard import plan_reshard
+
+        source = self if source is None else source
+        if ref.placement.group != source.resident_group_id:
+            raise ValueError(f"reshard(): resident batch {ref.id} is not held by the source group")
+        if executor not in ("auto", "p2p", "tcp"):
+            raise ValueError(f"executor must be 'auto', 'p2p' or 'tcp', got {executor!r}")
+        specs = ref.keys if keys is None else tuple((k, ref.spec(k)) for k in keys)
+        layout = self.layout
+        plan = plan_reshard(ref.placement, layout, group=self.resident_group_id)
+        new_id = f"batch-{uuid.uuid4().hex[:12]}"
+        p2p = executor == "p2p" or (executor == "auto" and plan.same_group and self.concurrent_ranks)
+        if p2p:
+            if not plan.same_group:
+                raise ValueError("executor='p2p' moves rows inside one group; use 'tcp' across groups")
+            if not self.concurrent_ranks:
+                raise ValueError(
+                    f"executor='p2p' needs ranks that run concurrently; {type(self).__name__} runs them one after "
+                    "another: use 'tcp'"
+                )
+            infos = self.call_all("resident_reshard_p2p", plan, ref.id, specs, new_id, ref.step, timeout_s)
+        else:
+            addresses = self.call_all("resident_listen", plan, specs, new_id, timeout_s, host)
+            sending = source.call_all_async("resident_send", plan, ref.id, specs, addresses, timeout_s)
+            finishing = self.call_all_async("resident_finish", ref.id, new_id, ref.step)
+            sending.result()
+            infos = finishing.result()
+        collected = [infos[r] for r in layout.collect_ranks()]
+        new, _ = merge_shard_infos(new_id, self.resident_group_id, layout, ref.step, collected)
+        self._resident_root()._resident_refs[new.id] = new
+        return new
+
+    concurrent_ranks: bool = False
+    """Whether every rank runs in its own process, concurrently (collectives between ranks can complete)."""
+
     def drop_resident(self, *refs: BatchRef) -> None:
         """Forget resident batches now, on every rank (before their step ends)."""
         ids = tuple(r.id for r in refs)
@@ -773,6 +826,10 @@ class _RoleView(WorkerGroup):
     @property
     def traffic(self) -> TrafficCounter:
         return self._parent.traffic
+
+    @property
+    def concurrent_ranks(self) -> bool:  # type: ignore[override]
+        return self._parent.concurrent_ranks
 
     def _resident_root(self) -> WorkerGroup:
         return self._parent._resident_root()
