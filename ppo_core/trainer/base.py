@@ -52,6 +52,7 @@ from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_genera
 from ppo_core.trainer.tracking import Tracker
 from ppo_core.trainer.validation import run_validation
 from ppo_core.workers.group import WorkerGroup
+from ppo_core.workers.traffic import controller_bytes_metrics
 
 __all__ = ["BasePPOTrainer"]
 
@@ -244,6 +245,8 @@ class BasePPOTrainer(abc.ABC):
         """One PPO step on a batch of prompts (``self.global_steps`` already counts it); returns its metrics."""
         cfg, step, timer = self.config, self.global_steps, Timer()
         metrics: dict[str, float] = {}
+        groups = (self.actor_wg, self.ref_wg, self.critic_wg)
+        controller_bytes_metrics(*groups)  # start counting at this step (validation is not part of it)
         with timer("step"):
             prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
             with timer("gen"):
@@ -308,6 +311,7 @@ class BasePPOTrainer(abc.ABC):
         metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
+        metrics.update(controller_bytes_metrics(*groups))
         return metrics
 
     def _validate(self) -> dict[str, float]:

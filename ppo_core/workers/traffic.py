@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallBytes", "TrafficCounter", "payload_nbytes", "plan_sent_nbytes"]
+__all__ = ["CallBytes", "TrafficCounter", "controller_bytes_metrics", "payload_nbytes", "plan_sent_nbytes"]
 
 _MAX_KEPT_CALLS = 4096
 
@@ -116,3 +116,22 @@ def plan_sent_nbytes(calls: Sequence[Any]) -> int:
             sizes[key] = payload_nbytes((call.args, call.kwargs))
         total += sizes[key]
     return total
+
+
+def controller_bytes_metrics(*groups: Any) -> dict[str, float]:
+    """``perf/controller_bytes`` (and its ``_sent`` / ``_received`` parts) of ``groups`` since the last call; resets.
+
+    Groups that share a counter (colocated role views) count once; None and objects without a ``traffic``
+    counter are skipped.
+    """
+    counters = {id(c): c for g in groups if isinstance(c := getattr(g, "traffic", None), TrafficCounter)}
+    sent = received = 0
+    for counter in counters.values():
+        taken = counter.take()
+        sent += taken["sent"]
+        received += taken["received"]
+    return {
+        "perf/controller_bytes": float(sent + received),
+        "perf/controller_bytes_sent": float(sent),
+        "perf/controller_bytes_received": float(received),
+    }
