@@ -46,6 +46,7 @@ from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
+from ppo_core.trainer.resident_step import resident_train_step
 from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
 from ppo_core.trainer.reward import RewardFn, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation, take_outputs
@@ -243,6 +244,8 @@ class BasePPOTrainer(abc.ABC):
 
     def train_step(self, batch: TensorDictBase, epoch: int) -> dict[str, float]:
         """One PPO step on a batch of prompts (``self.global_steps`` already counts it); returns its metrics."""
+        if self.config.trainer.resident_batches:
+            return resident_train_step(self, batch, epoch)
         cfg, step, timer = self.config, self.global_steps, Timer()
         metrics: dict[str, float] = {}
         groups = (self.actor_wg, self.ref_wg, self.critic_wg)

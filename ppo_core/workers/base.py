@@ -200,6 +200,14 @@ class Worker:
         """The rows ``new`` brings to a resident batch (the caller keeps them into it with ``Keep(update=True)``)."""
         return new
 
+    def resident_broadcast_rows(self, batch: Any, per_row: Any, mask_key: str, dtype: Any) -> Any:
+        """``[rows, T]`` columns from ``[rows]`` ones: each of ``per_row``'s columns over the row's valid tokens
+        (``batch[mask_key]``), zero elsewhere, as the outcome advantage estimators broadcast them."""
+        from ppo_core.advantages._common import broadcast_rows
+
+        mask = batch.get(mask_key).bool()
+        return per_row.apply(lambda v: broadcast_rows(v, mask, dtype), batch_size=per_row.batch_size)
+
     def resident_drop(self, ids: tuple[str, ...]) -> tuple[str, ...]:
         """Forget resident batches ``ids``; those that were held."""
         return tuple(i for i in ids if self._resident_store.drop(i))
