@@ -380,6 +380,10 @@ class WorkerGroup(abc.ABC):
     """After a rank failed, how long its peers in the same call may take to answer before the group is broken
     (they may be blocked in a collective with the failed rank). None: never break on a failure."""
 
+    concurrent_ranks: bool = False
+    """Whether every rank runs in its own process, concurrently (collectives between ranks can complete): in-group
+    reshards of resident batches then use ``torch.distributed`` point-to-point."""
+
     _broken: BaseException | None = None
     _broken_error: type[GroupBrokenError] = GroupBrokenError
     """What a call on a broken group raises (backends may name a subclass of their own)."""
@@ -660,9 +664,6 @@ class WorkerGroup(abc.ABC):
         new, _ = merge_shard_infos(new_id, self.resident_group_id, layout, ref.step, collected)
         self._resident_root()._resident_refs[new.id] = new
         return new
-
-    concurrent_ranks: bool = False
-    """Whether every rank runs in its own process, concurrently (collectives between ranks can complete)."""
 
     def drop_resident(self, *refs: BatchRef) -> None:
         """Forget resident batches now, on every rank (before their step ends)."""

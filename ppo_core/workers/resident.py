@@ -272,6 +272,11 @@ class ResidentStore:
 
 def keep_output(store: ResidentStore, keep: Keep, dp_rank: int, out: Any) -> ShardInfo:
     """Worker side of a :class:`Keep`: store ``out``'s real rows and answer with their description."""
+    if out is None:
+        raise TypeError(
+            "a resident call returned None on this rank (a TP/PP rank that is not collected?); every rank of a dp "
+            "group must return its rows to keep them (the replicas read them in later calls)"
+        )
     if not isinstance(out, TensorDictBase) or out.batch_dims != 1:
         raise TypeError(f"a resident call must return a [rows] TensorDict, got {type(out).__name__}")
     rows = keep.rows_by_dp[dp_rank]

@@ -64,6 +64,10 @@ class Gen(Worker):
         self.seen_keys.append(tuple(sorted(batch.keys())))
         return {"loss": float((batch["old_log_probs"].sum(-1) * batch["advantages"]).sum())}
 
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def nothing_off_rank_zero(self, batch: TensorDict) -> TensorDict | None:
+        return batch if self.rank == 0 else None
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def keys_seen(self) -> list:
         return self.seen_keys
@@ -222,6 +226,8 @@ def test_a_method_that_does_not_return_rows_cannot_be_kept() -> None:
         ref, _ = wg.dispatch_resident("generate", _prompts(4))
         with pytest.raises(ValueError, match=r"into=.* must be a resident batch of this group"):
             wg.dispatch_resident("generate", _prompts(6), into=ref)
+        with pytest.raises(Exception, match="returned None on this rank"):
+            wg.dispatch_resident("nothing_off_rank_zero", _prompts(4))
 
 
 def test_a_lost_rank_names_the_resident_batch_it_held() -> None:
