@@ -21,32 +21,39 @@ from test_trainer_loop import (
 
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.trainer import BasePPOTrainer, read_metrics_jsonl
-from ppo_core.workers import Dispatch, WorkerSpec, register
+from ppo_core.workers import Dispatch, WorkerSpec, get_registration, register
+from ppo_core.workers.ppo import ACTOR_UPDATE_KEYS
 from ppo_core.workers.torch import TorchActorWorker
 
 RECORDS: list[tuple[int, str, torch.Tensor]] = []
+KEYS_SEEN: list[frozenset] = []
 
 
 def _recording(base: type, weights) -> type:
     """``base`` (an actor worker) recording what each rank sampled, computed, was updated with, and its weights."""
 
+    def same_reads(name: str) -> dict:  # keep the base's declared keys: a handle materialises only those
+        reg = get_registration(getattr(base, name))
+        return {"reads": reg.reads, "may_read": reg.may_read}
+
     class Recording(base):
-        @register(dispatch=Dispatch.DP_COMPUTE)
+        @register(dispatch=Dispatch.DP_COMPUTE, **same_reads("generate_sequences"))
         def generate_sequences(self, batch, do_sample: bool = True, **kwargs):
             out = super().generate_sequences(batch, do_sample, **kwargs)
             if do_sample:
                 RECORDS.append((self.rank, "responses", out["responses"].clone()))
             return out
 
-        @register(dispatch=Dispatch.DP_COMPUTE)
+        @register(dispatch=Dispatch.DP_COMPUTE, **same_reads("compute_log_prob"))
         def compute_log_prob(self, batch):
             out = super().compute_log_prob(batch)
             RECORDS.append((self.rank, "old_log_probs", out["old_log_probs"].clone()))
             return out
 
-        @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+        @register(dispatch=Dispatch.DP_COMPUTE_METRIC, **same_reads("update_actor"))
         def update_actor(self, batch):
             RECORDS.append((self.rank, "advantages", batch["advantages"].clone()))
+            KEYS_SEEN.append(frozenset(batch.keys()))
             out = super().update_actor(batch)
             for name, p in weights(self):
                 RECORDS.append((self.rank, f"weight:{name}", p.detach().clone()))
@@ -76,6 +83,7 @@ class GRPOTrainer(BasePPOTrainer):
 
 def _run(path, resident: bool, world: int) -> tuple[list, dict]:
     RECORDS.clear()
+    KEYS_SEEN.clear()
     cfg = make_config(
         path,
         algorithm={"adv_estimator": "grpo", "use_kl_in_reward": False},
@@ -98,13 +106,17 @@ def _run(path, resident: bool, world: int) -> tuple[list, dict]:
         trainer.fit()
     finally:
         trainer.shutdown()
-    return list(RECORDS), deterministic(read_metrics_jsonl(path))
+    return list(RECORDS), deterministic(read_metrics_jsonl(path)), list(KEYS_SEEN)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["tinygpt-world1", "toy-world2"])
 def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> None:
-    by_value, value_metrics = _run(tmp_path / "value", resident=False, world=world)
-    resident, resident_metrics = _run(tmp_path / "resident", resident=True, world=world)
+    by_value, value_metrics, _ = _run(tmp_path / "value", resident=False, world=world)
+    resident, resident_metrics, seen = _run(tmp_path / "resident", resident=True, world=world)
+    if (
+        world == 1
+    ):  # the torch actor declares what update_actor reads: only that is materialised from the store
+        assert seen and set(seen) == {frozenset(ACTOR_UPDATE_KEYS)}
     assert [(r, k) for r, k, _ in resident] == [(r, k) for r, k, _ in by_value]
     kinds = {k.split(":")[0] for _, k, _ in by_value}
     assert {"responses", "old_log_probs", "advantages", "weight"} <= kinds
