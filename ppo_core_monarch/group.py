@@ -79,6 +79,9 @@ class MonarchWorkerGroup(WorkerGroup):
 
     _broken_error = GroupBroken
 
+    concurrent_ranks = True
+    """One process per rank: in-group reshards of resident batches use torch.distributed point-to-point."""
+
     def __init__(
         self,
         spec: WorkerSpec | type,

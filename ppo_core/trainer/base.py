@@ -50,12 +50,14 @@ from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.completions import COMPLETIONS_FILE, reset_completions
 from ppo_core.trainer.config import PPOConfig
 from ppo_core.trainer.data import PromptDataLoader
+from ppo_core.trainer.resident_step import resident_train_step
 from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
 from ppo_core.trainer.reward import RewardFn, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation, take_outputs
 from ppo_core.trainer.tracking import Tracker
 from ppo_core.trainer.validation import run_validation
 from ppo_core.workers.group import WorkerGroup
+from ppo_core.workers.traffic import controller_bytes_metrics
 
 __all__ = ["BasePPOTrainer"]
 
@@ -255,8 +257,12 @@ class BasePPOTrainer(abc.ABC):
 
     def train_step(self, batch: TensorDictBase, epoch: int) -> dict[str, float]:
         """One PPO step on a batch of prompts (``self.global_steps`` already counts it); returns its metrics."""
+        if self.config.trainer.resident_batches:
+            return resident_train_step(self, batch, epoch)
         cfg, step, timer = self.config, self.global_steps, Timer()
         metrics: dict[str, float] = {}
+        groups = (self.actor_wg, self.ref_wg, self.critic_wg)
+        controller_bytes_metrics(*groups)  # start counting at this step (validation is not part of it)
         with timer("step"):
             prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
             with timer("gen"):
@@ -335,6 +341,7 @@ class BasePPOTrainer(abc.ABC):
         metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
+        metrics.update(controller_bytes_metrics(*groups))
         return metrics
 
     def _validate(self) -> dict[str, float]:

@@ -153,6 +153,9 @@ class TrainerConfig(ConfigBase):
     """Log to the console every this many steps."""
     progress_bar: bool = True
     """Show a tqdm progress bar over steps (when tqdm is installed)."""
+    resident_batches: bool = False
+    """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``); GRPO without
+    critic, reference or KL only, for now. False ships the batch by value on every call."""
 
     def __post_init__(self) -> None:
         check_int("total_epochs", self.total_epochs, 1)

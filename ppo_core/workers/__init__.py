@@ -83,6 +83,15 @@ from ppo_core.workers.group import (
     WorkerGroup,
 )
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
+from ppo_core.workers.resident import (
+    BatchRef,
+    KeySpec,
+    Placement,
+    ResidentBatchMissingError,
+    ResidentStore,
+    dp_row_ranges,
+)
+from ppo_core.workers.traffic import TrafficCounter, payload_nbytes
 
 #: Method names ``BasePPOTrainer`` calls on its groups, by role.
 TRAINER_METHODS: dict[str, tuple[str, ...]] = {
@@ -95,6 +104,7 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_FAILURE_GRACE_S",
     "TRAINER_METHODS",
+    "BatchRef",
     "BlockingWaitInEventLoopError",
     "CallTimeoutError",
     "ColocatedWorker",
@@ -108,16 +118,21 @@ __all__ = [
     "FuturesCall",
     "GroupBrokenError",
     "GroupResult",
+    "KeySpec",
     "OptimConfig",
     "PPOActorConfig",
     "PPOActorWorker",
     "PPOCriticConfig",
     "PPOCriticWorker",
     "PendingCall",
+    "Placement",
     "RankCall",
     "RankLocation",
     "Registration",
+    "ResidentBatchMissingError",
+    "ResidentStore",
     "StepResult",
+    "TrafficCounter",
     "TrainingEngine",
     "Worker",
     "WorkerCallError",
@@ -128,7 +143,9 @@ __all__ = [
     "WorkerLostError",
     "WorkerSpec",
     "current_worker_context",
+    "dp_row_ranges",
     "get_registration",
+    "payload_nbytes",
     "register",
     "registered_methods",
     "resolve_dispatch",

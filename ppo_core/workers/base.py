@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ppo_core.workers.dispatch import Dispatch, DispatchMode, Execute, WorkerLayout, resolve_dispatch
+from ppo_core.workers.resident import BatchRef, Keep, ResidentStore, keep_output, resolve_refs
 
 __all__ = [
     "ColocatedWorker",
@@ -39,6 +41,14 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRATION_ATTR = "__ppo_core_registration__"
+
+KEEP_KWARG = "__ppo_core_keep__"
+"""The keyword argument a resident call carries its :class:`~ppo_core.workers.resident.Keep` in (never seen by the
+method: :func:`resolve_method`'s wrapper takes it out)."""
+
+_SHARED_STORE: contextvars.ContextVar[ResidentStore | None] = contextvars.ContextVar(
+    "ppo_core_resident_store", default=None
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +132,13 @@ class Worker:
         self._dp_rank = ctx.rank
         self._dp_size = ctx.world_size
         self._is_collect_rank = True
+        shared = _SHARED_STORE.get()
+        self._resident_store = shared if shared is not None else ResidentStore()
+
+    @property
+    def resident_store(self) -> ResidentStore:
+        """This process's resident batches (shared by the roles of a colocated worker)."""
+        return self._resident_store
 
     @property
     def rank(self) -> int:
@@ -174,6 +191,71 @@ class Worker:
     def close(self) -> None:
         """Release the worker's resources (process groups, files). Called once by ``WorkerGroup.shutdown``."""
 
+    # ----- resident batches (called by WorkerGroup's resident helpers, not registered) --------------------
+    def resident_select(self, batch: Any, keys: tuple[str, ...]) -> Any:
+        """This rank's rows of ``keys`` of a resident batch (``batch`` arrives resolved from the store)."""
+        return batch.select(*keys)
+
+    def resident_update(self, batch: Any, new: Any) -> Any:
+        """The rows ``new`` brings to a resident batch (the caller keeps them into it with ``Keep(update=True)``)."""
+        return new
+
+    def resident_broadcast_rows(self, batch: Any, per_row: Any, mask_key: str, dtype: Any) -> Any:
+        """``[rows, T]`` columns from ``[rows]`` ones: each of ``per_row``'s columns over the row's valid tokens
+        (``batch[mask_key]``), zero elsewhere, as the outcome advantage estimators broadcast them."""
+        from ppo_core.advantages._common import broadcast_rows
+
+        mask = batch.get(mask_key).bool()
+        return per_row.apply(lambda v: broadcast_rows(v, mask, dtype), batch_size=per_row.batch_size)
+
+    def resident_drop(self, ids: tuple[str, ...]) -> tuple[str, ...]:
+        """Forget resident batches ``ids``; those that were held."""
+        return tuple(i for i in ids if self._resident_store.drop(i))
+
+    def resident_end_step(self, step: int) -> tuple[str, ...]:
+        """Drop the resident batches made at ``step`` or earlier; their ids."""
+        return self._resident_store.end_step(step)
+
+    def resident_ids(self) -> tuple[str, ...]:
+        """Ids of the resident batches this process holds."""
+        return self._resident_store.ids()
+
+    def resident_reshard_p2p(
+        self, plan: Any, source_id: str, keys: tuple, new_id: str, step: int, timeout_s: float
+    ) -> Any:
+        """This rank's part of an in-group reshard over ``torch.distributed`` point-to-point."""
+        from ppo_core.workers.reshard_exec import run_p2p
+
+        out = run_p2p(self._resident_store, plan, source_id, keys, self._rank, timeout_s)
+        return self._keep_resharded(new_id, out, step)
+
+    def resident_listen(self, plan: Any, keys: tuple, new_id: str, timeout_s: float, host: str | None) -> Any:
+        """Start receiving this consumer rank's rows of a TCP reshard; the ``(host, port)`` producers connect to."""
+        from ppo_core.workers.reshard_exec import TcpReceiver
+
+        receivers = self.__dict__.setdefault("_resident_receivers", {})
+        receivers[new_id] = TcpReceiver(plan, self._rank, keys, timeout_s, host)
+        return receivers[new_id].address
+
+    def resident_send(self, plan: Any, source_id: str, keys: tuple, addresses: list, timeout_s: float) -> int:
+        """Send this producer rank's rows of a TCP reshard; the bytes sent."""
+        from ppo_core.workers.reshard_exec import tcp_send
+
+        return tcp_send(self._resident_store, plan, source_id, keys, self._rank, addresses, timeout_s)
+
+    def resident_finish(self, source_id: str, new_id: str, step: int) -> Any:
+        """Wait for this consumer rank's rows of a TCP reshard and keep them under ``new_id``."""
+        receiver = self.__dict__.get("_resident_receivers", {}).pop(new_id, None)
+        if receiver is None:
+            raise RuntimeError(f"no reshard into {new_id} was started on rank {self._rank}")
+        return self._keep_resharded(new_id, receiver.finish(self._resident_store, source_id), step)
+
+    def _keep_resharded(self, new_id: str, out: Any, step: int) -> Any:
+        from ppo_core.workers.resident import ShardInfo, describe_keys
+
+        self._resident_store.put(new_id, out, step)
+        return ShardInfo(rows=int(out.batch_size[0]), keys=describe_keys(out), columns=None)
+
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
@@ -182,12 +264,18 @@ class Registration:
     mode: DispatchMode
     execute: Execute = Execute.ALL
     blocking: bool = True
+    reads: tuple[str, ...] | None = None
+    """Keys the method reads from a resident batch argument (None: every key); only these are materialised."""
+    may_read: tuple[str, ...] = ()
+    """Keys it reads when the batch holds them (e.g. ``ref_log_probs`` with the KL loss on)."""
 
 
 def register(
     dispatch: DispatchMode | str | tuple[Callable[..., Any], Callable[..., Any]] = Dispatch.ONE_TO_ALL,
     execute: Execute | str = Execute.ALL,
     blocking: bool = True,
+    reads: Sequence[str] | None = None,
+    may_read: Sequence[str] = (),
 ) -> Callable[[F], F]:
     """Mark a worker method as callable through a group, with its dispatch mode.
 
@@ -197,6 +285,9 @@ def register(
         execute: ``Execute.ALL`` (every rank the dispatch addresses) or ``Execute.RANK_ZERO`` (rank 0 only).
         blocking: if False, the bound group method returns a handle (``.result()`` / ``await``) instead of
             the collected value.
+        reads: the keys the method reads from a :class:`~ppo_core.workers.resident.BatchRef` argument; a rank
+            materialises only these from its store (None: every key the batch holds).
+        may_read: keys read when present (optional inputs).
 
     Example:
         >>> class Actor(Worker):
@@ -206,7 +297,16 @@ def register(
         >>> get_registration(Actor.update_actor).mode.name
         'dp_compute_metric'
     """
-    reg = Registration(mode=resolve_dispatch(dispatch), execute=Execute(execute), blocking=bool(blocking))
+    for name, keys in (("reads", reads), ("may_read", may_read)):
+        if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):
+            raise TypeError(f"@register({name}=...) must be a sequence of key names, got {keys!r}")
+    reg = Registration(
+        mode=resolve_dispatch(dispatch),
+        execute=Execute(execute),
+        blocking=bool(blocking),
+        reads=None if reads is None else tuple(reads),
+        may_read=tuple(may_read),
+    )
 
     def decorate(fn: F) -> F:
         if not callable(fn):
@@ -271,7 +371,11 @@ class ColocatedWorker(Worker):
         for name in roles:
             if not name.isidentifier():
                 raise ValueError(f"role names must be identifiers, got {name!r}")
-        self.roles: dict[str, Any] = {name: spec.build() for name, spec in roles.items()}
+        token = _SHARED_STORE.set(self.resident_store)  # every role keeps its batches in this process's store
+        try:
+            self.roles: dict[str, Any] = {name: spec.build() for name, spec in roles.items()}
+        finally:
+            _SHARED_STORE.reset(token)
 
     def close(self) -> None:
         for role in self.roles.values():
@@ -281,7 +385,12 @@ class ColocatedWorker(Worker):
 
 
 def resolve_method(worker: Any, method: str) -> Callable[..., Any]:
-    """The bound method named ``method`` on ``worker``; ``"role.name"`` goes through a ColocatedWorker's roles."""
+    """The bound method named ``method`` on ``worker``; ``"role.name"`` goes through a ColocatedWorker's roles.
+
+    On a :class:`Worker` the callable also resolves :class:`~ppo_core.workers.resident.BatchRef` arguments from
+    the worker's store (the method's declared ``reads`` only) and honours a resident call's
+    :class:`~ppo_core.workers.resident.Keep` (the output is stored and described instead of returned).
+    """
     target = worker
     *path, name = method.split(".")
     for role in path:
@@ -293,4 +402,20 @@ def resolve_method(worker: Any, method: str) -> Callable[..., Any]:
     fn = getattr(target, name, None)
     if fn is None or not callable(fn) or name.startswith("__"):
         raise ValueError(f"worker {type(target).__name__} has no method {name!r} (called as {method!r})")
+    if isinstance(target, Worker):
+        return functools.partial(_call_resident_aware, target, fn)
     return fn
+
+
+def _call_resident_aware(worker: Worker, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    keep = kwargs.pop(KEEP_KWARG, None)
+    if any(isinstance(v, BatchRef) for v in (*args, *kwargs.values())):
+        reg = get_registration(fn)
+        reads = None if reg is None or reg.reads is None else (reg.reads, reg.may_read)
+        args, kwargs = resolve_refs(worker.resident_store, worker.rank, reads, args, kwargs)
+    out = fn(*args, **kwargs)
+    if keep is None:
+        return out
+    if not isinstance(keep, Keep):
+        raise TypeError(f"{KEEP_KWARG} must be a Keep, got {type(keep).__name__}")
+    return keep_output(worker.resident_store, keep, worker.dp_rank, out)

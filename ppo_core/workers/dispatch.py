@@ -9,6 +9,8 @@ Modes (``Dispatch.<NAME>``):
 - ``ONE_TO_ALL``: every rank gets the same arguments; the result is the list of per-rank outputs in rank order.
 - ``ALL_TO_ALL``: every argument is a sequence of length ``world_size``; rank ``i`` gets element ``i``; the
   result is the list of outputs.
+- ``DP_COMPUTE`` with a :class:`~ppo_core.workers.resident.BatchRef` argument: every rank gets the handle and reads
+  its own rows from its resident store; ``TensorDict`` arguments are cut by the handle's row ranges (no padding).
 - ``DP_COMPUTE``: every ``TensorDict`` argument is split by data-parallel rank with
   :func:`ppo_core.batch.split_for_dp` (non-divisible batches are padded by repeating rows); TP/PP replicas of a
   dp rank get the same shard object: a compact clone, or a row-slice view when the backend asks for
@@ -237,8 +239,13 @@ def _split_dp(layout: DPLayout, args: tuple, kwargs: dict, pad: str, copy: bool 
         (f"argument {k!r}", v) for k, v in kwargs.items()
     ]
     tds = [(name, v) for name, v in named if isinstance(v, TensorDictBase)]
+    from ppo_core.workers.resident import BatchRef
+
+    refs = [(name, v) for name, v in named if isinstance(v, BatchRef)]
+    if refs:
+        return _split_by_ref(layout, args, kwargs, refs, tds, copy)
     if not tds:
-        raise ValueError("DP_COMPUTE modes need at least one TensorDict argument to split")
+        raise ValueError("DP_COMPUTE modes need at least one TensorDict or BatchRef argument to split")
     sizes = {name: int(v.batch_size[0]) if v.batch_dims else -1 for name, v in tds}
     if len(set(sizes.values())) != 1 or -1 in sizes.values():
         raise ValueError(f"TensorDict arguments must share one 1-D batch size; got {sizes}")
@@ -258,6 +265,51 @@ def _split_dp(layout: DPLayout, args: tuple, kwargs: dict, pad: str, copy: bool 
     return DispatchPlan(calls, context=pad_info)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RefSplit:
+    """Plan context of a dispatch over resident batches: the global row range of each dp rank (no padding)."""
+
+    row_ranges: tuple[tuple[int, int], ...]
+
+
+def _split_by_ref(
+    layout: DPLayout, args: tuple, kwargs: dict, refs: list, tds: list, copy: bool
+) -> DispatchPlan:
+    """Every rank gets the :class:`~ppo_core.workers.resident.BatchRef` itself (it reads its rows from its store);
+    TensorDict arguments are cut by the reference's row ranges, so a controller-side ``[B]`` column lands on the
+    ranks holding its rows."""
+    placement = refs[0][1].placement
+    for name, ref in refs:
+        if ref.placement.layout != layout:
+            raise ValueError(
+                f"{name}: resident batch {ref.id} is laid out for dp ranks {ref.placement.layout.dp_ranks}, this "
+                f"group uses {layout.dp_ranks}; reshard it first (WorkerGroup.reshard)"
+            )
+        if ref.placement.row_ranges != placement.row_ranges:
+            raise ValueError(
+                f"{name}: resident batch {ref.id} has row ranges {ref.placement.row_ranges}, "
+                f"{refs[0][0]} has {placement.row_ranges}; they must match"
+            )
+    for name, td in tds:
+        if not td.batch_dims or int(td.batch_size[0]) != placement.rows:
+            raise ValueError(
+                f"{name} has batch size {tuple(td.batch_size)}; the resident batch {refs[0][1].id} has "
+                f"{placement.rows} rows"
+            )
+    cut: dict[int, list] = {}
+    for _name, td in tds:
+        cut[id(td)] = [td[lo:hi].clone() if copy else td[lo:hi] for lo, hi in placement.row_ranges]
+
+    def pick(value: Any, d: int) -> Any:
+        return cut[id(value)][d] if isinstance(value, TensorDictBase) else value
+
+    calls = [
+        RankCall(r, tuple(pick(a, d) for a in args), {k: pick(v, d) for k, v in kwargs.items()})
+        for r, d in enumerate(layout.dp_ranks)
+    ]
+    return DispatchPlan(calls, context=_RefSplit(placement.row_ranges), uniform=not tds)
+
+
 def _collected_in_dp_order(layout: DPLayout, plan: DispatchPlan, outputs: list) -> list:
     by_rank = {call.rank: out for call, out in zip(plan.calls, outputs, strict=True)}
     missing = [r for r in layout.collect_ranks() if r not in by_rank]
@@ -271,6 +323,10 @@ def _merge_dp(layout: DPLayout, plan: DispatchPlan, outputs: list) -> Any:
     if all(p is None for p in parts):
         return None
     if all(isinstance(p, TensorDictBase) for p in parts):
+        if isinstance(plan.context, _RefSplit):
+            import torch
+
+            return torch.cat(parts, dim=0)
         from ppo_core.batch import merge_from_dp
 
         return merge_from_dp(parts, plan.context)

@@ -177,6 +177,8 @@ class WorkerLostError(WorkerGroupError):
     ) -> None:
         self.ranks, self.method, self.report = tuple(ranks), method, report
         self.locations = _locations_for(self.ranks, locations)
+        self.batches: tuple[str, ...] = ()
+        """Ids of the resident batches the lost ranks held (set by the group; their rows are gone)."""
         super().__init__(
             f"worker(s) lost during {method}(): {describe_ranks(self.ranks, self.locations)} (the group is now "
             f"broken; shut it down and start a new one): {report}"

@@ -28,10 +28,11 @@ import concurrent.futures
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from ppo_core.workers.base import ColocatedWorker, Registration, WorkerSpec, registered_methods
+from ppo_core.workers.base import KEEP_KWARG, ColocatedWorker, Registration, WorkerSpec, registered_methods
 from ppo_core.workers.dispatch import (
     Dispatch,
     DispatchMode,
@@ -50,6 +51,8 @@ from ppo_core.workers.errors import (
     WorkerCallError,
     WorkerLostError,
 )
+from ppo_core.workers.resident import BatchRef, Keep, merge_shard_infos
+from ppo_core.workers.traffic import TrafficCounter, payload_nbytes, plan_sent_nbytes
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
@@ -313,6 +316,7 @@ class GroupResult:
             return error, False
         if isinstance(exc, WorkerLostError):
             if group is not None:
+                exc = group._name_lost_batches(exc)
                 group._mark_broken(exc)
             return exc, False
         return exc, group is not None and group.failure_grace_s is not None
@@ -376,6 +380,10 @@ class WorkerGroup(abc.ABC):
     """After a rank failed, how long its peers in the same call may take to answer before the group is broken
     (they may be blocked in a collective with the failed rank). None: never break on a failure."""
 
+    concurrent_ranks: bool = False
+    """Whether every rank runs in its own process, concurrently (collectives between ranks can complete): in-group
+    reshards of resident batches then use ``torch.distributed`` point-to-point."""
+
     _broken: BaseException | None = None
     _broken_error: type[GroupBrokenError] = GroupBrokenError
     """What a call on a broken group raises (backends may name a subclass of their own)."""
@@ -391,6 +399,9 @@ class WorkerGroup(abc.ABC):
         self._closed = False
         self._registrations: dict[str, Registration] = registered_methods(spec.cls)
         self._bind_registered_methods()
+        self._resident_id = f"group-{uuid.uuid4().hex[:12]}"
+        self._resident_refs: dict[str, BatchRef] = {}
+        self._traffic = TrafficCounter()
 
     @property
     @abc.abstractmethod
@@ -432,7 +443,24 @@ class WorkerGroup(abc.ABC):
         """Dispatch ``method`` with an explicit mode; returns a handle to the collected result."""
         self._check_open(method)
         mode = resolve_dispatch(mode)
+        layout, plan = self._plan(method, mode, args, kwargs, execute)
+        return self._launch(method, plan, functools.partial(mode.collect, layout, plan))
+
+    def _plan(
+        self,
+        method: str,
+        mode: DispatchMode,
+        args: Sequence[Any],
+        kwargs: dict | None,
+        execute: Execute | str,
+    ) -> tuple[DPLayout, DispatchPlan]:
         layout = DPLayout.trivial(self.world_size) if mode.name in _fixed_mode_names() else self.layout
+        for value in (*args, *(kwargs or {}).values()):
+            if isinstance(value, BatchRef) and value.placement.group != self.resident_group_id:
+                raise ValueError(
+                    f"{method}(): resident batch {value.id} lives in {value.placement.group}, not in this group's "
+                    f"processes ({self.resident_group_id}); reshard it first (WorkerGroup.reshard)"
+                )
         plan = mode.dispatch(layout, tuple(args), dict(kwargs or {}), copy=not self.compacts_payloads)
         if Execute(execute) is Execute.RANK_ZERO:
             plan = DispatchPlan([c for c in plan.calls if c.rank == 0], plan.context, plan.uniform)
@@ -441,10 +469,20 @@ class WorkerGroup(abc.ABC):
                 raise ValueError(
                     f"dispatch mode {mode.name!r} addressed rank {call.rank} of {self.world_size}"
                 )
-        pending = self._submit(self._prefix + method, plan)
-        return GroupResult(
-            pending, functools.partial(mode.collect, layout, plan), method=self._prefix + method, group=self
-        )
+        return layout, plan
+
+    def _launch(self, method: str, plan: DispatchPlan, collect: Callable[[list[Any]], Any]) -> GroupResult:
+        full = self._prefix + method
+        traffic = self.traffic
+        sent = plan_sent_nbytes(plan.calls)
+        pending = self._submit(full, plan)
+        traffic.record(full, sent=sent)
+
+        def counted(outputs: list[Any]) -> Any:
+            traffic.record(full, received=sum(payload_nbytes(o) for o in outputs))
+            return collect(outputs)
+
+        return GroupResult(pending, counted, method=full, group=self)
 
     def run(
         self,
@@ -471,8 +509,7 @@ class WorkerGroup(abc.ABC):
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         plan = DispatchPlan([RankCall(rank, tuple(args), dict(kwargs))], uniform=True)
-        full = self._prefix + method
-        return GroupResult(self._submit(full, plan), lambda outs: outs[0], method=full, group=self)
+        return self._launch(method, plan, lambda outs: outs[0])
 
     def call_rank(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Blocking :meth:`call_rank_async`."""
@@ -491,6 +528,179 @@ class WorkerGroup(abc.ABC):
     def dispatch(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Blocking :meth:`dispatch_async`."""
         return self.dispatch_async(method, *args, **kwargs).result()
+
+    # ----- resident batches (docs/resident-batches.md) -------------------------------------------------------
+    @property
+    def resident_group_id(self) -> str:
+        """The id resident batches of these processes carry in their placement (shared by colocated role views)."""
+        return self._resident_id
+
+    @property
+    def traffic(self) -> TrafficCounter:
+        """Bytes through the controller, per call and direction (shared by colocated role views)."""
+        return self._traffic
+
+    def dispatch_resident_async(
+        self,
+        method: str,
+        /,
+        *args: Any,
+        columns: Sequence[str] = (),
+        step: int = 0,
+        into: BatchRef | None = None,
+        **kwargs: Any,
+    ) -> GroupResult:
+        """Run a ``DP_COMPUTE`` method whose output stays in the workers; resolves to ``(BatchRef, columns)``.
+
+        Each rank keeps its real rows of the output (a ``[rows]`` TensorDict) in its resident store, until the end
+        of ``step``; ``into`` adds the output's keys to that resident batch instead (same rows). ``columns``: keys
+        of the kept batch to bring back, merged in row order (a ``[B]`` TensorDict; None when not asked for).
+        """
+        self._check_open(method)
+        reg = self._registrations.get(method)
+        mode = reg.mode if reg is not None else Dispatch.DP_COMPUTE
+        if mode.name != "dp_compute":
+            raise ValueError(f"{method}() is dispatched as {mode.name!r}; resident outputs need 'dp_compute'")
+        layout, plan = self._plan(method, mode, args, kwargs, Execute.ALL)
+        ctx = plan.context
+        rows_by_dp = (
+            tuple(int(c) for c in ctx.valid_counts)
+            if hasattr(ctx, "valid_counts")
+            else tuple(hi - lo for lo, hi in ctx.row_ranges)
+        )
+        if into is not None and (
+            into.placement.group != self.resident_group_id or into.rows != sum(rows_by_dp)
+        ):
+            raise ValueError(
+                f"{method}(): into={into.id} must be a resident batch of this group with the call's rows"
+            )
+        batch_id = into.id if into is not None else f"batch-{uuid.uuid4().hex[:12]}"
+        keep_step = into.step if into is not None else int(step)
+        keep = Keep(
+            id=batch_id,
+            step=keep_step,
+            rows_by_dp=rows_by_dp,
+            columns=tuple(columns),
+            update=into is not None,
+        )
+        plan = DispatchPlan(
+            [RankCall(c.rank, c.args, {**c.kwargs, KEEP_KWARG: keep}) for c in plan.calls], ctx, plan.uniform
+        )
+        if plan.uniform:  # one kwargs object for all ranks keeps the broadcast a broadcast
+            shared = plan.calls[0].kwargs
+            plan.calls = [RankCall(c.rank, c.args, shared) for c in plan.calls]
+        root = self._resident_root()
+
+        def collect(outputs: list[Any]) -> tuple[BatchRef, Any]:
+            by_rank = {call.rank: out for call, out in zip(plan.calls, outputs, strict=True)}
+            infos = [by_rank[r] for r in layout.collect_ranks()]
+            ref, cols = merge_shard_infos(batch_id, self.resident_group_id, layout, keep_step, infos)
+            root._resident_refs[ref.id] = ref
+            return ref, cols
+
+        return self._launch(method, plan, collect)
+
+    def dispatch_resident(self, method: str, /, *args: Any, **kwargs: Any) -> tuple[BatchRef, Any]:
+        """Blocking :meth:`dispatch_resident_async`."""
+        return self.dispatch_resident_async(method, *args, **kwargs).result()
+
+    def fetch_resident(self, ref: BatchRef, keys: Sequence[str]) -> Any:
+        """Bring exactly ``keys`` of a resident batch to the controller: a ``[B]`` TensorDict in row order."""
+        for k in keys:
+            ref.spec(k)
+        return self.run("resident_select", Dispatch.DP_COMPUTE, (ref, tuple(keys)))
+
+    def scatter_resident(self, ref: BatchRef, data: Any) -> BatchRef:
+        """Add the columns of ``data`` (a ``[B]`` TensorDict, e.g. advantages) to a resident batch, each rank
+        receiving its rows only; returns the updated handle."""
+        return self.dispatch_resident("resident_update", ref, data, into=ref)[0]
+
+    def reshard(
+        self,
+        ref: BatchRef,
+        source: WorkerGroup | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        executor: str = "auto",
+        host: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> BatchRef:
+        """Lay a resident batch of ``source`` (default: this group) out for this group's dp layout, worker to worker.
+
+        The controller computes the plan (:func:`~ppo_core.workers.reshard.plan_reshard`) and sends it and the
+        handle only. ``executor``: ``"p2p"`` (``torch.distributed`` inside one group whose ranks run concurrently),
+        ``"tcp"`` (sockets; across groups, or any backend), ``"auto"`` (p2p where possible). ``keys``: the keys to
+        move (default: all). The new batch lives until the end of the same step as ``ref``; ``ref`` stays held.
+        ``timeout_s`` bounds every wait of the transfer.
+        """
+        from ppo_core.workers.reshard import plan_reshard
+
+        source = self if source is None else source
+        if ref.placement.group != source.resident_group_id:
+            raise ValueError(f"reshard(): resident batch {ref.id} is not held by the source group")
+        if executor not in ("auto", "p2p", "tcp"):
+            raise ValueError(f"executor must be 'auto', 'p2p' or 'tcp', got {executor!r}")
+        specs = ref.keys if keys is None else tuple((k, ref.spec(k)) for k in keys)
+        layout = self.layout
+        plan = plan_reshard(ref.placement, layout, group=self.resident_group_id)
+        new_id = f"batch-{uuid.uuid4().hex[:12]}"
+        p2p = executor == "p2p" or (executor == "auto" and plan.same_group and self.concurrent_ranks)
+        if p2p:
+            if not plan.same_group:
+                raise ValueError("executor='p2p' moves rows inside one group; use 'tcp' across groups")
+            if not self.concurrent_ranks:
+                raise ValueError(
+                    f"executor='p2p' needs ranks that run concurrently; {type(self).__name__} runs them one after "
+                    "another: use 'tcp'"
+                )
+            infos = self.call_all("resident_reshard_p2p", plan, ref.id, specs, new_id, ref.step, timeout_s)
+        else:
+            addresses = self.call_all("resident_listen", plan, specs, new_id, timeout_s, host)
+            sending = source.call_all_async("resident_send", plan, ref.id, specs, addresses, timeout_s)
+            finishing = self.call_all_async("resident_finish", ref.id, new_id, ref.step)
+            sending.result()
+            infos = finishing.result()
+        collected = [infos[r] for r in layout.collect_ranks()]
+        new, _ = merge_shard_infos(new_id, self.resident_group_id, layout, ref.step, collected)
+        self._resident_root()._resident_refs[new.id] = new
+        return new
+
+    def drop_resident(self, *refs: BatchRef) -> None:
+        """Forget resident batches now, on every rank (before their step ends)."""
+        ids = tuple(r.id for r in refs)
+        self.call_all("resident_drop", ids)
+        for i in ids:
+            self._resident_root()._resident_refs.pop(i, None)
+
+    def end_resident_step(self, step: int) -> None:
+        """Drop every resident batch made at ``step`` or earlier, on every rank (the end of a training step)."""
+        self.call_all("resident_end_step", int(step))
+        refs = self._resident_root()._resident_refs
+        for i in [i for i, r in refs.items() if r.step <= step]:
+            del refs[i]
+
+    def resident_refs(self) -> tuple[BatchRef, ...]:
+        """The resident batches this controller knows the group holds."""
+        return tuple(self._resident_root()._resident_refs.values())
+
+    def _resident_root(self) -> WorkerGroup:
+        return self
+
+    def _name_lost_batches(self, error: WorkerLostError) -> WorkerLostError:
+        """``error`` with the resident batches the lost ranks held named in its report (``error.batches``)."""
+        held = []
+        for ref in self.resident_refs():
+            for rank in error.ranks:
+                if 0 <= rank < ref.placement.layout.world_size:
+                    lo, hi = ref.placement.rows_of_rank(rank)
+                    held.append(f"{ref.id} (rows {lo}:{hi} of {ref.rows}, on rank {rank})")
+        if not held or getattr(error, "batches", ()):
+            return error
+        kwargs = error._keywords()
+        kwargs["report"] = f"{error.report}; the lost ranks held resident batch(es) {', '.join(held)}"
+        named = type(error)(**kwargs)
+        named.batches = tuple(dict.fromkeys(h.split(" ")[0] for h in held))
+        return named
 
     # ----- colocated roles ---------------------------------------------------------------------------------
     def role(self, name: str) -> WorkerGroup:
@@ -609,6 +819,21 @@ class _RoleView(WorkerGroup):
 
     def rank_locations(self, ranks: Sequence[int]) -> tuple[RankLocation, ...]:
         return self._parent.rank_locations(ranks)
+
+    @property
+    def resident_group_id(self) -> str:
+        return self._parent.resident_group_id
+
+    @property
+    def traffic(self) -> TrafficCounter:
+        return self._parent.traffic
+
+    @property
+    def concurrent_ranks(self) -> bool:  # type: ignore[override]
+        return self._parent.concurrent_ranks
+
+    def _resident_root(self) -> WorkerGroup:
+        return self._parent._resident_root()
 
     def _mark_broken(self, error: BaseException) -> None:
         self._parent._mark_broken(error)

@@ -310,7 +310,7 @@ class PPOActorWorker(PPOWorkerBase):
         t = self.config.rollout.temperature
         return t if t > 0 else 1.0
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=GENERATE_KEYS)
     def generate_sequences(
         self,
         batch: TensorDictBase,
@@ -348,7 +348,7 @@ class PPOActorWorker(PPOWorkerBase):
         )
         return out.cpu() if self.is_collect_rank else None
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=FORWARD_KEYS)
     def compute_log_prob(self, batch: TensorDictBase) -> TensorDict | None:
         """``old_log_probs [B, R]`` and per-token ``entropies [B, R]`` of the responses under the current policy
         (logits divided by the rollout temperature)."""
@@ -362,7 +362,7 @@ class PPOActorWorker(PPOWorkerBase):
             batch_size=batch.batch_size,
         )
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=FORWARD_KEYS)
     def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict | None:
         """``ref_log_probs [B, R]``: log-probs of the responses under the frozen reference policy."""
         if self.reference is None:
@@ -374,7 +374,7 @@ class PPOActorWorker(PPOWorkerBase):
             return None
         return TensorDict({KEYS.ref_log_probs: out[LOG_PROBS].cpu()}, batch_size=batch.batch_size)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, reads=ACTOR_UPDATE_KEYS, may_read=(KEYS.ref_log_probs,))
     def update_actor(self, batch: TensorDictBase) -> dict[str, float]:
         """PPO policy update (see the module docstring for the loop and the loss denominators).
 
@@ -424,7 +424,7 @@ class PPOCriticWorker(PPOWorkerBase):
             raise ValueError(f"the critic's engine must be a value engine, got head={engine.head!r}")
         self.config: PPOCriticConfig = config
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=(*FORWARD_KEYS, KEYS.response_mask))
     def compute_values(self, batch: TensorDictBase) -> TensorDict | None:
         """``values [B, R]`` of the response tokens (0 where ``response_mask`` is 0, as in verl)."""
         keys = (*FORWARD_KEYS, KEYS.response_mask)
@@ -436,7 +436,7 @@ class PPOCriticWorker(PPOWorkerBase):
         values = out[VALUES] * selected[KEYS.response_mask]
         return TensorDict({KEYS.values: values.cpu()}, batch_size=batch.batch_size)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, reads=CRITIC_UPDATE_KEYS)
     def update_critic(self, batch: TensorDictBase) -> dict[str, float]:
         """Fit the values to ``returns`` with the clipped value loss (the loop of the module docstring).
 

@@ -201,7 +201,14 @@ def make_config(tmp_path, **overrides) -> PPOConfig:
     return PPOConfig.from_dict(cfg)
 
 
-NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput")
+# a resumed run's first step also asks the fresh groups for their layout: its controller bytes differ
+NONDETERMINISTIC = (
+    "timing_s/",
+    "timing_per_token_ms/",
+    "perf/time_per_step",
+    "perf/throughput",
+    "perf/controller_bytes",
+)
 
 
 def deterministic(records: list[dict]) -> dict[int, dict]:
@@ -366,6 +373,11 @@ def test_grpo_without_critic_or_reference(tmp_path):
     last = read_metrics_jsonl(tmp_path)[-1]
     assert "critic/values/mean" not in last and "actor/reward_kl_penalty" not in last
     assert math.isfinite(last["actor/pg_loss"])
+    # every step's bytes through the controller: the whole batch went out and came back several times
+    sent, received = last["perf/controller_bytes_sent"], last["perf/controller_bytes_received"]
+    assert last["perf/controller_bytes"] == sent + received
+    rows = cfg.data.train_batch_size * 4
+    assert sent > rows * R * 8 and received > rows * R * 8  # at least [B, R] int64 each way
 
 
 def test_data_parallel_groups_agree_with_one_rank_on_deterministic_parts(tmp_path):

@@ -103,3 +103,23 @@ class ProbeWorker(Worker):
 
     def big(self, rows: int, cols: int) -> torch.Tensor:
         return torch.full((rows, cols), float(self.rank))
+
+
+class ResidentProbe(ProbeWorker):
+    """Makes rows that stay in the worker (resident batches) and reports which rank read which rows."""
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def make(self, batch: TensorDict) -> TensorDict:
+        i = batch["index"]
+        return TensorDict(
+            {"index": i, "tokens": i[:, None] * 10 + torch.arange(4), "weight": i.double() / 3},
+            batch_size=batch.batch_size,
+        )
+
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=("index",))
+    def read_index(self, batch: TensorDict) -> TensorDict:
+        keys = torch.full_like(batch["index"], len(batch.keys()))
+        return TensorDict(
+            {"index": batch["index"], "rank": torch.full_like(batch["index"], self.rank), "n_keys": keys},
+            batch_size=batch.batch_size,
+        )

@@ -12,6 +12,7 @@ from _monarch_workers import ProbeWorker
 from _procs import pids_alive, remember_pids
 from tensordict import TensorDict
 
+from ppo_core.backends import LocalWorkerGroup
 from ppo_core_monarch import GroupBroken, MonarchConfig, WorkerLost, attach_hosts, start_worker_loops
 from ppo_core_monarch.group import MonarchWorkerGroup
 
@@ -119,6 +120,25 @@ def test_views_are_sent_compactly(group):
     for rank, (r, t) in enumerate(out):
         assert r == rank and t.untyped_storage().nbytes() == t.nbytes
         torch.testing.assert_close(t, base[rank * 2 : rank * 2 + 2])
+
+
+def test_resident_rows_move_between_hosts_and_the_controllers_workers(group):
+    """A kept output stays on the 4 ranks of the 2 hosts; a dp = 4 -> dp = 2 reshard into the controller's own
+    workers and back (TCP across processes) moves the rows with only plans and handles through the controller."""
+    n = 4096
+    batch = TensorDict({"x": torch.arange(n * 64).reshape(n, 64)}, batch_size=[n])
+    ref, cols = group.dispatch_resident("score", batch, columns=("rank",), step=5)
+    assert cols["rank"].tolist() == [r for r in range(4) for _ in range(n // 4)]
+    with LocalWorkerGroup(ProbeWorker, world_size=2) as local:
+        group.traffic.take()
+        here = local.reshard(ref, source=group)
+        back = group.reshard(here, source=local, keys=("score",))
+        through = group.traffic.take()["total"] + local.traffic.take()["total"]
+        assert through < 64 * 1024 < ref.nbytes()
+        assert torch.equal(local.fetch_resident(here, ("score",))["score"], batch["x"].double() * 2)
+        assert torch.equal(group.fetch_resident(back, ("score",))["score"], batch["x"].double() * 2)
+    group.end_resident_step(5)
+    assert group.call_all("resident_ids") == [()] * group.world_size
 
 
 def test_killed_host_becomes_worker_lost(hosts):

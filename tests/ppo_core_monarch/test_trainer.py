@@ -60,3 +60,51 @@ def test_ppo_steps_on_two_ranks(task, tmp_path):
     records = read_metrics_jsonl(str(tmp_path))
     assert [r["step"] for r in records if "critic/score/mean" in r] == [1, 2]
     assert metrics and all(v == v for v in metrics.values() if isinstance(v, float))  # no NaN
+
+
+def _grpo_run(task, path, resident: bool) -> dict:
+    import torch
+
+    ppo_digits, monarch_example = task
+    args = ppo_digits.parse_args(
+        ["--algo", "grpo", "--steps", "3", "--prompts-per-step", "4", "--n", "4", "--out-dir", str(path)]
+    )
+    cfg = ppo_digits.make_config(args)
+    cfg["actor"]["use_kl_loss"] = cfg["actor"]["worker"]["use_kl_loss"] = False  # no reference: plain GRPO
+    cfg["trainer"]["resident_batches"] = resident
+    cfg["trainer"]["test_freq"] = 0
+    g = torch.Generator().manual_seed(0)
+    weights = ppo_digits.format_warmup(2, g)
+    trainer = MonarchPPOTrainer(
+        cfg,
+        roles=monarch_example.roles_for(weights),
+        procs_per_host=2,
+        monarch=MonarchConfig(torch_threads=1, ready_timeout_s=180.0),
+        train_dataset=ppo_digits.make_dataset(64, g),
+        val_dataset=ppo_digits.make_dataset(8, g),
+        reward_fn=ppo_digits.digit_sum_reward,
+        pad_token_id=ppo_digits.PAD,
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    skip = ("timing_s/", "timing_per_token_ms/", "perf/")
+    records = read_metrics_jsonl(str(path))
+    sent = [r["perf/controller_bytes_sent"] for r in records if "perf/controller_bytes_sent" in r]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(skip)} for r in records}, sent
+
+
+def test_resident_grpo_equals_the_by_value_run_on_two_processes(task, tmp_path):
+    """GRPO on 2 Monarch processes (DDP over gloo): every metric of three steps equal with the batch resident, and
+    fewer bytes sent through the controller."""
+    by_value, value_sent = _grpo_run(task, tmp_path / "value", resident=False)
+    resident, resident_sent = _grpo_run(task, tmp_path / "resident", resident=True)
+    # the batch no longer goes back out to compute_log_prob and update_actor
+    assert len(resident_sent) == len(value_sent) == 3
+    assert all(r < v for r, v in zip(resident_sent, value_sent, strict=True))
+    assert sorted(by_value) == sorted(resident) and {1, 2, 3} <= set(by_value)
+    for step, values in by_value.items():
+        assert resident[step].keys() == values.keys()
+        for key, value in values.items():
+            assert resident[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
