@@ -46,6 +46,10 @@ class ConfigKey:
 
     path: str
     """Dotted key, e.g. ``trainer.total_training_steps``."""
+    name: str
+    """The last part of the key (a ``reward.scorers`` pattern may hold dots)."""
+    depth: int
+    """Sections above the key (0: top level)."""
     type: str
     """The annotation, as text (``int``, ``"a" | "b"``, ``str | None``...)."""
     value: Any
@@ -59,14 +63,6 @@ class ConfigKey:
     change the job), or empty."""
     value_known: bool = True
     """Whether ``value`` is what the run uses (False where the command sets it)."""
-
-    @property
-    def depth(self) -> int:
-        return self.path.count(".")
-
-    @property
-    def name(self) -> str:
-        return self.path.rpartition(".")[2]
 
 
 # ----- help text from the source ------------------------------------------------------------------------------------
@@ -147,17 +143,18 @@ def _type_text(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _worker_notes(workers: str, given: Mapping[str, Any] | None, role: str) -> dict[str, tuple[str, bool]]:
-    """``{key under the worker section: (why it is a comment, whether its value is known)}``."""
+def _worker_notes(workers: str, given: Mapping[str, Any], role: str) -> dict[str, tuple[str, bool]]:
+    """``{key under the worker section: (why it is a comment, whether its value is known)}`` (``given``: the
+    job's worker dict)."""
     notes = {key: ("set by the command from model.path's config.json", False) for key in _CLI_OWNED[workers]}
     if "model.dtype" in notes:
         notes["model.dtype"] = ("set by the command from model.dtype", False)
     if role == "actor":
-        rollout = (given or {}).get("rollout") or {}
+        rollout = given.get("rollout") or {}
         for key in _FROM_TOKENIZER:
-            if given is None or key.partition(".")[2] not in rollout:
+            if key.partition(".")[2] not in rollout:
                 notes[key] = ("set by the command from the tokenizer unless the job sets it", False)
-        if given is None or "use_kl_loss" not in given:
+        if "use_kl_loss" not in given:
             notes["use_kl_loss"] = (
                 "not set: the worker's default; when set it must equal actor.use_kl_loss",
                 True,
@@ -171,6 +168,7 @@ def _keys(
     prefix: str,
     notes: Mapping[str, tuple[str, bool]],
     workers: str | None,
+    depth: int = 0,
 ) -> Iterator[ConfigKey]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -184,24 +182,25 @@ def _keys(
             role = path.partition(".")[0]
             worker_cls = worker_config_classes(workers)[0 if role == "actor" else 1]
             worker = worker_cls.from_dict(_checkable(v, workers))
-            yield ConfigKey(path, worker_cls.__name__, None, doc, section=True)
-            yield from _keys(worker_cls, worker, path + ".", _worker_notes(workers, v, role), None)
+            yield ConfigKey(path, f.name, depth, worker_cls.__name__, None, doc, section=True)
+            notes_ = _worker_notes(workers, v, role)
+            yield from _keys(worker_cls, worker, path + ".", notes_, None, depth + 1)
         elif sub is not None and v is not None:
-            yield ConfigKey(path, sub.__name__, None, doc, section=True)
-            yield from _keys(sub, v, path + ".", notes, workers)
+            yield ConfigKey(path, f.name, depth, sub.__name__, None, doc, section=True)
+            yield from _keys(sub, v, path + ".", notes, workers, depth + 1)
         elif (
             typing.get_origin(tp) is dict
             and (item := _config_class(typing.get_args(tp)[1])) is not None
             and isinstance(v, Mapping)
             and v
         ):
-            yield ConfigKey(path, text, None, doc, section=True)
+            yield ConfigKey(path, f.name, depth, text, None, doc, section=True)
             for name, spec in v.items():
-                yield ConfigKey(f"{path}.{name}", item.__name__, None, f"entry {name!r}", section=True)
-                yield from _keys(item, spec, f"{path}.{name}.", notes, workers)
+                yield ConfigKey(f"{path}.{name}", name, depth + 1, item.__name__, None, "", section=True)
+                yield from _keys(item, spec, f"{path}.{name}.", notes, workers, depth + 2)
         else:
             comment, known = notes.get(relative, ("", True))
-            yield ConfigKey(path, text, v, doc, comment=comment, value_known=known)
+            yield ConfigKey(path, f.name, depth, text, v, doc, comment=comment, value_known=known)
 
 
 def config_keys(job: JobConfig) -> list[ConfigKey]:
@@ -244,13 +243,14 @@ def render_yaml(job: JobConfig, *, help: bool = True) -> str:
         indent = "  " * key.depth
         if help and key.help:
             lines.extend(_comment(key.help, indent))
+        name = _yaml_value(key.name)  # quoted where YAML needs it (a scorer pattern such as *gsm8k*)
         if key.section:
-            lines.append(f"{indent}{key.name}:")
+            lines.append(f"{indent}{name}:")
         elif key.comment:  # the command sets it, or writing the value down would change the job
             shown = f"{_yaml_value(key.value)} " if key.value_known else ""
-            lines.append(f"{indent}# {key.name}: {shown}({key.comment})")
+            lines.append(f"{indent}# {name}: {shown}({key.comment})")
         else:
-            lines.append(f"{indent}{key.name}: {_yaml_value(key.value)}")
+            lines.append(f"{indent}{name}: {_yaml_value(key.value)}")
     return "\n".join(_close_empty_sections(lines)) + "\n"
 
 

@@ -177,3 +177,16 @@ def test_train_help_says_where_the_reference_is(capsys):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "ppo-core config --defaults" in out and "docs/config-reference.md" in out
+
+
+def test_scorer_patterns_that_yaml_must_quote_read_back(tmp_path):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        'reward:\n  scorers:\n    "*gsm8k*": {function: math}\n'
+        '    "my.source": {function: gsm8k, kwargs: {method: flexible}}\n'
+    )
+    job = load_job_config(job_file)
+    full = tmp_path / "full.yaml"
+    full.write_text(render_yaml(job))
+    _same_job(load_job_config(full), job)
+    assert {k.path: k.name for k in config_keys(job)}["reward.scorers.my.source.function"] == "function"
