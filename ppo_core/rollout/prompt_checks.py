@@ -82,7 +82,7 @@ def check_prompts(
     """Validate a prompt batch for generation and left-pad it where it is right-padded (see the module docstring).
 
     Raises ``TypeError`` for a non-tensor or a non-integer ``prompts`` and ``ValueError``, naming the argument, for:
-    a shape other than ``[B, P]`` or a mask of another shape, ``P = 0``, a mask entry other than 0/1, a row with no
+    a shape other than ``[B, P]``, a mask of another shape or on another device, ``P = 0``, a mask entry other than 0/1, a row with no
     prompt token (the message lists the rows), and a token id (padding included: the model embeds every position)
     outside ``[0, vocab_size)`` (the first one and how many). ``B = 0`` passes: the caller returns empty outputs.
 
@@ -102,6 +102,10 @@ def check_prompts(
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{ids_name} must hold integer token ids (int64), got dtype {ids.dtype}")
     mask, invalid = check_mask_deferred(mask_name, prompt_mask, like=ids, like_name=ids_name)
+    if mask.device != ids.device:
+        raise ValueError(
+            f"{mask_name} is on {mask.device} but {ids_name} on {ids.device}; put both on one device"
+        )
     b, p = ids.shape
     if b == 0:
         return CheckedPrompts(prompts=ids, mask=mask, padded=False)

@@ -204,6 +204,12 @@ def test_no_rows_give_empty_outputs_of_the_documented_shapes(path, model, vocab)
         assert out[key].shape == (0, 5), key
 
 
+def test_a_mask_on_another_device_is_named():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="prompt_mask is on meta but prompts on cpu"):
+        check_prompts(ids, torch.ones(2, 3, device="meta"), vocab_size=4)
+
+
 def test_the_row_list_of_an_error_is_cut_after_eight():
     mask = torch.zeros(20, 2, dtype=torch.long)
     mask[0] = 1
