@@ -1,44 +1,56 @@
-# One-command set-up for a fresh machine (see README).
-#   make test   creates .venv from the project's files, installs, runs the whole suite
-#   make demo   creates .venv, installs, runs the example PPO job
+# One-command set-up for a fresh machine (see README). Each target creates .venv if needed and installs, once, what
+# it needs (a stamp file per set of extras: `make test` after `make demo` installs only the rest):
+#   make demo      core + extra "examples" (matplotlib, tqdm), then runs the example PPO job (examples/ppo_digits.py)
+#   make install   core + extras "hf" (transformers, tokenizers, safetensors, pyarrow, omegaconf, math-verify) and
+#                  "examples": the `ppo-core` command of the README's "Post-train a Hugging Face model"
+#   make test      everything the suite needs (extras test, hf, examples, dev, monarch, megatron, ray), then the
+#                  whole suite (what CI runs, through .ci/run)
+#   make test-fast, lint, format: with the test set-up; make bench: with the demo's
 # A torch already importable from the interpreter (e.g. a CUDA build) is kept: only then does the venv see the
 # system site-packages; otherwise the venv is isolated and the pinned CPU wheel is installed first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.ppo-core-installed
+VENV_STAMP := $(VENV)/.ppo-core-venv
+# the extras of each set-up (a stamp file $(VENV)/.ppo-core-installed-NAME each)
+EXTRAS_demo := examples
+EXTRAS_install := hf,examples
+EXTRAS_test := test,hf,examples,dev,monarch,megatron,ray
 
 .PHONY: install test test-fast lint format demo bench clean
 
-$(STAMP): pyproject.toml
+$(VENV_STAMP):
 	if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		$(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,monarch,megatron,hf,ray,examples,dev]"
-	touch $(STAMP)
+	touch $(VENV_STAMP)
 
-install: $(STAMP)
+$(VENV)/.ppo-core-installed-%: pyproject.toml $(VENV_STAMP)
+	$(PY) -m pip install -q -e ".[$(EXTRAS_$*)]"
+	touch $@
 
-test: $(STAMP)
+install: $(VENV)/.ppo-core-installed-install
+
+test: $(VENV)/.ppo-core-installed-test
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(VENV)/.ppo-core-installed-test
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x
 
-lint: $(STAMP)
+lint: $(VENV)/.ppo-core-installed-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-format: $(STAMP)
+format: $(VENV)/.ppo-core-installed-test
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-demo: $(STAMP)
+demo: $(VENV)/.ppo-core-installed-demo
 	$(PY) examples/ppo_digits.py
 
-bench: $(STAMP)
+bench: $(VENV)/.ppo-core-installed-demo
 	$(PY) benchmarks/advantages.py
 
 clean:

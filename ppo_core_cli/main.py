@@ -1,4 +1,5 @@
-"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export``, ``convert`` and ``convert-verl``.
+"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export``, ``convert``, ``convert-verl`` and
+``config``.
 
 ::
 
@@ -9,6 +10,9 @@
     ppo-core export CHECKPOINT_DIR OUT_DIR              # the actor of any saved checkpoint as a HF directory
     ppo-core convert MODEL.gguf OUT_DIR [--dtype D]     # a GGUF file as a HF directory (train does it itself)
     ppo-core convert-verl VERL.yaml [key=value ...] -o JOB.yaml   # a verl config (and overrides) as a job
+    ppo-core config CONFIG.yaml [key=value ...]         # the job with every default and each key's help
+    ppo-core config --defaults [key=value ...]          # the defaults (e.g. workers=megatron)
+    ppo-core config --markdown                          # the reference page docs/config-reference.md
 
 ``key=value`` overrides use dotted keys (``trainer.total_training_steps=5``); see :mod:`ppo_core_cli.config`.
 """
@@ -53,6 +57,12 @@ def _resolve_scorers(job, config_path: str) -> dict:
         raise CommandError(str(exc)) from exc
 
 
+_REFERENCE_HINT = (
+    "Every key of a job with its default and help: `ppo-core config CONFIG.yaml [KEY=VALUE ...]` (this job, "
+    "every default filled in), `ppo-core config --defaults`, or docs/config-reference.md."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     from ppo_core.examples.make_data import add_arguments
 
@@ -72,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         ("sft", "supervised warm-up on prompt/response pairs (the sft section); writes sft.output_dir"),
         ("train", "train with PPO/GRPO, then export the actor"),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, epilog=_REFERENCE_HINT)
         p.add_argument("config", help="the job's YAML file")
         p.add_argument(
             "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.seed=1"
@@ -86,6 +96,23 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--warmup-steps", type=int, default=1, help="first steps left out of the timings' means"
             )
+    p = sub.add_parser(
+        "config",
+        help="print a job with every default and each key's help (YAML), or the config reference (Markdown)",
+        description="Print the job CONFIG.yaml with the overrides applied, every default filled in and each key's "
+        "help as a comment (the output is itself a job file).",
+    )
+    p.add_argument(
+        "args", nargs="*", metavar="CONFIG.yaml [KEY=VALUE", help="the job's YAML file, then overrides]"
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--defaults", action="store_true", help="no job file: the defaults (with the overrides)"
+    )
+    what.add_argument(
+        "--markdown", action="store_true", help="the reference page of every key (docs/config-reference.md)"
+    )
+    p.add_argument("--no-comments", action="store_true", help="the YAML without the help comments")
     p = sub.add_parser("export", help="export the actor of a checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint", help="a global_step_k folder, or a checkpoint root (its newest checkpoint)")
     p.add_argument("out_dir")
@@ -203,6 +230,28 @@ def _train_summary(result: TrainResult) -> str:
     return line
 
 
+def _config(args: argparse.Namespace) -> int:
+    from ppo_core_cli.reference import render_markdown, render_yaml
+
+    if args.markdown:
+        if args.args:
+            raise CommandError(
+                "config --markdown takes no job file or overrides: it prints the reference page"
+            )
+        sys.stdout.write(render_markdown())
+        return 0
+    if args.defaults:
+        args.config, args.overrides = None, list(args.args)
+    elif not args.args or _is_override(args.args[0]):
+        raise CommandError(
+            "config needs a job file (ppo-core config CONFIG.yaml [KEY=VALUE ...]) or --defaults"
+        )
+    else:
+        args.config, args.overrides = args.args[0], list(args.args[1:])
+    sys.stdout.write(render_yaml(_load(args), help=not args.no_comments))
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from ppo_core_cli.export import export_checkpoint, resolve_checkpoint
 
@@ -283,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export": _export,
         "convert": _convert,
         "convert-verl": _convert_verl,
+        "config": _config,
     }
     try:
         return commands[args.command](args)

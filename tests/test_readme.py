@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -53,3 +54,30 @@ def test_ci_runs_the_readme_test_command() -> None:
     for command in commands:
         assert re.search(rf"^{command.split()[1]}:", makefile, flags=re.M), f"Makefile lacks {command}"
     assert "make test" in (root / ".ci" / "run").read_text()
+
+
+def test_each_set_up_installs_what_its_job_needs() -> None:
+    """``make demo`` installs core + examples and ``make install`` the ``ppo-core`` command (hf): neither pulls in
+    Monarch, megatron-core or Ray; ``make test`` installs every extra the suite imports."""
+    tomllib = pytest.importorskip("tomllib")
+    root = README.parent
+    makefile = (root / "Makefile").read_text()
+    extras = {
+        name: set(value.split(","))
+        for name, value in re.findall(r"^EXTRAS_(\w+) := (\S+)$", makefile, flags=re.M)
+    }
+    heavy = {"monarch", "megatron", "ray", "bench"}
+    assert extras["demo"] == {"examples"}
+    assert "hf" in extras["install"] and not extras["install"] & heavy
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert set(project["project"]["optional-dependencies"]) - {"bench"} == extras["test"]
+    for target, name in (("demo", "demo"), ("install", "install"), ("test", "test"), ("lint", "test")):
+        assert re.search(rf"^{target}: \$\(VENV\)/\.ppo-core-installed-{name}\b", makefile, flags=re.M), (
+            target
+        )
+    # the SPDX license form: no setuptools deprecation warnings on install
+    assert isinstance(project["project"]["license"], str) and project["project"]["license-files"] == [
+        "LICENSE"
+    ]
+    assert not [c for c in project["project"]["classifiers"] if c.startswith("License ::")]
+    assert "setuptools>=77" in project["build-system"]["requires"]

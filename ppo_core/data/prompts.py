@@ -179,8 +179,9 @@ def load_prompt_dataset(
         "extra_info": dict}`` items, in file order, with its :class:`PromptDatasetStats`.
 
     Raises:
-        ValueError: a bad option, a schema error (naming the file, row and field), or a prompt longer than
-            ``max_prompt_length`` with ``truncation="error"``.
+        ValueError: a bad option, a file that is empty or unreadable (naming it, and the line of a JSON Lines
+            file; see :func:`~ppo_core.data.readers.iter_prompt_rows`), a schema error (naming the file, row and
+            field), or a prompt longer than ``max_prompt_length`` with ``truncation="error"``.
     """
     _check_options(max_prompt_length, truncation, prompt_key)
     files = normalize_paths(paths)
@@ -238,9 +239,12 @@ def load_prompt_dataset(
         stats.max_length,
         stats.mean_length,
     )
-    if not items:
+    if not items:  # the files hold rows (an empty one raised): every row was longer than max_prompt_length
         logger.warning(
-            "no prompt of %s is left after filtering at max_prompt_length=%d", files, max_prompt_length
+            "no prompt of %s is left: all %d rows are longer than max_prompt_length=%d tokens (truncation=filter)",
+            ", ".join(files),
+            stats.num_rows,
+            max_prompt_length,
         )
     return PromptDataset(items, stats, origins)
 

@@ -48,16 +48,38 @@ def normalize_paths(paths: PathLike | Sequence[PathLike]) -> list[str]:
 
 
 def _parquet_rows(path: str) -> Iterator[dict[str, Any]]:
+    """The rows of a parquet file; a file pyarrow cannot read (empty, truncated, corrupted, not parquet) raises
+    ``ValueError`` naming it (pyarrow's own errors name no file)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
-    for batch in parquet.iter_batches(batch_size=4096):
-        yield from batch.to_pylist()
+    read = 0
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+        while (batch := next(batches, None)) is not None:
+            rows = batch.to_pylist()
+            read += len(rows)
+            yield from rows
+    except (pa.ArrowException, OSError) as exc:
+        after = f" after row {read - 1}" if read else ""
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"prompt file {path} is not a readable parquet file (truncated or corrupted?){after}: {reason}"
+        ) from exc
 
 
 def _jsonl_rows(path: str) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    """The rows of a JSON Lines file (one object a line, blank lines skipped), decoded as UTF-8 line by line so that
+    an error names its line."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path} line {line_number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                    f"{exc.start + 1}: {exc.reason}); JSON Lines files must be UTF-8"
+                ) from exc
             if not line.strip():
                 continue
             try:
@@ -79,8 +101,19 @@ def iter_prompt_rows(paths: PathLike | Sequence[PathLike]) -> Iterator[tuple[Row
 
     Args:
         paths: a ``.parquet``, ``.jsonl`` or ``.json`` (JSON Lines) file, or a sequence of them.
+
+    Raises:
+        ValueError: naming the file (and the line of a JSON Lines file): a file that holds no row (empty, blank
+            lines only, a parquet table of 0 rows: a file named as prompts and holding none is a mistake), an
+            unreadable parquet file, a JSON Lines line that is not UTF-8, not JSON or not an object.
     """
     for path in normalize_paths(paths):
-        rows = _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
-        for i, row in enumerate(rows):
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"prompt file {path} is empty (0 bytes)")
+        parquet = path.endswith(".parquet")
+        i = -1
+        for i, row in enumerate(_parquet_rows(path) if parquet else _jsonl_rows(path)):
             yield RowOrigin(path, i), row
+        if i < 0:
+            what = "a parquet table of 0 rows" if parquet else "blank lines only"
+            raise ValueError(f"prompt file {path} is empty: it holds no row ({what})")

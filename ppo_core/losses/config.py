@@ -22,6 +22,11 @@ from ppo_core.losses.aggregation import LossAggMode
 
 __all__ = ["PolicyLossConfig"]
 
+RATIO_CLIP_MODES = ("vanilla", "cispo", "gspo", "clip_cov")
+"""The built-in losses that clip the importance ratio to ``[1 − ε_lo, 1 + ε_hi]``: for them ``ε_lo`` must be < 1,
+since a bound ``1 − ε_lo <= 0`` is below every ratio (``r = exp(Δ) > 0``) and the lower clip would silently never
+act. (dppo's ``ε_lo`` is a divergence threshold and geo_mean's a log-ratio bound: any value >= 0 means something.)"""
+
 
 @dataclass(kw_only=True)
 class PolicyLossConfig(ConfigBase):
@@ -40,7 +45,7 @@ class PolicyLossConfig(ConfigBase):
     clip_ratio: float = 0.2
     """Symmetric PPO clip range ε; the default for ``clip_ratio_low``/``clip_ratio_high`` when they are None."""
     clip_ratio_low: float | None = None
-    """Lower clip ε_lo (ratio clipped below at 1 − ε_lo; a divergence threshold for dppo); None: ``clip_ratio``."""
+    """Lower clip ε_lo (ratio clipped below at 1 − ε_lo, so < 1; a divergence threshold for dppo); None: ``clip_ratio``."""
     clip_ratio_high: float | None = None
     """Upper clip ε_hi (ratio clipped above at 1 + ε_hi, DAPO's clip-higher); None: ``clip_ratio``."""
     clip_ratio_c: float | None = 3.0
@@ -73,6 +78,22 @@ class PolicyLossConfig(ConfigBase):
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if getattr(self, name) is not None:
                 check_finite_at_least(name, getattr(self, name), 0.0)
+        # cispo's weight clip may stop at 0 (clip_ratio_low = 1: no lower bound, TRL's cispo)
+        limit_reached = self.eps_low > 1 if self.loss_mode == "cispo" else self.eps_low >= 1
+        if self.loss_mode in RATIO_CLIP_MODES and limit_reached:
+            name = "clip_ratio" if self.clip_ratio_low is None else "clip_ratio_low"
+            bound = "<= 1" if self.loss_mode == "cispo" else "< 1"
+            raise FieldValueError(
+                name,
+                f" must be {bound} with loss_mode={self.loss_mode!r}, got {self.eps_low}: the ratio is clipped below at "
+                f"1 - {name} = {1 - self.eps_low:g}, which no ratio (> 0) reaches, so the lower clip would never "
+                "act"
+                + (
+                    ""
+                    if self.clip_ratio_low is not None
+                    else " (clip_ratio_low is unset and takes clip_ratio)"
+                ),
+            )
         if self.clip_ratio_c is not None:
             check_finite_at_least("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
         check_finite_at_least("tau_pos", self.tau_pos, 0.0, strict=True)

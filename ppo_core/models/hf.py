@@ -7,6 +7,8 @@ Shape legend: ``B`` batch, ``S`` tokens in the call, ``V`` vocabulary, ``D`` hid
   attention_mask=mask)`` returns logits ``[B, S, V]``), takes the position ids from the attention mask
   (``cumsum - 1``, so a left-padded row is scored exactly like the unpadded row, also for models with absolute
   position embeddings) and exposes ``new_cache()`` so that sampling decodes incrementally with the model's KV cache.
+  A weights file shorter than its header says raises ``ValueError`` naming it
+  (:mod:`~ppo_core.models.safetensors_files`).
 - :func:`load_value_model` builds :class:`CausalLMWithValueHead`, the checkpoint's transformer body plus a linear
   value head (``[B, S, 1]``, fp32), for the critic.
 - :func:`export_hf` writes a model back as a Hugging Face directory (``config.json``, safetensors, tokenizer
@@ -34,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import skip_init
+
+from ppo_core.models.safetensors_files import check_safetensors_file, hf_weight_files
 
 __all__ = [
     "PACKED_ATTENTION_IMPLEMENTATIONS",
@@ -308,6 +312,8 @@ def _load(
     disable_dropout: bool,
 ) -> nn.Module:
     path = _check_dir(path)
+    for weights in hf_weight_files(path):  # a truncated file names itself here, not in safetensors' reader
+        check_safetensors_file(weights)
     kwargs: dict[str, Any] = {
         "local_files_only": True,
         "dtype": _dtype(dtype),

@@ -5,6 +5,8 @@
   per-step sampling rule (:mod:`~ppo_core.rollout.sampling`);
 - :func:`generate`: batched sampling from any causal LM ``nn.Module`` (:mod:`~ppo_core.rollout.generate`);
 - :func:`rollout_batch`: the output layout of every rollout engine (:mod:`~ppo_core.rollout.layout`);
+- :func:`~ppo_core.rollout.prompt_checks.check_prompts`: the prompt checks every decoding path runs first (names
+  the bad argument; left-pads right-padded prompts) (:mod:`~ppo_core.rollout.prompt_checks`);
 - :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
   implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`);
 - KV-cached, graph-captured decoding: :class:`~ppo_core.rollout.hf.HFRolloutEngine` (Hugging Face causal LMs) over

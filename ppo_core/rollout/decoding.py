@@ -57,10 +57,11 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core._checks import check_mask_deferred, check_mask_flag, check_ndim, check_tensor
+from ppo_core._checks import check_ndim, check_tensor
 from ppo_core.rollout.fused_sampling import fused_sample_record, fused_sampling_available
 from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.prompt_checks import check_prompts, check_token_id
 from ppo_core.rollout.sampling import sample_tokens
 
 __all__ = ["CachedForward", "CachedRolloutEngine", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
@@ -232,32 +233,40 @@ class StaticCacheDecoder:
         """Sample ``max_new_tokens`` tokens for each left-padded prompt (see the module docstring for the output).
 
         Args:
-            prompts: ``[B, P]`` token ids, left-padded, on the model's device.
+            prompts: ``[B, P]`` token ids, left-padded, on the model's device (checked and right-padded ones
+                left-padded by :func:`~ppo_core.rollout.prompt_checks.check_prompts`; ``B = 0`` returns empty
+                outputs).
             prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on padding.
             max_new_tokens: ``R``.
             temperature, top_k, top_p: sampling settings (:func:`~ppo_core.rollout.sampling.sample_tokens`).
-            eos_token_id: ends a response (kept, mask 1); None: every response has ``R`` tokens.
+            eos_token_id: ends a response (kept, mask 1); None: every response has ``R`` tokens. Both ids must be
+                in ``[0, vocab_size)``.
             pad_token_id: written after EOS.
             generator: RNG on the model's device; required unless ``temperature == 0``.
             step_hook: testing/benchmark hook ``(t, logits [B, V]) -> logits`` applied before drawing token ``t``
                 (inside the graph: it must use device operations only).
         """
         check_ndim("prompts", check_tensor("prompts", prompts), 2)
-        # the mask's 0/1 check is read with "is any prompt padded" in the one host sync before the prefill
-        mask, invalid = check_mask_deferred("prompt_mask", prompt_mask, like=prompts, like_name="prompts")
         if temperature > 0 and generator is None:
             raise ValueError(
                 "generator is required when temperature > 0 (ppo-core never uses the global RNG)"
             )
-        b, p = prompts.shape
         r = int(max_new_tokens)
         if r < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos_token_id = check_token_id("eos_token_id", eos_token_id, self.vocab_size, optional=True)
+        pad_token_id = check_token_id("pad_token_id", pad_token_id, self.vocab_size)
         device = self.spec.device
         if prompts.device != device:
             raise ValueError(f"prompts are on {prompts.device}, the model on {device}")
-        settings = (float(temperature), int(top_k), float(top_p), eos_token_id, int(pad_token_id), step_hook)
-        padded = _padded(mask, invalid)
+        # every prompt check (and "is any prompt padded") is read in the one host sync before the prefill
+        checked = check_prompts(prompts, prompt_mask, self.vocab_size)
+        prompts, mask, padded = checked.prompts, checked.mask, checked.padded
+        b, p = prompts.shape
+        if b == 0:
+            empty = torch.zeros(0, r, dtype=torch.long, device=device)
+            return rollout_batch(prompts, mask.long(), empty, empty.clone(), empty.float())
+        settings = (float(temperature), int(top_k), float(top_p), eos_token_id, pad_token_id, step_hook)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.stats = DecodeStats(cuda_graphs=self.cuda_graphs)
@@ -512,17 +521,6 @@ class _Sampler:
         return self.temperature > 0
 
 
-def _padded(mask: torch.Tensor, invalid: torch.Tensor | None) -> bool:
-    """Whether any prompt of ``mask [B, P]`` (bool) is padded, read in one host sync with ``invalid`` (the 0/1
-    check of :func:`~ppo_core._checks.check_mask_deferred`; ValueError where it failed)."""
-    if invalid is None:
-        return not bool(mask.all())
-    padded, bad = torch.stack((mask.all().logical_not(), invalid)).tolist()
-    if bad:
-        check_mask_flag("prompt_mask", invalid)
-    return bool(padded)
-
-
 def _peak_allocated(device: torch.device) -> int:
     """``torch.cuda.max_memory_allocated(device)`` without flattening every allocator statistic into a sorted dict
     first (host time at the end of every generation, with the device idle)."""
@@ -666,6 +664,11 @@ class CachedRolloutEngine:
                 f"{type(self).__name__} does not compute batch-invariantly "
                 "(HFRolloutEngine(model, batch_invariant=True) and MegatronRolloutEngine(..., batch_invariant=True) do)"
             )
+        # named as the caller knows them here (the decoder checks them again, under its own argument names)
+        check_ndim("prompts", check_tensor("prompts", prompts), 2)
+        vocab_size = self.decoder.vocab_size
+        check_token_id("config.eos_token_id", config.eos_token_id, vocab_size, optional=True)
+        check_token_id("config.pad_token_id", config.pad_token_id, vocab_size)
         with self._eval_mode(), self._decoding(prompts, config):
             return self.decoder.generate(
                 prompts,

@@ -33,8 +33,8 @@ class RolloutEngine(Protocol):
       from it (or from state derived from it) so that a resumed run samples the same tokens.
 
     Returns a ``TensorDict`` with ``batch_size=[B]`` and verl's layout, keys from :data:`ppo_core.keys.KEYS`:
-    ``prompts [B, P]`` (as given), ``responses [B, R]`` (right-padded with ``config.pad_token_id``),
-    ``input_ids [B, P+R]``, ``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to and including the
+    ``prompts [B, P]`` (left-padded: as given, or moved there by the engine), ``responses [B, R]``
+    (right-padded with ``config.pad_token_id``), ``input_ids [B, P+R]``, ``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to and including the
     first EOS) and ``rollout_log_probs [B, R]``: the log-prob of each sampled token under the sampling
     distribution ``log_softmax(logits / T)`` (``T = 1`` when greedy), before top-p truncation, 0 on masked
     positions: the quantity ``compute_log_prob`` computes for the same tokens, up to the two engines' numerics.

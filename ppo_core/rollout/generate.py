@@ -9,10 +9,12 @@ The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)
 sees one new token per call. Otherwise (or with ``use_cache=False``) the whole sequence is recomputed each step
 (same tokens, slower).
 
-Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``prompts [B, P]`` (left-padded, as given),
-``responses [B, R]`` (right-padded with ``pad_token_id``, ``R = max_new_tokens``), ``input_ids [B, P+R]``,
-``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to and including the first EOS, 0 after it) and
-``rollout_log_probs [B, R]`` (see :func:`~ppo_core.rollout.sampling.sampling_log_probs`; 0 after the end).
+Output keys (verl's layout, :func:`~ppo_core.rollout.layout.rollout_batch`): ``prompts [B, P]`` (left-padded:
+as given, or right-padded ones left-padded), ``responses [B, R]`` (right-padded with ``pad_token_id``,
+``R = max_new_tokens``), ``input_ids [B, P+R]``, ``attention_mask [B, P+R]``, ``response_mask [B, R]`` (1 up to
+and including the first EOS, 0 after it) and ``rollout_log_probs [B, R]`` (see
+:func:`~ppo_core.rollout.sampling.sampling_log_probs`; 0 after the end). Bad inputs raise before any forward
+(:mod:`~ppo_core.rollout.prompt_checks`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core._checks import check_mask, check_ndim, check_tensor
 from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.prompt_checks import check_prompts, check_token_id, vocab_size_of
 from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_tokens
 
 __all__ = ["generate"]
@@ -44,10 +46,15 @@ def generate(
     Args:
         model: the causal LM (see the module docstring for the calling convention). Put it in eval mode if it
             has dropout; this function does not change its mode.
-        prompts: ``[B, P]`` int64 token ids, left-padded.
-        prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on left padding.
+        prompts: ``[B, P]`` int64 token ids, left-padded (right-padded ones are left-padded first, and returned so:
+            :func:`~ppo_core.rollout.prompt_checks.check_prompts`). ``B = 0`` returns empty outputs
+            (``responses [0, max_new_tokens]``).
+        prompt_mask: ``[B, P]`` 1 on prompt tokens, 0 on padding; every row needs a prompt token.
         config: sampling settings.
         generator: RNG on the model's device (required unless ``config.temperature == 0``).
+
+    Raises ``ValueError`` naming the argument for a bad prompt batch (see
+    :func:`~ppo_core.rollout.prompt_checks.check_prompts`) and for an EOS or pad id outside the model's vocabulary.
 
     Returns:
         A ``TensorDict`` of batch size ``[B]`` with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
@@ -61,8 +68,6 @@ def generate(
         >>> out["input_ids"].shape, out["rollout_log_probs"].shape
         (torch.Size([2, 6]), torch.Size([2, 4]))
     """
-    check_ndim("prompts", check_tensor("prompts", prompts), 2)
-    mask_BP = check_mask("prompt_mask", prompt_mask, like=prompts, like_name="prompts").long()
     if config.temperature > 0 and generator is None:
         raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
     if config.use_cache:
@@ -70,8 +75,14 @@ def generate(
         if hf_model is not None:
             from ppo_core.rollout.hf import HFRolloutEngine
 
+            # the engine's decoder checks the prompts and token ids (against the vocabulary it decodes)
             engine = HFRolloutEngine(hf_model, batch_invariant=config.batch_invariant)
-            return engine.generate(prompts, mask_BP, config, generator=generator)
+            return engine.generate(prompts, prompt_mask, config, generator=generator)
+    vocab_size = vocab_size_of(model)
+    checked = check_prompts(prompts, prompt_mask, vocab_size)
+    check_token_id("config.eos_token_id", config.eos_token_id, vocab_size, optional=True)
+    check_token_id("config.pad_token_id", config.pad_token_id, vocab_size)
+    prompts, mask_BP = checked.prompts, checked.mask.long()
     if config.batch_invariant:
         raise ValueError(
             f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) needs a "
@@ -88,7 +99,7 @@ def generate(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     ids, mask = prompts, mask_BP
     step_ids = prompts
-    for t in range(R):
+    for t in range(R if B else 0):  # B = 0: no row to decode, the empty outputs of the documented shapes
         if cache is not None:
             logits = logits_of(model(step_ids, attention_mask=mask, cache=cache))
         else:

@@ -153,6 +153,75 @@ def test_bad_paths(tmp_path):
         load_prompt_dataset([], CountingTokenizer(), max_prompt_length=8)
 
 
+# ----- unreadable and empty files name the file (and the line) ---------------------------------------------------
+
+
+def _damaged_parquet(tmp_path, how: str) -> str:
+    _parquet(tmp_path / "good.parquet", [_row(i) for i in range(40)])
+    raw = (tmp_path / "good.parquet").read_bytes()
+    if how == "empty":
+        damaged = b""
+    elif how == "truncated":
+        damaged = raw[: len(raw) // 2]
+    elif how == "corrupted footer":
+        damaged = raw[:-8] + (1 << 30).to_bytes(4, "little") + raw[-4:]  # the footer's length: past the file
+    elif how == "corrupted metadata":
+        damaged = raw[:4] + bytes(len(raw) - 12) + raw[-8:]
+    else:  # a text file named .parquet
+        damaged = b"data_source,prompt\nx,y\n"
+    path = tmp_path / f"{how.replace(' ', '_')}.parquet"
+    path.write_bytes(damaged)
+    return os.fspath(path)
+
+
+@pytest.mark.parametrize(
+    "how", ["empty", "truncated", "corrupted footer", "corrupted metadata", "not parquet"]
+)
+def test_an_unreadable_parquet_file_is_named(tmp_path, how):
+    path = _damaged_parquet(tmp_path, how)
+    expected = "is empty \\(0 bytes\\)" if how == "empty" else "is not a readable parquet file"
+    with pytest.raises(ValueError, match=f"prompt file {path} {expected}"):
+        load_prompt_dataset(path, CountingTokenizer(), max_prompt_length=100)
+
+
+def test_a_non_utf8_jsonl_line_is_named_with_its_byte(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes((json.dumps(_row(0)) + "\n\n").encode() + b'{"data_source": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl line 3: not UTF-8 text \(byte 0xe9 at column 21"):
+        load_prompt_dataset(path, CountingTokenizer(), max_prompt_length=100)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("p.jsonl", b"", r"is empty \(0 bytes\)"),
+        ("p.jsonl", b"\n  \n", r"is empty: it holds no row \(blank lines only\)"),
+        ("p.parquet", None, r"is empty: it holds no row \(a parquet table of 0 rows\)"),
+    ],
+)
+def test_an_empty_file_is_an_error_naming_it_even_after_full_ones(tmp_path, caplog, name, content, message):
+    path = tmp_path / name
+    if content is None:
+        _parquet(path, [_row(0)])
+        pq.write_table(pq.read_table(path).slice(0, 0), path)
+    else:
+        path.write_bytes(content)
+    full = _jsonl(tmp_path / "full.jsonl", [_row(0)])
+    with caplog.at_level("WARNING"), pytest.raises(ValueError, match=f"prompt file {path} {message}"):
+        load_prompt_dataset([full, path], CountingTokenizer(), max_prompt_length=100)
+    assert "after filtering" not in caplog.text
+
+
+def test_a_dataset_filtered_to_nothing_says_so(tmp_path, caplog):
+    rows = [_row(0, content="abcdefgh"), _row(1, content="abcdefghi")]
+    with caplog.at_level("WARNING", logger="ppo_core.data.prompts"):
+        data = load_prompt_dataset(
+            _jsonl(tmp_path / "p.jsonl", rows), CountingTokenizer(), max_prompt_length=4, truncation="filter"
+        )
+    assert len(data) == 0
+    assert "all 2 rows are longer than max_prompt_length=4 tokens" in caplog.text
+
+
 # ----- schema errors name the row and the field ----------------------------------------------------------------
 
 BAD_ROWS = [

@@ -53,7 +53,7 @@ def test_defaults_are_verls():
 @given(
     st.sampled_from(VERL_LOSSES),
     st.sampled_from(LOSS_AGG_MODES),
-    st.floats(0, 1),
+    st.floats(0, 1, exclude_max=True),
     st.one_of(st.none(), st.floats(0, 1)),
     st.floats(1.001, 100),
 )
@@ -71,6 +71,19 @@ def test_config_round_trips_through_a_dict(loss_mode, mode, clip_ratio, clip_hig
     assert cfg.eps_high == (clip_ratio if clip_high is None else clip_high)
 
 
+@pytest.mark.parametrize("loss_mode", ["dppo_tv", "dppo_kl", "geo_mean", "sapo", "gpg", "kl_cov"])
+def test_a_lower_bound_of_1_or_more_is_accepted_where_it_is_no_ratio_bound(loss_mode):
+    assert PolicyLossConfig(loss_mode=loss_mode, clip_ratio_low=1.5).eps_low == 1.5
+    assert PolicyLossConfig(loss_mode=loss_mode, clip_ratio=2.0).eps_low == 2.0
+
+
+def test_the_ratio_bound_is_named_under_its_dotted_path():
+    from ppo_core.workers.config import PPOActorConfig
+
+    with pytest.raises(ValueError, match=r"policy_loss\.clip_ratio_low must be < 1"):
+        PPOActorConfig.from_dict({"ppo_mini_batch_size": 4, "policy_loss": {"clip_ratio_low": 1.5}})
+
+
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError, match="cliprange"):
         PolicyLossConfig.from_dict({"cliprange": 0.2})
@@ -85,6 +98,19 @@ def test_from_dict_rejects_unknown_keys():
         ({"clip_ratio": "0.2"}, TypeError, "clip_ratio"),
         ({"clip_ratio_low": float("nan")}, ValueError, "clip_ratio_low"),
         ({"clip_ratio_high": -1.0}, ValueError, "clip_ratio_high"),
+        ({"clip_ratio_low": 1.5}, ValueError, r"clip_ratio_low must be < 1 .* 1 - clip_ratio_low = -0\.5"),
+        ({"clip_ratio": 1.0}, ValueError, r"clip_ratio must be < 1 .*clip_ratio_low is unset"),
+        (
+            {"loss_mode": "gspo", "clip_ratio_low": 1.0},
+            ValueError,
+            "clip_ratio_low must be < 1 with loss_mode='gspo'",
+        ),
+        (
+            {"loss_mode": "cispo", "clip_ratio": 2.0},
+            ValueError,
+            "clip_ratio must be < 1 with loss_mode='cispo'",
+        ),
+        ({"loss_mode": "clip_cov", "clip_ratio_low": 1.0}, ValueError, "clip_ratio_low must be < 1"),
         ({"clip_ratio_c": 1.0}, ValueError, "clip_ratio_c"),
         ({"clip_ratio_c": float("inf")}, ValueError, "clip_ratio_c"),
         ({"tau_pos": 0.0}, ValueError, "tau_pos"),

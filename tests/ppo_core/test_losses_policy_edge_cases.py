@@ -395,7 +395,9 @@ def test_a_constant_advantage_has_exactly_zero_covariance(
     adv[0, :masked] = 7.0  # padding: a different value, which must not enter the covariance
     mask = torch.ones(1, n + masked, dtype=torch.bool)
     mask[0, :masked] = False
-    config = PolicyLossConfig(loss_mode="clip_cov", clip_cov_lb=0.0, clip_cov_ratio=1.0, clip_ratio=10.0)
+    config = PolicyLossConfig(
+        loss_mode="clip_cov", clip_cov_lb=0.0, clip_cov_ratio=1.0, clip_ratio_low=0.999, clip_ratio_high=10.0
+    )
     _, metrics = clip_cov_policy_loss(old, log_prob, adv, mask, config=config, generator=torch.Generator())
     assert float(metrics["pg_clipfrac"]) == 0.0
     # kl_cov: all covariances tie at 0, so the earliest valid k = 1 token is penalised (a loss that differs from

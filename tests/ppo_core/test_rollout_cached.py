@@ -475,40 +475,6 @@ def test_decoder_rejects_bad_inputs_by_name():
     assert calls == []
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    rows=st.integers(1, 5),
-    width=st.integers(1, 6),
-    dtype=st.sampled_from([torch.bool, torch.long, torch.float32]),
-    bad=st.sampled_from([None, 2.0, -1.0, 0.5]),
-    data=st.data(),
-)
-def test_padded_is_read_with_the_masks_check_in_one_host_read(rows, width, dtype, bad, data):
-    """``_padded`` (whether any prompt is padded) equals ``not mask.all()`` and raises where the 0/1 check of the
-    mask failed, reading both from the device at once."""
-    from ppo_core._checks import check_mask_deferred
-    from ppo_core.rollout import decoding
-
-    bits = data.draw(st.lists(st.booleans(), min_size=rows * width, max_size=rows * width))
-    raw = torch.tensor(bits).view(rows, width).to(dtype)
-    if bad is not None and dtype != torch.bool:
-        raw.view(-1)[data.draw(st.integers(0, rows * width - 1))] = (
-            bad if dtype.is_floating_point else int(bad)
-        )
-    invalid_value = bool(((raw != 0) & (raw != 1)).any())
-    mask, invalid = check_mask_deferred("prompt_mask", raw)
-    reads = []
-    real = torch.Tensor.tolist
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
-        if invalid_value:
-            with pytest.raises(ValueError, match="only 0 and 1"):
-                decoding._padded(mask, invalid)
-        else:
-            assert decoding._padded(mask, invalid) == (not bool((raw != 0).all()))
-    assert len(reads) == (0 if invalid is None else 1)
-
-
 def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_until_the_next_prefill():
     """Without ``keep_cache`` the cache is dropped at the end of ``generate``; the graphs (stand-ins here: the CPU
     captures none) are kept until the next generation has launched its prefill, or ``release``."""

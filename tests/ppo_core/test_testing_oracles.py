@@ -126,7 +126,7 @@ def test_readme_recipe_catches_wrong_implementations():
         return compute_gae(rewards, values, mask, gamma=gamma, lam=lam, whiten=True)
 
     def unclipped_loss(old, new, adv, mask, weights):
-        config = PolicyLossConfig(clip_ratio=10.0, clip_ratio_c=100.0)
+        config = PolicyLossConfig(clip_ratio_low=0.999, clip_ratio_high=10.0, clip_ratio_c=100.0)
         return compute_policy_loss(old, new, adv, mask, config=config, rollout_is_weights=weights)[0]
 
     with pytest.raises(AssertionError):

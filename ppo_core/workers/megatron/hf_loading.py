@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ppo_core.models.safetensors_files import check_safetensors_file
 from ppo_core.workers.megatron.config import MegatronModelConfig, ParallelConfig
 from ppo_core.workers.megatron.model import padded_vocab_size
 
@@ -203,7 +204,8 @@ def read_safetensors(folder: str, names: Sequence[str] | None = None) -> dict[st
     """Tensors of every ``*.safetensors`` file in ``folder`` (only ``names`` when given), on the CPU.
 
     Raises:
-        ValueError: ``folder`` has no safetensors file.
+        ValueError: ``folder`` has no safetensors file, or one is truncated or its header corrupted (naming it:
+            :func:`~ppo_core.models.safetensors_files.check_safetensors_file`).
         ImportError: the ``safetensors`` package is missing.
     """
     from safetensors import safe_open
@@ -211,6 +213,8 @@ def read_safetensors(folder: str, names: Sequence[str] | None = None) -> dict[st
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"folder={folder!r} holds no *.safetensors file")
+    for path in files:
+        check_safetensors_file(path)
     wanted = None if names is None else set(names)
     out: dict[str, torch.Tensor] = {}
     for path in files:
