@@ -72,6 +72,13 @@ def _resolve(value: Any, tree: dict, where: str, seen: tuple[str, ...]) -> Any:
         return value
 
     def lookup(key: str) -> Any:
+        if key.startswith("package_dir:"):  # the one resolver of a job's YAML (ppo_core_cli.loading.package_dir)
+            from ppo_core_cli.loading import package_dir
+
+            try:
+                return package_dir(key.partition(":")[2].strip())
+            except ValueError as exc:
+                raise FieldValueError(where, f": cannot resolve an interpolation: {exc}") from None
         if key in seen:
             raise FieldValueError(where, f": cannot resolve an interpolation: {key!r} refers to itself")
         return _resolve(_get(tree, key, where), tree, key, (*seen, key))

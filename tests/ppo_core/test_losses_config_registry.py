@@ -108,7 +108,7 @@ def test_from_dict_rejects_unknown_keys():
         (
             {"loss_mode": "cispo", "clip_ratio": 2.0},
             ValueError,
-            "clip_ratio must be < 1 with loss_mode='cispo'",
+            "clip_ratio must be <= 1 with loss_mode='cispo'",
         ),
         ({"loss_mode": "clip_cov", "clip_ratio_low": 1.0}, ValueError, "clip_ratio_low must be < 1"),
         ({"clip_ratio_c": 1.0}, ValueError, "clip_ratio_c"),
