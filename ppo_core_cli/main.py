@@ -1,5 +1,5 @@
-"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``export``, ``convert``, ``convert-verl`` and
-``config``.
+"""The ``ppo-core`` command: ``make-data``, ``sft``, ``train``, ``eval``, ``export``, ``convert``, ``convert-verl``
+and ``config``.
 
 ::
 
@@ -13,6 +13,7 @@
     ppo-core config CONFIG.yaml [key=value ...]         # the job with every default and each key's help
     ppo-core config --defaults [key=value ...]          # the defaults (e.g. workers=megatron)
     ppo-core config --markdown                          # the reference page docs/config-reference.md
+    ppo-core eval CONFIG.yaml [key=value ...] [--model DIR]   # greedy validation of a checkpoint (accuracy, format)
 
 ``key=value`` overrides use dotted keys (``trainer.total_training_steps=5``); see :mod:`ppo_core_cli.config`.
 """
@@ -113,6 +114,17 @@ def _parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="the reference page of every key (docs/config-reference.md)"
     )
     p.add_argument("--no-comments", action="store_true", help="the YAML without the help comments")
+    p = sub.add_parser(
+        "eval",
+        help="greedy validation of a checkpoint on the job's validation prompts (accuracy, format rate), as train "
+        "runs it",
+    )
+    p.add_argument("config", help="the job's YAML file (data.val_files, scorers, rollout length...)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    p.add_argument(
+        "--model", help="the checkpoint to evaluate (a run's export, a GGUF file); default: model.path"
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the result (every validation metric) to FILE")
     p = sub.add_parser("export", help="export the actor of a checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint", help="a global_step_k folder, or a checkpoint root (its newest checkpoint)")
     p.add_argument("out_dir")
@@ -252,6 +264,36 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    if args.model:
+        args.overrides = [*args.overrides, f"model.path={args.model}"]
+    job = _load(args)
+    scorers = _resolve_scorers(job, args.config)
+    from ppo_core_cli.evaluate import evaluate_job
+
+    try:
+        result = evaluate_job(job, scorers=scorers)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
+    parts = [
+        f"{name} {value:.1%}"
+        for name, value in (("accuracy", result.accuracy), ("format rate", result.format_rate))
+        if value is not None
+    ]
+    if result.reward is not None:
+        parts.append(f"reward {result.reward:.3f}")
+    print(f"{', '.join(parts)} on {result.num_prompts} prompts ({result.seconds:.0f} s)")
+    print(f"model: {result.model_dir}")
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=2)
+            f.write("\n")
+        print(f"json:  {args.json}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from ppo_core_cli.export import export_checkpoint, resolve_checkpoint
 
@@ -333,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "convert": _convert,
         "convert-verl": _convert_verl,
         "config": _config,
+        "eval": _eval,
     }
     try:
         return commands[args.command](args)

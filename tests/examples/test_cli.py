@@ -193,3 +193,33 @@ def test_readme_commands_are_the_tested_path():
     job = load_job_config(TINY)
     assert job.algorithm.adv_estimator == "gae" and job.ppo_config().use_critic  # "PPO (GAE + critic ...)"
     assert f"{job.trainer.total_training_steps} steps" in section
+
+
+@pytest.mark.slow
+def test_eval_of_the_export_is_the_last_validation(example, capsys, tmp_path):
+    """``ppo-core eval`` is the trainer's own validation: on the run's export it reproduces the last validation's
+    metrics (accuracy, format rate, lengths, per data source) exactly, and on the starting checkpoint the step-0
+    validation's."""
+    _, data = example
+    run = str(tmp_path / "run")
+    common = [TINY, f"vars.root={data}", f"run_dir={run}", *SHORT, "trainer.save_freq=0"]
+    out = _run(capsys, "train", *common, "trainer.total_training_steps=2")
+    export = _printed(out, "export")
+    records = read_metrics_jsonl(_printed(out, "metrics"))
+
+    def validation(record):
+        return {k: v for k, v in record.items() if k.startswith("val-")}
+
+    first, last = validation(records[0]), validation(records[-1])
+    assert first and last and first != last  # two PPO steps changed what greedy decoding answers
+    for model, expected in ((export, last), (os.path.join(data, "sft_model"), first)):
+        result = str(tmp_path / "eval.json")
+        out = _run(capsys, "eval", *common, "--model", model, "--json", result)
+        assert " on 16 prompts " in out and "accuracy " in out and "format rate " in out
+        assert json.loads(pathlib.Path(result).read_text())["metrics"] == expected
+
+
+def test_eval_needs_validation_prompts(example, capsys):
+    _, data = example
+    assert main(["eval", TINY, f"vars.root={data}", "data.val_files=[]"]) == 2
+    assert "data.val_files must name the prompts to evaluate on" in capsys.readouterr().err
