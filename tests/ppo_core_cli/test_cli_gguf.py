@@ -20,6 +20,7 @@ pytest.importorskip("omegaconf")
 
 from _gguf import tiny_llama, write_tiny_gguf  # noqa: E402
 
+from ppo_core.trainer import read_metrics_jsonl  # noqa: E402
 from ppo_core_cli import convert  # noqa: E402
 from ppo_core_cli.config import JobConfig  # noqa: E402
 from ppo_core_cli.convert import (  # noqa: E402
@@ -315,3 +316,40 @@ def test_train_from_a_gguf_file(tmp_path, capsys, caplog):
         if r.name == "ppo_core_cli.tokens" and "padding" in r.getMessage()
     ]
     assert resolved[-1].startswith(f"EOS '<|im_end|>' (id {end}, from the chat template's end of turn)")
+
+
+@pytest.mark.slow
+def test_smollm2_trains_one_step_on_the_arithmetic_task(tmp_path, capsys):
+    """The real model through the CPU example config (``examples/configs/smollm2_cpu.yaml``): the arithmetic
+    problems, one GRPO step, greedy validation before and after, sampling that stops at ``<|im_end|>``, and an
+    export that ``transformers`` loads."""
+    path = _smollm2_file()
+    data = tmp_path / "arith"
+    make_data = ["-q", "make-data", str(data), "--task", "arithmetic", "--no-model", "--levels", "1"]
+    assert main([*make_data, "--n-train", "16", "--n-test", "4"]) == 0
+    config = pathlib.Path(__file__).resolve().parents[2] / "examples" / "configs" / "smollm2_cpu.yaml"
+    argv = [
+        "train",
+        str(config),
+        f"vars.root={data}",
+        f"model.path={path}",
+        f"model.convert_dir={tmp_path / 'converted'}",
+        f"run_dir={tmp_path / 'run'}",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "actor.worker.ppo_mini_batch_size=4",
+        "actor.worker.rollout.max_new_tokens=12",
+        "trainer.total_training_steps=1",
+        "trainer.progress_bar=false",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "accuracy " in out and "format rate " in out
+    records = read_metrics_jsonl(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[1]["actor/grad_norm"] >= 0 and records[1]["response_length/mean"] <= 12
+    assert any(k.startswith("val-aux/arithmetic/gsm8k-format/level-1/format/") for k in records[1])
+    export = tmp_path / "run" / "export"
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert model.config.num_hidden_layers == 30
+    assert transformers.GenerationConfig.from_pretrained(export).eos_token_id == 2  # <|im_end|>
