@@ -250,6 +250,47 @@ class JobConfig(PPOConfig):
                 f" ({self.critic.world_size}) must equal actor.world_size ({self.actor.world_size}) when the "
                 "roles are colocated (colocate=true)",
             )
+        super().__post_init__()  # the trainer's cross-section rules (mini-batches, estimator and critic...)
+        self._check_worker_relations()
+
+    def _worker_configs(self) -> dict[str, ConfigBase]:
+        actor_cls, critic_cls = worker_config_classes(self.workers)
+        return {
+            "actor": actor_cls.from_dict(_checkable(self.actor.worker, self.workers)),
+            "critic": critic_cls.from_dict(_checkable(self.critic.worker, self.workers)),
+        }
+
+    def effective_mini_batch_sizes(self) -> dict[str, int]:
+        """``{role: ppo_mini_batch_size}`` of the roles that run, with the workers' default where the job leaves
+        the key out."""
+        configs = self._worker_configs()
+        roles = ["actor", "critic"] if self.use_critic else ["actor"]
+        return {role: configs[role].ppo_mini_batch_size for role in roles}  # type: ignore[attr-defined]
+
+    def check_before_run(self) -> None:
+        """The rules a job that is built may still break only through the workers' defaults (a job built from a
+        few keys is fine to inspect, not to run): checked by ``ppo-core train`` before anything loads."""
+        self.check_mini_batches(dict(self.effective_mini_batch_sizes()))
+
+    def _check_worker_relations(self) -> None:
+        configs = self._worker_configs()
+        actor = configs["actor"]
+        if self.use_reference and not actor.use_reference:  # type: ignore[attr-defined]
+            need = "actor.use_kl_loss=true" if self.actor.use_kl_loss else "algorithm.use_kl_in_reward=true"
+            raise FieldValueError(
+                "actor.worker.use_reference",
+                f"=false, but {need} needs the reference policy's log-probs (the actor worker keeps the "
+                "reference)",
+            )
+        if self.workers == "torch":  # one data-parallel rank per process
+            for role, size in self.effective_mini_batch_sizes().items():
+                dp = getattr(self, role).world_size
+                if size % dp:
+                    raise FieldValueError(
+                        f"{role}.worker.ppo_mini_batch_size",
+                        f"={size} must be divisible by {role}.world_size={dp} (each data-parallel rank takes "
+                        "an equal share of a mini-batch)",
+                    )
 
     # ----- derived values -------------------------------------------------------------------------------------
     def _under_run_dir(self, path: str) -> str:

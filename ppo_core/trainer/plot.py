@@ -41,7 +41,8 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str) -> str
     """Train reward, validation reward and KL to the reference against the step, as a PNG at ``path``.
 
     Returns:
-        ``path``, or None when matplotlib is not installed (logged).
+        ``path``, or None (logged) when matplotlib is not installed or the records hold none of these metrics
+        (an empty plot would look like a run that learned nothing).
     """
     try:
         import matplotlib
@@ -54,6 +55,9 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str) -> str
     train = [(r["step"], r["critic/score/mean"]) for r in records if r.get("critic/score/mean") is not None]
     val = [(r["step"], v) for r in records if (v := validation_reward(r)) is not None]
     kl = [(r["step"], r["actor/ref_kl"]) for r in records if r.get("actor/ref_kl") is not None]
+    if not (train or val or kl):
+        logger.info("no reward or KL metrics in the records: no plot")
+        return None
     fig, (ax_r, ax_kl) = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
     if train:
         ax_r.plot(*zip(*train, strict=True), label="train reward (sampled)")

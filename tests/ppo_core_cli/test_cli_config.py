@@ -92,7 +92,8 @@ SCALARS = {
     "trainer.total_training_steps": st.integers(1, 10**6),
     "trainer.seed": st.integers(0, 2**31),
     "trainer.val_before_train": st.booleans(),
-    "data.train_batch_size": st.integers(1, 4096),
+    # multiples of the tiny config's ppo_mini_batch_size (64), which must divide train_batch_size x n
+    "data.train_batch_size": st.integers(1, 64).map(lambda k: 64 * k),
     "data.max_prompt_length": st.integers(1, 8192),
     "rollout.n": st.integers(1, 16),
     "algorithm.gamma": st.floats(0, 1),
