@@ -35,6 +35,7 @@ from ppo_core._checks import FieldValueError, check_int, check_positive
 from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
+from ppo_core.trainer.presets import PRESETS
 from ppo_core.workers.megatron.hf_config import MEGATRON_SHAPE_KEYS
 
 __all__ = [
@@ -209,6 +210,10 @@ class JobConfig(PPOConfig):
     """The rule-based reward."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The format warm-up of ``ppo-core sft``."""
+    preset: str | None = None
+    """Algorithm preset (``ppo``, ``grpo``, ``rloo``: :mod:`ppo_core.trainer.presets`): its keys (estimator,
+    critic, where the KL goes, ``rollout.n``) are defaults that the job's own keys override; applied when the job is
+    read (:func:`~ppo_core_cli.loading.load_job_config`). None: no preset."""
     backend: Backend = "local"
     """``local`` (workers in this process) or ``monarch`` (one Monarch process per rank on this host)."""
     workers: Workers = "torch"
@@ -230,6 +235,10 @@ class JobConfig(PPOConfig):
 
     def __post_init__(self) -> None:
         check_int("torch_threads", self.torch_threads, 0)
+        if self.preset is not None and self.preset not in PRESETS:
+            raise FieldValueError(
+                "preset", f" {self.preset!r}; valid values: {', '.join(sorted(PRESETS))}", before="unknown "
+            )
         actor_cls, critic_cls = worker_config_classes(self.workers)
         for role, cls in (("actor", actor_cls), ("critic", critic_cls)):
             worker = getattr(self, role).worker

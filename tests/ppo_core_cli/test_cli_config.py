@@ -242,3 +242,19 @@ def test_command_still_rejects_unknown_options(capsys):
         main(["train", TINY, "--no-such-option", "trainer.seed=1"])
     assert exc.value.code == 2
     assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_presets_fill_in_what_the_job_leaves_out(caplog):
+    """The tiny config is ``preset: ppo``; ``preset=grpo`` switches the algorithm, explicit keys still win."""
+    import logging
+
+    tiny = load_job_config(TINY)
+    assert tiny.preset == "ppo" and tiny.algorithm.adv_estimator == "gae" and tiny.algorithm.use_kl_in_reward
+    grpo = load_job_config(TINY, ["preset=grpo"])
+    assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.rollout.n == 8
+    assert grpo.actor.use_kl_loss and grpo.actor.worker["use_kl_loss"] and not grpo.algorithm.use_kl_in_reward
+    with caplog.at_level(logging.INFO, logger="ppo_core_cli.loading"):
+        mine = load_job_config(TINY, ["preset=grpo", "rollout.n=4"])
+    assert mine.rollout.n == 4 and "preset grpo: the job's rollout.n=4 replaces the preset's 8" in caplog.text
+    with pytest.raises(ValueError, match="unknown preset 'dapo'; valid values: grpo, ppo, rloo"):
+        load_job_config(TINY, ["preset=dapo"])
