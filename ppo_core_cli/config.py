@@ -324,14 +324,18 @@ class JobConfig(PPOConfig):
         self, actor_worker: Mapping[str, Any] | None = None, critic_worker: Mapping[str, Any] | None = None
     ) -> PPOConfig:
         """The trainer's :class:`PPOConfig`: these sections, the resolved log/checkpoint directories, and the
-        worker dicts (``actor_worker`` / ``critic_worker`` replace them when given: the completed ones)."""
+        worker dicts (``actor_worker`` / ``critic_worker`` replace them when given: the completed ones); the actor's
+        gets ``use_kl_loss`` from ``actor.use_kl_loss`` when it does not set it."""
         trainer = dataclasses.replace(
             self.trainer, default_local_dir=self.checkpoint_dir, log_dir=self.log_dir
         )
+        # the command's workers take the KL-loss switch too: actor.use_kl_loss alone turns the loss term on
+        worker = {
+            "use_kl_loss": self.actor.use_kl_loss,
+            **(self.actor.worker if actor_worker is None else actor_worker),
+        }
         actor = ActorConfig(
-            world_size=self.actor.world_size,
-            use_kl_loss=self.actor.use_kl_loss,
-            worker=dict(self.actor.worker if actor_worker is None else actor_worker),
+            world_size=self.actor.world_size, use_kl_loss=self.actor.use_kl_loss, worker=worker
         )
         critic = CriticConfig(
             enable=self.critic.enable,

@@ -5,16 +5,19 @@ per prompt), as defaults that the config's own keys override.
 preset    keys it sets
 ========  ====================================================================================================
 ``ppo``   ``algorithm.adv_estimator=gae`` (so the critic runs), ``algorithm.use_kl_in_reward=true``,
-          ``algorithm.kl_penalty=kl``, ``actor.use_kl_loss=false``, ``actor.worker.use_kl_loss=false``,
-          ``rollout.n=1``: PPO as in InstructGPT, KL to the reference as a per-token reward penalty.
+          ``algorithm.kl_penalty=kl``, ``actor.use_kl_loss=false``, ``rollout.n=1``: PPO as in InstructGPT, KL to
+          the reference as a per-token reward penalty.
 ``grpo``  ``algorithm.adv_estimator=grpo``, ``algorithm.norm_adv_by_std_in_grpo=true``,
-          ``algorithm.use_kl_in_reward=false``, ``actor.use_kl_loss=true``, ``actor.worker.use_kl_loss=true``,
+          ``algorithm.use_kl_in_reward=false``, ``actor.use_kl_loss=true``,
           ``actor.worker.kl_loss_type=low_var_kl``, ``actor.worker.kl_loss_coef=0.001``, ``rollout.n=8``: group
           advantages, no critic, KL to the reference as a loss term (DeepSeekMath's GRPO, verl's defaults).
 ``rloo``  ``algorithm.adv_estimator=rloo``, ``algorithm.use_kl_in_reward=true``, ``algorithm.kl_penalty=kl``,
-          ``actor.use_kl_loss=false``, ``actor.worker.use_kl_loss=false``, ``rollout.n=4``: leave-one-out baseline
+          ``actor.use_kl_loss=false``, ``rollout.n=4``: leave-one-out baseline
           over the group, no critic, KL in the reward.
 ========  ====================================================================================================
+
+With any preset, the actor worker's own switch ``actor.worker.use_kl_loss`` follows ``actor.use_kl_loss`` unless
+the config sets it (the two must agree: :class:`~ppo_core.trainer.ActorConfig`).
 
 Semantics: the preset's values are defaults. A key the config sets itself (in the file or as an override) keeps
 the config's value, whatever its order; :func:`preset_overridden` lists such keys (the command logs them). The
@@ -31,7 +34,7 @@ from typing import Any
 
 __all__ = ["PRESETS", "apply_preset", "preset_overridden"]
 
-_NO_KL_LOSS = {"use_kl_loss": False, "worker": {"use_kl_loss": False}}
+_NO_KL_LOSS = {"use_kl_loss": False}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {
@@ -43,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False},
         "actor": {
             "use_kl_loss": True,
-            "worker": {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001},
+            "worker": {"kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001},
         },
         "rollout": {"n": 8},
     },
@@ -81,7 +84,11 @@ def apply_preset(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
         >>> cfg["rollout"]["n"], cfg["algorithm"]["adv_estimator"], cfg["actor"]["use_kl_loss"]
         (4, 'grpo', True)
     """
-    return _defaults_under(_check(name), config)
+    out = _defaults_under(_check(name), config)
+    actor = out.setdefault("actor", {})
+    worker = actor.setdefault("worker", {})
+    worker.setdefault("use_kl_loss", actor.get("use_kl_loss", False))  # the worker's loss follows the trainer's
+    return out
 
 
 def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

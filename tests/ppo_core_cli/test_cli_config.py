@@ -258,3 +258,12 @@ def test_presets_fill_in_what_the_job_leaves_out(caplog):
     assert mine.rollout.n == 4 and "preset grpo: the job's rollout.n=4 replaces the preset's 8" in caplog.text
     with pytest.raises(ValueError, match="unknown preset 'dapo'; valid values: grpo, ppo, rloo"):
         load_job_config(TINY, ["preset=dapo"])
+
+
+def test_the_kl_loss_switch_reaches_the_worker():
+    """``actor.use_kl_loss=true`` alone: the trainer computes reference log-probs and the worker's loss uses them."""
+    from ppo_core.workers.torch import TorchActorConfig
+
+    ppo = load_job_config(TINY, ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"]).ppo_config()
+    assert ppo.use_reference and TorchActorConfig.from_dict(ppo.actor.worker).use_kl_loss
+    assert not TorchActorConfig.from_dict(load_job_config(TINY).ppo_config().actor.worker).use_kl_loss
