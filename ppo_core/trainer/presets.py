@@ -87,7 +87,9 @@ def apply_preset(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
     out = _defaults_under(_check(name), config)
     actor = out.setdefault("actor", {})
     worker = actor.setdefault("worker", {})
-    worker.setdefault("use_kl_loss", actor.get("use_kl_loss", False))  # the worker's loss follows the trainer's
+    worker.setdefault(
+        "use_kl_loss", actor.get("use_kl_loss", False)
+    )  # the worker's loss follows the trainer's
     return out
 
 
