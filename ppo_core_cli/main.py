@@ -175,7 +175,7 @@ def _print_interrupted(stop) -> None:  # stop: TrainInterrupted
         done = "" if last < first else done
         say(f"interrupted during step {stop.step}{done}; the workers are shut down")
     else:
-        say(f"interrupted after step {stop.finished}, before the next began; the workers are shut down")
+        say(f"interrupted before step {stop.finished + 1} began; the workers are shut down")
     if stop.checkpoint is None:
         say("no checkpoint saved yet (trainer.save_freq sets how often): a rerun starts from step 1")
         return
