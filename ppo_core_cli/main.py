@@ -16,7 +16,11 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ppo_core_cli.train import TrainInterrupted
 
 __all__ = ["CommandError", "main"]
 
@@ -94,7 +98,8 @@ def _make_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(check, job) -> None:  # -> None, raising CommandError
+def _check(check: Callable[[Any], None], job: Any) -> None:
+    """Run one of :mod:`ppo_core_cli.checks` on the job, its errors as :class:`CommandError`."""
     try:
         check(job)
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -165,7 +170,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_interrupted(stop) -> None:  # stop: TrainInterrupted
+def _print_interrupted(stop: TrainInterrupted) -> None:
     def say(text: str) -> None:
         print(f"ppo-core: {text}", file=sys.stderr)
 
