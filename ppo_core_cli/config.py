@@ -35,6 +35,7 @@ from ppo_core._checks import FieldValueError, check_int, check_positive
 from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
+from ppo_core.trainer.presets import PRESETS
 from ppo_core.workers.megatron.hf_config import MEGATRON_SHAPE_KEYS
 
 __all__ = [
@@ -226,6 +227,10 @@ class JobConfig(PPOConfig):
     """The rule-based reward."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The format warm-up of ``ppo-core sft``."""
+    preset: str | None = None
+    """Algorithm preset (``ppo``, ``grpo``, ``rloo``: :mod:`ppo_core.trainer.presets`): its keys (estimator,
+    critic, where the KL goes, ``rollout.n``) are defaults that the job's own keys override; applied when the job is
+    read (:func:`~ppo_core_cli.loading.load_job_config`). None: no preset."""
     backend: Backend = "local"
     """``local`` (workers in this process) or ``monarch`` (one Monarch process per rank on this host)."""
     workers: Workers = "torch"
@@ -247,6 +252,10 @@ class JobConfig(PPOConfig):
 
     def __post_init__(self) -> None:
         check_int("torch_threads", self.torch_threads, 0)
+        if self.preset is not None and self.preset not in PRESETS:
+            raise FieldValueError(
+                "preset", f" {self.preset!r}; valid values: {', '.join(sorted(PRESETS))}", before="unknown "
+            )
         actor_cls, critic_cls = worker_config_classes(self.workers)
         for role, cls in (("actor", actor_cls), ("critic", critic_cls)):
             worker = getattr(self, role).worker
@@ -267,6 +276,47 @@ class JobConfig(PPOConfig):
                 f" ({self.critic.world_size}) must equal actor.world_size ({self.actor.world_size}) when the "
                 "roles are colocated (colocate=true)",
             )
+        super().__post_init__()  # the trainer's cross-section rules (mini-batches, estimator and critic...)
+        self._check_worker_relations()
+
+    def _worker_configs(self) -> dict[str, ConfigBase]:
+        actor_cls, critic_cls = worker_config_classes(self.workers)
+        return {
+            "actor": actor_cls.from_dict(_checkable(self.actor.worker, self.workers)),
+            "critic": critic_cls.from_dict(_checkable(self.critic.worker, self.workers)),
+        }
+
+    def effective_mini_batch_sizes(self) -> dict[str, int]:
+        """``{role: ppo_mini_batch_size}`` of the roles that run, with the workers' default where the job leaves
+        the key out."""
+        configs = self._worker_configs()
+        roles = ["actor", "critic"] if self.use_critic else ["actor"]
+        return {role: configs[role].ppo_mini_batch_size for role in roles}  # type: ignore[attr-defined]
+
+    def check_before_run(self) -> None:
+        """The rules a job that is built may still break only through the workers' defaults (a job built from a
+        few keys is fine to inspect, not to run): checked by ``ppo-core train`` before anything loads."""
+        self.check_mini_batches(dict(self.effective_mini_batch_sizes()))
+
+    def _check_worker_relations(self) -> None:
+        configs = self._worker_configs()
+        actor = configs["actor"]
+        if self.use_reference and not actor.use_reference:  # type: ignore[attr-defined]
+            need = "actor.use_kl_loss=true" if self.actor.use_kl_loss else "algorithm.use_kl_in_reward=true"
+            raise FieldValueError(
+                "actor.worker.use_reference",
+                f"=false, but {need} needs the reference policy's log-probs (the actor worker keeps the "
+                "reference)",
+            )
+        if self.workers == "torch":  # one data-parallel rank per process
+            for role, size in self.effective_mini_batch_sizes().items():
+                dp = getattr(self, role).world_size
+                if size % dp:
+                    raise FieldValueError(
+                        f"{role}.worker.ppo_mini_batch_size",
+                        f"={size} must be divisible by {role}.world_size={dp} (each data-parallel rank takes "
+                        "an equal share of a mini-batch)",
+                    )
 
     # ----- derived values -------------------------------------------------------------------------------------
     def _under_run_dir(self, path: str) -> str:
@@ -291,14 +341,18 @@ class JobConfig(PPOConfig):
         self, actor_worker: Mapping[str, Any] | None = None, critic_worker: Mapping[str, Any] | None = None
     ) -> PPOConfig:
         """The trainer's :class:`PPOConfig`: these sections, the resolved log/checkpoint directories, and the
-        worker dicts (``actor_worker`` / ``critic_worker`` replace them when given: the completed ones)."""
+        worker dicts (``actor_worker`` / ``critic_worker`` replace them when given: the completed ones); the actor's
+        gets ``use_kl_loss`` from ``actor.use_kl_loss`` when it does not set it."""
         trainer = dataclasses.replace(
             self.trainer, default_local_dir=self.checkpoint_dir, log_dir=self.log_dir
         )
+        # the command's workers take the KL-loss switch too: actor.use_kl_loss alone turns the loss term on
+        worker = {
+            "use_kl_loss": self.actor.use_kl_loss,
+            **(self.actor.worker if actor_worker is None else actor_worker),
+        }
         actor = ActorConfig(
-            world_size=self.actor.world_size,
-            use_kl_loss=self.actor.use_kl_loss,
-            worker=dict(self.actor.worker if actor_worker is None else actor_worker),
+            world_size=self.actor.world_size, use_kl_loss=self.actor.use_kl_loss, worker=worker
         )
         critic = CriticConfig(
             enable=self.critic.enable,

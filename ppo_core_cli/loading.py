@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import numbers
 import os
 import types
@@ -27,9 +28,12 @@ from typing import Any
 
 from ppo_core._checks import FieldValueError
 from ppo_core._config_base import ConfigBase
+from ppo_core.trainer.presets import PRESETS, apply_preset, preset_overridden
 from ppo_core_cli.config import JobConfig, worker_config_classes
 
 __all__ = ["dump_job_config", "load_job_config", "package_dir", "parse_overrides"]
+
+logger = logging.getLogger(__name__)
 
 
 def _config_class(tp: Any) -> type[ConfigBase] | None:
@@ -165,7 +169,10 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
 
     Raises:
         ValueError / TypeError: naming the dotted key (unknown keys, wrong types, bad values, interpolations that
-            do not resolve) or the malformed override.
+            do not resolve, an unknown ``preset``) or the malformed override.
+
+    A ``preset`` (``ppo``, ``grpo``, ``rloo``: :mod:`ppo_core.trainer.presets`) fills in the algorithm's keys that
+    the file and the overrides leave out.
         FileNotFoundError: ``path`` does not exist.
     """
     if path is not None and not os.path.isfile(path):
@@ -183,7 +190,22 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
     if workers not in ("torch", "megatron"):
         raise FieldValueError("workers", f" {workers!r}; valid values: megatron, torch", before="unknown ")
     _check_keys(JobConfig, raw, "", workers)
-    return JobConfig.from_dict(resolve())
+    return JobConfig.from_dict(_with_preset(resolve()))
+
+
+def _with_preset(tree: dict[str, Any]) -> dict[str, Any]:
+    """The job's keys over its ``preset``'s (:mod:`ppo_core.trainer.presets`); the preset keys it overrides are
+    logged."""
+    name = tree.get("preset")
+    if name is None:
+        return tree
+    if not isinstance(name, str) or name not in PRESETS:
+        raise FieldValueError(
+            "preset", f" {name!r}; valid values: {', '.join(sorted(PRESETS))}", before="unknown "
+        )
+    for key, preset_value, value in preset_overridden(name, tree):
+        logger.info("preset %s: the job's %s=%r replaces the preset's %r", name, key, value, preset_value)
+    return apply_preset(name, tree)
 
 
 def _refuse_verl_config(file: str | None, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:

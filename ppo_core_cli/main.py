@@ -23,16 +23,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ppo_core_cli.train import TrainResult
+    from ppo_core_cli.train import TrainInterrupted, TrainResult
 
 __all__ = ["CommandError", "main"]
 
 logger = logging.getLogger(__name__)
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, what a shell reports for a process killed by it)."""
 
 
 class CommandError(Exception):
@@ -169,10 +174,20 @@ def _make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(check: Callable[[Any], None], job: Any) -> None:
+    """Run one of :mod:`ppo_core_cli.checks` on the job, its errors as :class:`CommandError`."""
+    try:
+        check(job)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from exc
+
+
 def _sft(args: argparse.Namespace) -> int:
+    from ppo_core_cli.checks import check_sft_inputs
     from ppo_core_cli.sft import run_sft
 
     job = _load(args)
+    _check(check_sft_inputs, job)
     if job.torch_threads:
         import torch
 
@@ -202,17 +217,27 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ppo_core_cli.checks import check_train_inputs
     from ppo_core_cli.job import resolve_model_dirs
 
-    job = _load(args)
+    job = _load(args)  # the preset applied, the config rules checked
     scorers = _resolve_scorers(job, args.config)
+    _check(check_train_inputs, job)  # every named file and folder, before any model loads
     try:  # the model files (a GGUF file is converted here): a bad one is named in one line
         job = resolve_model_dirs(job)
     except (ValueError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from exc
-    from ppo_core_cli.train import run_train  # torch, transformers...: after the checks that need none
+    from ppo_core_cli.train import JobInputError, TrainInterrupted, run_train  # torch...: after the checks
 
-    result = run_train(job, scorers=scorers, timings_json=args.timings_json, warmup_steps=args.warmup_steps)
+    try:
+        result = run_train(
+            job, scorers=scorers, timings_json=args.timings_json, warmup_steps=args.warmup_steps
+        )
+    except TrainInterrupted as stop:
+        _print_interrupted(stop)
+        return INTERRUPTED
+    except JobInputError as exc:
+        raise CommandError(str(exc)) from exc
     print(_train_summary(result))
     print(f"metrics:    {result.metrics_file}")
     if result.plot:
@@ -227,9 +252,25 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_summary(result: TrainResult) -> str:
-    """The first line ``train`` prints: steps, time, and the first and last validation's reward, accuracy and
-    format rate (each when the run logged it)."""
-    line = f"trained {result.steps} steps in {result.wall_seconds:.0f} s"
+    """The first line ``train`` prints: what this invocation trained (``nothing to do`` when a rerun finds the run
+    done; the steps and ``(resumed)`` after a resume), its time, and the first and last validation's reward,
+    accuracy and format rate (each when the run logged it)."""
+    ran, seconds = result.steps - result.start_step, result.wall_seconds
+    if ran == 0 and result.steps > result.total_steps:
+        line = (
+            f"nothing to do: the newest checkpoint is at step {result.steps}, beyond the {result.total_steps} "
+            f"steps of {result.step_limit}; raise {result.limit_key} to train on"
+        )
+    elif ran == 0:
+        line = (
+            f"nothing to do: already trained {result.steps} steps ({result.step_limit}); raise "
+            f"{result.limit_key} to train on"
+        )
+    elif result.start_step > 0:
+        steps = f"{result.start_step + 1}-{result.steps}" if ran > 1 else f"{result.steps}"
+        line = f"trained step{'s' if ran > 1 else ''} {steps} in {seconds:.0f} s (resumed)"
+    else:
+        line = f"trained {result.steps} steps in {seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward
         line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
@@ -240,6 +281,30 @@ def _train_summary(result: TrainResult) -> str:
         if before is not None and after is not None:
             line += f", {name} {before:.1%} -> {after:.1%}"
     return line
+
+
+def _print_interrupted(stop: TrainInterrupted) -> None:
+    def say(text: str) -> None:
+        print(f"ppo-core: {text}", file=sys.stderr)
+
+    if stop.step > stop.finished:
+        first, last = stop.start_step + 1, stop.finished
+        done = f"; steps {first}-{last} finished" if last > first else f"; step {last} finished"
+        done = "" if last < first else done
+        say(f"interrupted during step {stop.step}{done}; the workers are shut down")
+    else:
+        say(f"interrupted before step {stop.finished + 1} began; the workers are shut down")
+    if stop.checkpoint is None:
+        say("no checkpoint saved yet (trainer.save_freq sets how often): a rerun starts from step 1")
+        return
+    step = os.path.basename(stop.checkpoint).rpartition("_")[2]
+    say(f"newest checkpoint: {stop.checkpoint} (step {step})")
+    if stop.resume_mode == "auto":
+        say("rerun the same command to resume from it")
+    elif stop.resume_mode == "path":
+        say(f"rerun with trainer.resume_from_path={stop.checkpoint} to resume from it")
+    else:
+        say("rerun with trainer.resume_mode=auto to resume from it")
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -267,8 +332,11 @@ def _config(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     if args.model:
         args.overrides = [*args.overrides, f"model.path={args.model}"]
-    job = _load(args)
+    from ppo_core_cli.checks import check_eval_inputs
+
+    job = _load(args)  # the preset applied, as for train
     scorers = _resolve_scorers(job, args.config)
+    _check(check_eval_inputs, job)
     from ppo_core_cli.evaluate import evaluate_job
 
     try:
@@ -353,8 +421,9 @@ def _convert_verl(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status.
 
-    A mistake in the config or the named files (:class:`CommandError`) prints one line ``ppo-core: error: ...``
-    and returns 2; anything that fails later, while a run is under way, raises with its traceback.
+    A mistake in the config or the named files (:class:`CommandError`: checked before anything loads) prints one
+    line ``ppo-core: error: ...`` and returns 2; Ctrl-C prints where the run stopped, its newest checkpoint and how
+    to resume, and returns 130; anything that fails later, while a run is under way, raises with its traceback.
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -382,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"ppo-core: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside a run's steps (loading, exporting): nothing to resume from
+        print("ppo-core: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _is_override(arg: str) -> bool:

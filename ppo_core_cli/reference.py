@@ -155,10 +155,12 @@ def _worker_notes(workers: str, given: Mapping[str, Any], role: str) -> dict[str
             if key.partition(".")[2] not in rollout:
                 notes[key] = ("set by the command from the tokenizer unless the job sets it", False)
         if "use_kl_loss" not in given:
-            notes["use_kl_loss"] = (
-                "not set: the worker's default; when set it must equal actor.use_kl_loss",
-                True,
-            )
+            notes["use_kl_loss"] = ("not set: follows actor.use_kl_loss; when set it must equal it", False)
+    if "ppo_mini_batch_size" not in given:  # written out, the default would have to divide the step's rows
+        notes["ppo_mini_batch_size"] = (
+            "not set: the worker's default; it must divide data.train_batch_size x rollout.n to run",
+            True,
+        )
     return notes
 
 

@@ -7,24 +7,27 @@ One run:
    the model's vocabulary size), the EOS and padding tokens (:mod:`ppo_core_cli.tokens`), the prompts;
 2. the worker settings completed from the tokenizer and the checkpoint (:func:`~ppo_core_cli.job.complete_workers`),
    the job written to ``{checkpoints}/job.yaml`` and ``{run_dir}/job.yaml``;
-3. ``BasePPOTrainer.fit()`` on the local or Monarch backend: progress bar, logs (console, ``metrics.jsonl``,
-   TensorBoard, W&B as configured), checkpoints every ``trainer.save_freq`` steps, resume from the newest
-   checkpoint (``trainer.resume_mode=auto``);
+3. ``BasePPOTrainer.fit()`` on the local or Monarch backend: progress bar, logs (console, TensorBoard, W&B as
+   configured, and always ``metrics.jsonl``: the run's record, which the summary, the plot and the timings read),
+   checkpoints every ``trainer.save_freq`` steps, resume from the newest checkpoint (``trainer.resume_mode=auto``);
+   Ctrl-C shuts the workers down and raises :class:`TrainInterrupted` (the step, the newest checkpoint);
 4. the actor's weights (``save_weights``: no optimizer state) exported as a Hugging Face directory, its
    ``generation_config.json`` carrying the run's EOS and padding ids;
 5. ``reward_kl.png`` (reward, validation accuracy and format rate, response length, entropy, KL, rollout/training
-   mismatch: :func:`~ppo_core.trainer.plot.plot_run`) and, on request, the step-time breakdown JSON
-   (:mod:`ppo_core_cli.timings`).
+   mismatch: :func:`~ppo_core.trainer.plot.plot_run`; none when nothing was logged) and, on request, the step-time
+   breakdown JSON (:mod:`ppo_core_cli.timings`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ import torch
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
 from ppo_core.trainer.plot import plot_run, validation_mean
+from ppo_core.trainer.tracking import usable_loggers
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
 from ppo_core_cli.job import (
@@ -50,7 +54,7 @@ from ppo_core_cli.job import (
 from ppo_core_cli.loading import dump_job_config
 from ppo_core_cli.timings import step_time_breakdown
 
-__all__ = ["TrainResult", "run_train"]
+__all__ = ["JobInputError", "TrainInterrupted", "TrainResult", "run_loggers", "run_train"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,15 @@ class TrainResult:
     plot: str | None = None
     timings_json: str | None = None
     steps: int = 0
+    """The last step trained (this run's or an earlier one's)."""
+    start_step: int = 0
+    """The step this invocation started from (a resumed checkpoint's; 0 on a fresh start)."""
+    step_limit: str = ""
+    """What ends the run, as keys and values (``trainer.total_training_steps=200``, or the epochs' cap)."""
+    total_steps: int = 0
+    """The step the run was to end at (``trainer.total_training_steps``, capped by the epochs)."""
+    limit_key: str = ""
+    """The key to raise to train on (``trainer.total_training_steps`` or ``trainer.total_epochs``)."""
     initial_val_reward: float | None = None
     final_val_reward: float | None = None
     initial_val_accuracy: float | None = None
@@ -76,6 +89,52 @@ class TrainResult:
     final_val_format: float | None = None
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class JobInputError(ValueError):
+    """The job's inputs (prompt files, batch size against the prompts...) cannot make a run: found while setting
+    it up, before any model loads; the command prints it as one line."""
+
+
+@contextlib.contextmanager
+def _input_errors() -> Iterator[None]:
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise JobInputError(str(exc)) from exc
+
+
+class TrainInterrupted(Exception):
+    """The run was interrupted (Ctrl-C) and its workers shut down: where it stopped and how to go on."""
+
+    def __init__(
+        self, *, step: int, finished: int, start_step: int, checkpoint: str | None, resume_mode: str
+    ):
+        self.step = step
+        """The step under way when the interrupt came (``finished`` when it came between steps)."""
+        self.finished = finished
+        """The last step whose metrics and checkpoint (when due) were written."""
+        self.start_step = start_step
+        self.checkpoint = checkpoint
+        """The newest checkpoint folder (None: none saved)."""
+        self.resume_mode = resume_mode
+        super().__init__(f"interrupted during step {step}")
+
+
+def run_loggers(loggers: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The sinks a command's run uses: ``loggers`` whose package is installed (one warning for each other) plus
+    ``jsonl``, always: ``metrics.jsonl`` is the run's record, read by the summary, the plot and the timings."""
+    kept = usable_loggers(loggers)
+    return kept if "jsonl" in kept else (*kept, "jsonl")
+
+
+def _step_limit(trainer: Any) -> tuple[str, str]:
+    """``(what ends the run, the key to raise to train on)``."""
+    cfg = trainer.config.trainer
+    per_epoch = len(trainer.train_dataloader)
+    if cfg.total_training_steps is not None and cfg.total_training_steps <= per_epoch * cfg.total_epochs:
+        return f"trainer.total_training_steps={cfg.total_training_steps}", "trainer.total_training_steps"
+    return f"trainer.total_epochs={cfg.total_epochs} x {per_epoch} steps per epoch", "trainer.total_epochs"
 
 
 def _absolute_paths(job: JobConfig) -> JobConfig:
@@ -124,6 +183,7 @@ def run_train(
     if scorers is None:
         scorers = resolve_scorers(job)
     job = _absolute_paths(job)
+    loggers = run_loggers(job.trainer.loggers)  # warns about a missing package now, not after the models load
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
     job = resolve_model_dirs(job)
@@ -131,36 +191,57 @@ def run_train(
     tokenizer = load_tokenizer(job)
     check_tokenizer_fits(job, tokenizer)
     tokens = special_tokens(job, tokenizer)
-    train, val = load_datasets(job, tokenizer)
+    with _input_errors():
+        train, val = load_datasets(job, tokenizer)
     actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
+    ppo = dataclasses.replace(ppo, trainer=dataclasses.replace(ppo.trainer, loggers=loggers))
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
     reward = build_reward(job, tokenizer, scorers)
-    trainer = build_trainer(
-        job,
-        ppo,
-        worker_specs(job, ppo, model_dir),
-        train_dataset=train,
-        val_dataset=val,
-        reward_fn=reward,
-        pad_token_id=tokens.pad_token_id,
-        tokenizer=tokenizer,
-    )
+    try:
+        with _input_errors():  # the trainer checks the prompts against the batch size
+            trainer = build_trainer(
+                job,
+                ppo,
+                worker_specs(job, ppo, model_dir),
+                train_dataset=train,
+                val_dataset=val,
+                reward_fn=reward,
+                pad_token_id=tokens.pad_token_id,
+                tokenizer=tokenizer,
+            )
+    except BaseException:
+        reward.close()
+        raise
     result = TrainResult(run_dir=job.run_dir, metrics_file=os.path.join(job.log_dir, "metrics.jsonl"))
     weights = os.path.join(job.run_dir, "final_actor")
+    interrupted = False
     try:
         trainer.fit()
         result.steps = trainer.global_steps
+        result.start_step = trainer.start_step
+        result.step_limit, result.limit_key = _step_limit(trainer)
+        result.total_steps = trainer.total_training_steps
         result.checkpoint = ckpt.find_latest_checkpoint(job.checkpoint_dir)
         if trainer.global_steps > 0:
             shutil.rmtree(weights, ignore_errors=True)
             trainer.actor_wg.save_weights(weights)
         if timings_json:
             result.extra["peak_memory_gib"] = _peak_memory(trainer)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         trainer.shutdown()
         reward.close()
+    if interrupted:
+        raise TrainInterrupted(
+            step=trainer.global_steps,
+            finished=trainer.finished_steps,
+            start_step=trainer.start_step,
+            checkpoint=ckpt.find_latest_checkpoint(job.checkpoint_dir),
+            resume_mode=job.trainer.resume_mode,
+        )
     if result.steps > 0:
         result.export_dir = export_actor_weights(
             weights, job.export_path, actor_worker=actor_worker, model_dir=model_dir, dtype=job.export_dtype

@@ -7,6 +7,13 @@ dispatch, colocation and trainers without processes; real data parallelism needs
 Deadlines: with ``call_timeout_s`` set (the default), calls run on one helper thread of the group, in submission
 order, so that the controller can stop waiting for a rank that hangs: the wait raises ``CallTimeoutError`` and the
 group is broken (a thread cannot be cancelled; it is a daemon, so it never holds up the interpreter's exit).
+
+Exit: a daemon thread still alive when the interpreter finalizes is stopped where it next needs the GIL; if that is
+inside torch (a tensor being freed: C++ code that cannot be unwound) the process aborts with SIGABRT after its work
+is done. So the call thread drops each call's function, arguments and result as soon as the call is done (nothing
+of a call is freed later on that thread), ``shutdown()`` stops and joins it (and the thread closing the workers of
+a broken group), and an ``atexit`` hook stops and joins the call threads of groups never shut down. Only a rank
+that hangs past its deadline is left running, as before.
 Each call runs with the caller's grad mode and current CUDA device (torch keeps both per thread). A failing rank
 fails the call at once and the later ranks of that call do not run. ``call_timeout_s=None`` runs calls inline in
 the caller's thread, without a deadline, as a debugger expects.
@@ -14,6 +21,7 @@ the caller's thread, without a deadline, as a debugger expects.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import functools
 import logging
@@ -21,6 +29,8 @@ import os
 import queue
 import socket
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -155,11 +165,11 @@ class LocalWorkerGroup(WorkerGroup):
             return
         # a healthy group closes its workers after the calls already submitted; a broken one has a rank stuck on
         # the call thread, so its workers are closed beside it; either way the wait is bounded
-        closing = (
-            self._runner.submit(lambda: _close_all(workers))
-            if self.broken is None
-            else _start_daemon(lambda: _close_all(workers))
-        )
+        close = functools.partial(_close_all, workers)
+        del workers  # only the close call holds them now: they are freed with it, on the thread that runs it
+        closing = self._runner.submit(close) if self.broken is None else _start_daemon(close)
+        del close
+        deadline = time.monotonic() + self.shutdown_timeout_s
         try:
             closing.result(timeout=self.shutdown_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -168,7 +178,12 @@ class LocalWorkerGroup(WorkerGroup):
                 self.worker_cls.__name__,
                 self.shutdown_timeout_s,
             )
-        self._runner.stop()
+        # a broken group's call thread is stuck in the hung rank: it is not waited for
+        runner_left = max(0.0, deadline - time.monotonic()) if self.broken is None else 0.0
+        closer = getattr(closing, "thread", None)
+        if closer is not None:
+            closer.join(max(0.0, deadline - time.monotonic()))
+        self._runner.stop(timeout=runner_left)
 
 
 def _close_all(workers: list[Any]) -> None:
@@ -191,15 +206,25 @@ def _run_into(future: concurrent.futures.Future, fn: Callable[[], Any]) -> None:
 
 
 def _start_daemon(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """``fn`` run on a new daemon thread; the returned future carries the thread as ``.thread`` (to be joined)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-    threading.Thread(target=_run_into, args=(future, fn), name="ppo-local-close", daemon=True).start()
+    thread = threading.Thread(target=_run_into, args=(future, fn), name="ppo-local-close", daemon=True)
+    future.thread = thread  # type: ignore[attr-defined]
+    thread.start()
     return future
+
+
+_LIVE_THREADS: weakref.WeakSet[_CallThread] = weakref.WeakSet()
+"""Call threads not stopped yet: stopped and joined at exit (:func:`_stop_at_exit`)."""
+
+_EXIT_JOIN_S = 10.0
+"""Longest the exit hook waits for each call thread (a call still running at exit, e.g. a hung rank)."""
 
 
 class _CallThread:
     """One daemon thread running submitted functions in order (``ThreadPoolExecutor`` threads are joined at
     exit, so a hung rank would hold up the interpreter). It ends when stopped or after an idle second, and
-    starts again on the next submission."""
+    starts again on the next submission. It keeps no reference to a finished call (see the module docstring)."""
 
     _IDLE_S = 1.0
 
@@ -208,6 +233,7 @@ class _CallThread:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        _LIVE_THREADS.add(self)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -220,10 +246,20 @@ class _CallThread:
                 self._thread.start()
         return future
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the thread finish the calls already submitted, then end; wait for it up to ``timeout`` seconds
+        (None: no wait). Returns whether the thread has ended."""
         with self._lock:
-            self._stopped = True
-            self._queue.put(None)
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
+            thread = self._thread
+        _LIVE_THREADS.discard(self)
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        if timeout is not None:
+            thread.join(timeout)
+        return not thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -237,4 +273,28 @@ class _CallThread:
                 continue
             if item is None:
                 return
-            _run_into(*item)
+            future, fn = item
+            item = None
+            # the call (its function, arguments and tensors) is dropped before the caller wakes up, not when the
+            # next call arrives or the thread ends, which may be while the interpreter finalizes
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the waiter, which re-raises it
+                fn = None
+                future.set_exception(exc)
+                del exc
+            else:
+                fn = None
+                future.set_result(result)
+                result = None
+            future = None
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop and join the call threads of groups never shut down, before the interpreter finalizes."""
+    for runner in list(_LIVE_THREADS):
+        if not runner.stop(timeout=_EXIT_JOIN_S):
+            logger.warning("a local worker call was still running at exit (a hung rank?); leaving it")

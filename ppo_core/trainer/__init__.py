@@ -1,5 +1,5 @@
 """The PPO trainer written once: ``BasePPOTrainer`` (subclasses implement ``init_workers()``), its typed
-``PPOConfig``, checkpoints, metric tracking and a stateful prompt loader."""
+``PPOConfig`` and its algorithm presets, checkpoints, metric tracking and a stateful prompt loader."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from ppo_core.trainer.config import (
     PPOConfig,
     RolloutConfig,
     TrainerConfig,
+    start_warnings,
 )
 from ppo_core.trainer.data import PromptDataLoader, collate_prompts
 from ppo_core.trainer.manifest import CheckpointCorruptError
 from ppo_core.trainer.plot import plot_run, validation_mean, validation_reward
+from ppo_core.trainer.presets import PRESETS, apply_preset
 from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError, scores_to_token_level
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation
-from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl
+from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl, usable_loggers
 
 __all__ = [
+    "PRESETS",
     "ActorConfig",
     "BasePPOTrainer",
     "CheckpointCorruptError",
@@ -34,6 +37,7 @@ __all__ = [
     "RolloutConfig",
     "Tracker",
     "TrainerConfig",
+    "apply_preset",
     "assign_uids",
     "collate_prompts",
     "compute_advantages",
@@ -43,6 +47,8 @@ __all__ = [
     "plot_run",
     "read_metrics_jsonl",
     "scores_to_token_level",
+    "start_warnings",
+    "usable_loggers",
     "validation_mean",
     "validation_reward",
 ]

@@ -48,7 +48,7 @@ from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer.completions import COMPLETIONS_FILE, reset_completions
-from ppo_core.trainer.config import PPOConfig
+from ppo_core.trainer.config import PPOConfig, start_warnings
 from ppo_core.trainer.data import PromptDataLoader
 from ppo_core.trainer.resident_step import resident_train_step
 from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
@@ -133,6 +133,12 @@ class BasePPOTrainer(abc.ABC):
         alg = config.algorithm
         self.kl_ctrl = build_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         self.global_steps = 0
+        self.start_step = 0
+        """The step ``fit()`` started from (the resumed checkpoint's; 0 on a fresh start)."""
+        self.finished_steps = 0
+        """Steps whose metrics, validation and checkpoint are done (``global_steps - 1`` while a step runs)."""
+        for warning in start_warnings(config, steps_per_epoch=len(self.train_dataloader)):
+            logger.warning("%s", warning)
         self.actor_wg: WorkerGroup | None = None
         self.ref_wg: WorkerGroup | None = None
         self.critic_wg: WorkerGroup | None = None
@@ -198,6 +204,7 @@ class BasePPOTrainer(abc.ABC):
         self._check_workers()
         cfg = self.config.trainer
         resumed = self._load_checkpoint()
+        self.start_step = self.finished_steps = self.global_steps
         tracker = Tracker(
             cfg.loggers,
             cfg.log_dir or cfg.default_local_dir,
@@ -232,6 +239,7 @@ class BasePPOTrainer(abc.ABC):
                     self.save_checkpoint()
                 tracker.log(metrics, step=step)
                 tracker.flush(step)
+                self.finished_steps = step
                 last = metrics
                 if bar is not None:
                     bar.update(1)

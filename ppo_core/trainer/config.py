@@ -8,6 +8,7 @@ e.g. :class:`ppo_core.workers.torch.TorchActorConfig`) travel in each role's fre
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,7 +16,26 @@ from ppo_core._checks import FieldValueError, check_int
 from ppo_core._config_base import ConfigBase
 from ppo_core.config import AlgorithmConfig
 
-__all__ = ["ActorConfig", "CriticConfig", "DataConfig", "PPOConfig", "RolloutConfig", "TrainerConfig"]
+__all__ = [
+    "GROUP_ADV_ESTIMATORS",
+    "ActorConfig",
+    "CriticConfig",
+    "DataConfig",
+    "PPOConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "start_warnings",
+]
+
+GROUP_ADV_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "grpo_passk",
+    "rloo",
+    "opo",
+    "gpg",
+    "reinforce_plus_plus_baseline",
+)
+"""Built-in advantage estimators whose baseline is the other responses to the same prompt (``rollout.n`` of them)."""
 
 ResumeMode = Literal["auto", "disable", "path"]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
@@ -197,6 +217,45 @@ class PPOConfig(ConfigBase):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, validation, checkpoints, logging."""
 
+    def __post_init__(self) -> None:
+        # cross-section rules, checked when the config is built (before any model loads or step runs)
+        alg = self.algorithm
+        if alg.adv_estimator == "gae" and self.critic.enable is False:
+            raise ValueError(
+                "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False; enable the "
+                "critic or pick a critic-free estimator (e.g. grpo, rloo)"
+            )
+        if alg.adv_estimator == "grpo_passk" and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator='grpo_passk' needs groups of at least 2 responses, but rollout.n="
+                f"{self.rollout.n}"
+            )
+        self.check_mini_batches(self.mini_batch_sizes())
+
+    def check_mini_batches(self, sizes: dict[str, int | None]) -> None:
+        """Raise ``ValueError`` naming the keys when a role's ``ppo_mini_batch_size`` (``sizes[role]``; None: not
+        known) does not divide the responses of a step, ``data.train_batch_size x rollout.n``."""
+        rows = self.data.train_batch_size * self.rollout.n
+        for role, size in sizes.items():
+            if size is not None and rows % size:
+                raise ValueError(
+                    f"{role}.worker.ppo_mini_batch_size={size} does not divide the responses of a step, "
+                    f"data.train_batch_size x rollout.n = {self.data.train_batch_size} x {self.rollout.n} = "
+                    f"{rows}: each update cuts them into mini-batches of ppo_mini_batch_size responses"
+                )
+
+    def mini_batch_sizes(self) -> dict[str, int | None]:
+        """``{role: ppo_mini_batch_size}`` of the roles that run (``actor``, and ``critic`` when used), as their
+        worker dicts give it (None: not given; a custom worker may have no such key)."""
+        roles = {"actor": self.actor.worker}
+        if self.use_critic:
+            roles["critic"] = self.critic.worker
+        out: dict[str, int | None] = {}
+        for role, worker in roles.items():
+            size = worker.get("ppo_mini_batch_size")
+            out[role] = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+        return out
+
     @property
     def use_critic(self) -> bool:
         """Whether the critic runs: ``critic.enable``, or (when None) the estimator is ``gae``."""
@@ -208,3 +267,45 @@ class PPOConfig(ConfigBase):
     def use_reference(self) -> bool:
         """Whether reference log-probs are needed (in-reward KL or KL loss)."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
+
+
+def start_warnings(config: PPOConfig, *, steps_per_epoch: int) -> list[str]:
+    """What a run of ``config`` would do that its keys do not say outright, one sentence each (the trainer logs
+    them as warnings when it is built, before any model loads).
+
+    - ``trainer.total_training_steps`` beyond ``total_epochs x steps_per_epoch``: the run stops earlier;
+    - a group estimator (:data:`GROUP_ADV_ESTIMATORS`) with ``rollout.n = 1``: no group baseline;
+    - ``trainer.critic_warmup`` covering every step: the actor is never updated.
+
+    Args:
+        config: the run's config.
+        steps_per_epoch: training steps in one pass over the prompts (``len(train_dataloader)``).
+
+    Example:
+        >>> cfg = PPOConfig.from_dict({"trainer": {"total_training_steps": 10}})
+        >>> start_warnings(cfg, steps_per_epoch=4)[0].split(":")[0]
+        'trainer.total_training_steps=10 but trainer.total_epochs=1 x 4 steps per epoch allow 4'
+    """
+    out = []
+    cfg = config.trainer
+    available = steps_per_epoch * cfg.total_epochs
+    total = available if cfg.total_training_steps is None else min(available, cfg.total_training_steps)
+    if cfg.total_training_steps is not None and cfg.total_training_steps > available:
+        epochs = math.ceil(cfg.total_training_steps / steps_per_epoch)
+        out.append(
+            f"trainer.total_training_steps={cfg.total_training_steps} but trainer.total_epochs={cfg.total_epochs} "
+            f"x {steps_per_epoch} steps per epoch allow {available}: the run stops after {available} steps; set "
+            f"trainer.total_epochs={epochs} to run all {cfg.total_training_steps}"
+        )
+    alg, n = config.algorithm, config.rollout.n
+    if alg.adv_estimator in GROUP_ADV_ESTIMATORS and n == 1:
+        out.append(
+            f"algorithm.adv_estimator={alg.adv_estimator!r} compares the rollout.n responses to each prompt, but "
+            "rollout.n=1: every group holds one response, so there is no group baseline (the advantages are the "
+            "raw or batch-normalised scores); set rollout.n >= 2 (e.g. 8, the grpo preset's)"
+        )
+    if config.use_critic and cfg.critic_warmup >= total:
+        out.append(
+            f"trainer.critic_warmup={cfg.critic_warmup} covers all {total} steps: the actor is never updated"
+        )
+    return out

@@ -11,7 +11,8 @@ written) has one panel per quantity a run logged, so a run without some metrics 
 - KL to the reference (``actor/ref_kl``, the in-reward ``actor/reward_kl_penalty``, the loss's ``actor/kl_loss``);
 - the rollout/training mismatch (``training/rollout_probs_diff_mean`` and ``_max``).
 
-The reward panel and the KL panel are always drawn (empty when nothing was logged).
+The reward panel and the KL panel are always drawn (empty when nothing was logged); records with none of these
+metrics give no plot at all (an empty one would look like a run that learned nothing).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str) -> str
     """The run's curves against the step (see the module docstring), as a PNG at ``path``.
 
     Returns:
-        ``path``, or None when matplotlib is not installed (logged).
+        ``path``, or None (logged) when matplotlib is not installed or the records hold none of these metrics
+        (an empty plot would look like a run that learned nothing).
     """
     try:
         import matplotlib
@@ -155,7 +157,11 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str) -> str
     except ImportError:
         logger.info("matplotlib is not installed: no plot")
         return None
-    panels = [p for p in _panels(records) if p[2] or any(s for _, s, _ in p[1])]
+    panels = _panels(records)
+    if not any(series for _, lines, _, _ in panels for _, series, _ in lines):
+        logger.info("no plotted metrics in the records: no plot")
+        return None
+    panels = [p for p in panels if p[2] or any(s for _, s, _ in p[1])]
     cols = 1 if len(panels) <= 2 else 2
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3 * rows), squeeze=False)

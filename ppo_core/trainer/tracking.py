@@ -8,19 +8,24 @@ drops the lines of steps after the checkpoint, so the file describes exactly one
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import numbers
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Tracker", "read_metrics_jsonl"]
+__all__ = ["Tracker", "read_metrics_jsonl", "usable_loggers"]
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""The package each optional sink needs."""
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -33,6 +38,37 @@ def _to_float(key: str, value: Any) -> float:
 
 def _json_value(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def usable_loggers(loggers: Sequence[str]) -> tuple[str, ...]:
+    """``loggers`` without the sinks whose package is not installed, with one warning for each dropped sink.
+
+    Call it once where a run starts (the CLI does, before loading the model) and hand the result on, so that the
+    warning comes at the start and only once.
+
+    Example:
+        >>> usable_loggers(["console", "jsonl"])
+        ('console', 'jsonl')
+    """
+    kept = []
+    for name in loggers:
+        package = _PACKAGES.get(name)
+        if package is not None and not _installed(package):
+            logger.warning(
+                "%s is not installed; the %s logger is disabled (pip install %s)", package, name, package
+            )
+            continue
+        kept.append(name)
+    return tuple(kept)
+
+
+def _installed(package: str) -> bool:
+    if package in sys.modules:  # already imported (or blocked: None)
+        return sys.modules[package] is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent package
+        return False
 
 
 def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -86,7 +122,7 @@ class Tracker:
                 raise ValueError(f"unknown logger {name!r}; valid values: {', '.join(valid)}")
         if any(name in loggers for name in ("jsonl", "tensorboard", "wandb")) and log_dir is None:
             raise ValueError("log_dir is required for the jsonl, tensorboard and wandb loggers")
-        self.loggers = tuple(loggers)
+        self.loggers = usable_loggers(loggers)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.console_every = max(1, int(console_every))
         self._pending: dict[int, dict[str, float]] = {}

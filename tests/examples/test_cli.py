@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -223,3 +224,79 @@ def test_eval_needs_validation_prompts(example, capsys):
     _, data = example
     assert main(["eval", TINY, f"vars.root={data}", "data.val_files=[]"]) == 2
     assert "data.val_files must name the prompts to evaluate on" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_console_logger_alone_keeps_the_record_and_a_missing_one_warns_once(
+    example, capsys, caplog, monkeypatch
+):
+    """``trainer.loggers=[console]`` still writes ``metrics.jsonl`` (the printed path exists, the summary and
+    the plot have data); a logger whose package is missing is one warning, before anything loads."""
+    import logging
+
+    root, data = example
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed, whatever this machine has
+    common = [
+        TINY,
+        f"vars.root={data}",
+        f"run_dir={root / 'console'}",
+        *SHORT,
+        "trainer.loggers=[console,tensorboard]",
+    ]
+    with caplog.at_level(logging.INFO):
+        out = _run(capsys, "train", *common, "trainer.total_training_steps=2")
+    metrics = _printed(out, "metrics")
+    assert [r["step"] for r in read_metrics_jsonl(metrics)] == [0, 1, 2]
+    assert "validation reward" in out and os.path.getsize(_printed(out, "plot")) > 0
+    messages = [r.getMessage() for r in caplog.records]
+    missing = [i for i, m in enumerate(messages) if "tensorboard is not installed" in m]
+    # the prompts (a Monarch run earlier in this process prefixes messages with the actor's name)
+    loaded = [i for i, m in enumerate(messages) if re.search(r"\bloaded \d+ prompts from ", m)]
+    assert len(missing) == 1 and missing[0] < loaded[0], messages
+
+    # a rerun of a finished job says it did nothing; a longer one names the steps it trained
+    out = _run(capsys, "train", *common, "trainer.total_training_steps=2")
+    assert out.startswith(
+        "nothing to do: already trained 2 steps (trainer.total_training_steps=2); raise "
+        "trainer.total_training_steps to train on"
+    ), out
+    out = _run(capsys, "train", *common, "trainer.total_training_steps=4")
+    assert out.startswith("trained steps 3-4 in "), out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_shuts_down_and_says_how_to_resume(example, capsys):
+    import signal
+    import time
+
+    root, data = example
+    run = root / "interrupted"
+    argv = ["train", TINY, f"vars.root={data}", f"run_dir={run}", *SHORT, "trainer.save_freq=1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppo_core_cli", "-q", *argv, "trainer.total_training_steps=400"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not any(r["step"] >= 1 for r in read_metrics_jsonl(run)):  # the first step is done
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-core:")]
+    assert len(lines) == 3 and "Traceback" not in err, err
+    assert (
+        lines[0].startswith("ppo-core: interrupted during step ") and "the workers are shut down" in lines[0]
+    )
+    newest = max(int(p.name.split("_")[-1]) for p in (run / "checkpoints").glob("global_step_*"))
+    assert (
+        lines[1] == f"ppo-core: newest checkpoint: {run / 'checkpoints'}/global_step_{newest} (step {newest})"
+    )
+    assert lines[2] == "ppo-core: rerun the same command to resume from it"
+    # the rerun resumes from that checkpoint
+    out = _run(capsys, *argv, f"trainer.total_training_steps={newest + 1}")
+    assert out.startswith(f"trained step {newest + 1} in "), out

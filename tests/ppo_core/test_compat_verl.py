@@ -124,9 +124,9 @@ def test_mini_batches_count_responses_and_the_critic_follows_the_actor():
     cfg = ppo_config_from_verl(_verl(actor_rollout_ref={"actor.ppo_mini_batch_size": 8, "rollout.n": 4}))
     assert cfg.actor.worker["ppo_mini_batch_size"] == 32 and cfg.critic.worker["ppo_mini_batch_size"] == 32
     cfg = ppo_config_from_verl(
-        _verl(actor_rollout_ref={"rollout.n": 2, "actor.ppo_epochs": 3}, critic={"ppo_mini_batch_size": 5})
+        _verl(actor_rollout_ref={"rollout.n": 2, "actor.ppo_epochs": 3}, critic={"ppo_mini_batch_size": 4})
     )
-    assert cfg.critic.worker["ppo_mini_batch_size"] == 10 and cfg.critic.worker["ppo_epochs"] == 3
+    assert cfg.critic.worker["ppo_mini_batch_size"] == 8 and cfg.critic.worker["ppo_epochs"] == 3
 
 
 def test_global_micro_batch_sizes_are_divided_by_the_gpus():
@@ -373,7 +373,8 @@ PASS_THROUGH = {
     "algorithm.lam": ("algorithm.lam", st.floats(0, 1)),
     "algorithm.kl_ctrl.kl_coef": ("algorithm.kl_ctrl.kl_coef", st.floats(0, 1)),
     "algorithm.kl_ctrl.target_kl": ("algorithm.kl_ctrl.target_kl", st.floats(1e-3, 1)),
-    "data.train_batch_size": ("data.train_batch_size", st.integers(1, 4096)),
+    # multiples of verl's default mini-batch (256 prompts), which must divide it (in verl too)
+    "data.train_batch_size": ("data.train_batch_size", st.integers(1, 16).map(lambda k: 256 * k)),
     "actor_rollout_ref.rollout.n": ("rollout.n", st.integers(1, 16)),
     "actor_rollout_ref.rollout.temperature": ("actor.worker.rollout.temperature", st.floats(0.1, 2)),
     "actor_rollout_ref.rollout.top_p": ("actor.worker.rollout.top_p", st.floats(0.01, 1)),
@@ -681,6 +682,7 @@ def test_overrides_apply_as_in_hydra(tmp_path):
     assert conversion.settings["algorithm"]["adv_estimator"] == "grpo"
     assert conversion.settings["rollout"]["n"] == 4
     assert "trainer.val_only" not in conversion.quiet + conversion.mapped
-    assert convert_verl({}, ["data.train_batch_size=8"]).settings["data"]["train_batch_size"] == 8
+    # a multiple of verl's default mini-batch (256 prompts), which must divide it
+    assert convert_verl({}, ["data.train_batch_size=512"]).settings["data"]["train_batch_size"] == 512
     with pytest.raises(ValueError, match=r"override 'nonsense'"):
         convert_verl(path, ["nonsense"])

@@ -1,8 +1,10 @@
-"""The run's summary numbers (validation means over data sources) and its plot: one panel per logged quantity."""
+"""The run's summary numbers (validation means over data sources) and its plot: one panel per logged quantity, or
+none when the records hold no plotted metric (an empty plot would look like a run that learned nothing)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hypothesis import given
@@ -99,3 +101,17 @@ def test_the_plot_has_a_panel_per_logged_quantity(tmp_path):
         {k: v for k, v in r.items() if not k.startswith(("training/", "actor/entropy"))} for r in _full_run()
     ]
     assert _size(plot_run(partial, str(tmp_path / "partial.png"), "partial")) == (1400, 900)
+
+
+def test_no_metrics_no_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = str(tmp_path / "p.png")
+    assert plot_run([], path, "t") is None and not os.path.exists(path)
+    assert plot_run([{"step": 1, "timing_s/gen": 0.5}], path, "t") is None and not os.path.exists(path)
+
+
+def test_a_reward_curve_is_plotted(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = [{"step": s, "critic/score/mean": s / 10} for s in range(1, 4)]
+    path = str(tmp_path / "p.png")
+    assert plot_run(records, path, "t") == path and os.path.getsize(path) > 0

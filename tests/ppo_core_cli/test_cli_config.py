@@ -92,7 +92,8 @@ SCALARS = {
     "trainer.total_training_steps": st.integers(1, 10**6),
     "trainer.seed": st.integers(0, 2**31),
     "trainer.val_before_train": st.booleans(),
-    "data.train_batch_size": st.integers(1, 4096),
+    # multiples of the tiny config's ppo_mini_batch_size (64), which must divide train_batch_size x n
+    "data.train_batch_size": st.integers(1, 64).map(lambda k: 64 * k),
     "data.max_prompt_length": st.integers(1, 8192),
     "rollout.n": st.integers(1, 16),
     "algorithm.gamma": st.floats(0, 1),
@@ -254,3 +255,28 @@ def test_package_dir_interpolation_names_an_installed_package_folder(tmp_path, m
     assert job.model.path == str(pkg)
     with pytest.raises(ValueError, match=r"model\.path.*no installed Python package 'no_such_pkg_xyz'"):
         load_job_config(None, ["model.path=${package_dir:no_such_pkg_xyz}"])
+
+
+def test_presets_fill_in_what_the_job_leaves_out(caplog):
+    """The tiny config is ``preset: ppo``; ``preset=grpo`` switches the algorithm, explicit keys still win."""
+    import logging
+
+    tiny = load_job_config(TINY)
+    assert tiny.preset == "ppo" and tiny.algorithm.adv_estimator == "gae" and tiny.algorithm.use_kl_in_reward
+    grpo = load_job_config(TINY, ["preset=grpo"])
+    assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.rollout.n == 8
+    assert grpo.actor.use_kl_loss and grpo.actor.worker["use_kl_loss"] and not grpo.algorithm.use_kl_in_reward
+    with caplog.at_level(logging.INFO, logger="ppo_core_cli.loading"):
+        mine = load_job_config(TINY, ["preset=grpo", "rollout.n=4"])
+    assert mine.rollout.n == 4 and "preset grpo: the job's rollout.n=4 replaces the preset's 8" in caplog.text
+    with pytest.raises(ValueError, match="unknown preset 'dapo'; valid values: grpo, ppo, rloo"):
+        load_job_config(TINY, ["preset=dapo"])
+
+
+def test_the_kl_loss_switch_reaches_the_worker():
+    """``actor.use_kl_loss=true`` alone: the trainer computes reference log-probs and the worker's loss uses them."""
+    from ppo_core.workers.torch import TorchActorConfig
+
+    ppo = load_job_config(TINY, ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"]).ppo_config()
+    assert ppo.use_reference and TorchActorConfig.from_dict(ppo.actor.worker).use_kl_loss
+    assert not TorchActorConfig.from_dict(load_job_config(TINY).ppo_config().actor.worker).use_kl_loss

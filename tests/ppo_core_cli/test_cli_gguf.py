@@ -171,7 +171,11 @@ def test_bad_files_are_errors_naming_them(gguf_files, tmp_path, capsys):
     assert main(["convert", str(truncated), str(tmp_path / "out")]) == 2
     assert "truncated.gguf" in capsys.readouterr().err
     job = tmp_path / "job.yaml"
-    job.write_text("sft: {output_dir: out, files: [x.parquet]}\n")
+    prompts = tmp_path / "x.parquet"  # the files are checked to exist before the model is converted
+    prompts.write_bytes(b"")
+    job.write_text(
+        f"sft: {{output_dir: out, files: [{prompts}]}}\ndata: {{train_files: [{prompts}], train_batch_size: 256}}\n"
+    )
     for command, key in (("train", "model.path"), ("sft", "sft.model_path")):
         argv = [
             command,

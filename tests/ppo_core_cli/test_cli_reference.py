@@ -114,9 +114,10 @@ def test_the_yaml_says_which_keys_the_command_sets():
     text = render_yaml(load_job_config(None, ["workers=megatron"]))
     assert "# eos_token_id: (set by the command from the tokenizer unless the job sets it)" in text
     assert "# num_layers: (set by the command from model.path's config.json)" in text
+    assert "# use_kl_loss: (not set: follows actor.use_kl_loss; when set it must equal it)" in text
     assert (
-        "# use_kl_loss: false (not set: the worker's default; when set it must equal actor.use_kl_loss)"
-        in text
+        "# ppo_mini_batch_size: 256 (not set: the worker's default; it must divide data.train_batch_size x "
+        "rollout.n to run)" in text
     )
     tree = yaml.safe_load(text)
     assert "eos_token_id" not in tree["actor"]["worker"]["rollout"]

@@ -1,0 +1,87 @@
+"""What ``ppo-core train``, ``eval`` and ``sft`` check before anything loads: every named file and folder exists
+(a model is a Hugging Face checkpoint directory, a GGUF file or a directory holding one), and the job's rules that the workers' defaults can still break (:meth:`~ppo_core_cli.config.JobConfig.check_before_run`).
+
+Each failure is a ``FileNotFoundError`` or ``ValueError`` naming the dotted key and its value, which the command
+prints as one ``ppo-core: error:`` line.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ppo_core_cli.config import JobConfig
+
+__all__ = ["check_eval_inputs", "check_sft_inputs", "check_train_inputs"]
+
+
+def _checkpoint_dir(key: str, path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key}={path!r}: no such directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"{key}={path!r} is not a Hugging Face checkpoint directory (no config.json in it) nor a GGUF file"
+        )
+
+
+def _model_source(key: str, path: str) -> None:
+    """A Hugging Face checkpoint directory, or a GGUF file (or a directory holding one: converted later)."""
+    from ppo_core_cli.convert import find_gguf_file
+
+    try:
+        gguf_file = find_gguf_file(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"{key}: {exc}") from None
+    if gguf_file is None:
+        _checkpoint_dir(key, path)
+
+
+def _files(key: str, paths: list[str]) -> None:
+    for i, path in enumerate(paths):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{key}[{i}]={path!r}: no such file")
+
+
+def _model_inputs(job: JobConfig) -> None:
+    model = job.model
+    if not model.path:
+        raise ValueError("model.path must name a Hugging Face checkpoint directory or a GGUF file")
+    if model.init_shape is None:
+        _model_source("model.path", model.path)
+    elif not os.path.isfile(os.path.join(model.path, "config.json")) and not model.tokenizer_path:
+        raise ValueError("model.init_shape needs model.tokenizer_path (where the tokenizer files are)")
+    if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
+        raise FileNotFoundError(f"model.tokenizer_path={model.tokenizer_path!r}: no such directory")
+
+
+def check_train_inputs(job: JobConfig) -> None:
+    """The model, tokenizer and critic directories and the prompt files of ``job`` exist; the mini-batch rules
+    hold with the workers' defaults. Raises naming the key (see the module docstring)."""
+    _model_inputs(job)
+    if job.model.critic_path and job.use_critic:
+        _model_source("model.critic_path", job.model.critic_path)
+    if not job.data.train_files:
+        raise ValueError("data.train_files must name at least one prompt file")
+    _files("data.train_files", job.data.train_files)
+    _files("data.val_files", job.data.val_files)
+    job.check_before_run()
+
+
+def check_eval_inputs(job: JobConfig) -> None:
+    """The model and tokenizer directories and the validation prompt files of ``job`` exist (the critic and the
+    training prompts are not used); the mini-batch rules hold with the workers' defaults."""
+    _model_inputs(job)
+    if not job.data.val_files:
+        raise ValueError("data.val_files must name the prompts to evaluate on (none given)")
+    _files("data.val_files", job.data.val_files)
+    job.check_before_run()
+
+
+def check_sft_inputs(job: JobConfig) -> None:
+    """The warm-up's starting checkpoint (a Hugging Face directory or a GGUF file) and pair files exist."""
+    sft = job.sft
+    if not sft.model_path:
+        raise ValueError("sft.model_path must name a Hugging Face checkpoint directory or a GGUF file")
+    _model_source("sft.model_path", sft.model_path)
+    if not sft.files:
+        raise ValueError("sft.files must name at least one file of prompt/response pairs")
+    _files("sft.files", sft.files)

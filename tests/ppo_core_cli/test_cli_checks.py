@@ -1,0 +1,148 @@
+"""``ppo-core train``, ``eval`` and ``sft`` check the job's files and mini-batch rules before anything loads: one
+``ppo-core: error:`` line naming the key and the path or values, exit status 2 (no traceback)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+pytest.importorskip("omegaconf")
+
+from ppo_core_cli.main import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "configs" / "tiny_cpu.yaml")
+
+
+@pytest.fixture
+def root(tmp_path):
+    """An example root with a fake checkpoint (config.json) and prompt files that exist, nothing loadable."""
+    for d in ("sft_model", "model"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    for f in ("train.parquet", "test.parquet", "sft.parquet"):
+        (tmp_path / "data" / f).write_bytes(b"")
+    return tmp_path
+
+
+def _error(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ppo-core: error: "), captured.err
+    return lines[0].removeprefix("ppo-core: error: ")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "data.train_files=[{r}/data/nope.parquet]",
+            "data.train_files[0]='{r}/data/nope.parquet': no such file",
+        ),
+        (
+            "data.val_files=[{r}/data/test.parquet,{r}/x.jsonl]",
+            "data.val_files[1]='{r}/x.jsonl': no such file",
+        ),
+        ("model.path={r}/none", "model.path='{r}/none': no such directory"),
+        ("model.path={r}/data", "model.path='{r}/data' is not a Hugging Face checkpoint directory"),
+        ("model.tokenizer_path={r}/tok", "model.tokenizer_path='{r}/tok': no such directory"),
+        ("model.critic_path={r}/data", "model.critic_path='{r}/data' is not a Hugging Face checkpoint"),
+        (
+            "data.train_batch_size=96",
+            "actor.worker.ppo_mini_batch_size=64 does not divide the responses of a step, "
+            "data.train_batch_size x rollout.n = 96 x 1 = 96",
+        ),
+        (
+            "critic.worker.ppo_mini_batch_size=48",
+            "critic.worker.ppo_mini_batch_size=48 does not divide the responses of a step, "
+            "data.train_batch_size x rollout.n = 128 x 1 = 128",
+        ),
+        (
+            "actor.worker.use_reference=false",
+            "actor.worker.use_reference=false, but algorithm.use_kl_in_reward",
+        ),
+        (
+            "critic.enable=false",
+            "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False",
+        ),
+    ],
+)
+def test_train_names_the_key_before_anything_loads(root, capsys, override, expected):
+    r = str(root)
+    assert _error(capsys, "train", TINY, f"vars.root={r}", override.format(r=r)).startswith(
+        expected.format(r=r)
+    )
+
+
+def test_a_worker_default_that_breaks_the_rule_is_found_too(root, capsys):
+    # the tiny config without its mini-batch sizes: the workers' default (256) does not divide 128 x 1
+    text = (pathlib.Path(TINY).read_text()).replace("ppo_mini_batch_size: 64", "")
+    config = root / "job.yaml"
+    config.write_text(text)
+    err = _error(capsys, "train", str(config), f"vars.root={root}")
+    assert err.startswith("actor.worker.ppo_mini_batch_size=256 does not divide"), err
+
+
+def test_sft_names_the_key(root, capsys):
+    r = str(root)
+    assert (
+        _error(capsys, "sft", TINY, f"vars.root={r}", f"sft.model_path={r}/x")
+        == f"sft.model_path='{r}/x': no such directory"
+    )
+    err = _error(capsys, "sft", TINY, f"vars.root={r}", f"sft.files=[{r}/p.parquet]")
+    assert err == f"sft.files[0]='{r}/p.parquet': no such file"
+
+
+def test_the_tiny_config_asks_only_for_loggers_that_make_install_installs():
+    from ppo_core_cli.loading import load_job_config
+
+    assert set(load_job_config(TINY).trainer.loggers) <= {"console", "jsonl"}
+
+
+def test_a_gguf_model_passes_the_check_and_is_converted_after_it(root, capsys):
+    """``model.path`` may name a GGUF file or a folder holding one: the check accepts it, and a bad prompt file is
+    named before any conversion starts; with the files right, the conversion names the bad GGUF file."""
+    r = str(root)
+    (root / "gguf").mkdir()
+    (root / "gguf" / "m.gguf").write_bytes(b"not a model")
+    common = ["train", TINY, f"vars.root={r}", f"model.path={r}/gguf", f"model.convert_dir={r}/converted"]
+    err = _error(capsys, *common, f"data.train_files=[{r}/none.parquet]")
+    assert err == f"data.train_files[0]='{r}/none.parquet': no such file"
+    assert not (root / "converted").exists()
+    assert "m.gguf" in _error(capsys, *common)
+    err = _error(capsys, "train", TINY, f"vars.root={r}", f"model.path={r}/missing.gguf")
+    assert err == f"model.path: the GGUF file '{r}/missing.gguf' does not exist"
+
+
+def test_eval_checks_its_files_with_the_preset_applied(root, capsys):
+    r = str(root)
+    assert (
+        _error(capsys, "eval", TINY, f"vars.root={r}", f"data.val_files=[{r}/v.parquet]")
+        == f"data.val_files[0]='{r}/v.parquet': no such file"
+    )
+    assert (
+        _error(capsys, "eval", TINY, f"vars.root={r}", "--model", f"{r}/none")
+        == f"model.path='{r}/none': no such directory"
+    )
+    # 256 divides the preset's 128 x 8 responses of a step, not the tiny config's own 128 x 1
+    big = ["actor.worker.ppo_mini_batch_size=256", "critic.worker.ppo_mini_batch_size=256"]
+    assert "does not divide" in _error(capsys, "eval", TINY, f"vars.root={r}", *big)
+    err = _error(
+        capsys, "eval", TINY, f"vars.root={r}", "preset=grpo", *big, f"data.val_files=[{r}/v.parquet]"
+    )
+    assert err == f"data.val_files[0]='{r}/v.parquet': no such file"
+
+
+def test_eval_builds_a_critic_free_job_from_a_gae_one():
+    """The tiny config is GAE with a critic; the evaluation drops the critic, so the estimator must not need it
+    (the config rules hold when the job is built)."""
+    from ppo_core_cli.evaluate import _actor_only
+    from ppo_core_cli.loading import load_job_config
+
+    job = _actor_only(load_job_config(TINY))
+    assert not job.use_critic and job.algorithm.adv_estimator == "reinforce_plus_plus"
+    grpo = load_job_config(TINY, ["preset=grpo"])
+    assert _actor_only(grpo).algorithm == grpo.algorithm
