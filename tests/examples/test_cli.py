@@ -1,4 +1,4 @@
-"""The README's "Post-train a Hugging Face model" path, short: ``ppo-core make-data``, ``sft``, ``train`` (with the
+"""The README's "Post-train any Hugging Face model" path, short: ``ppo-core make-data``, ``sft``, ``train`` (with the
 timings JSON), resume through the command, ``export``; the exports load in ``transformers`` with the trained actor's
 logits. The learning itself (validation reward +0.3) takes minutes and is the README's claim, not this test's."""
 
@@ -181,7 +181,7 @@ def test_monarch_backend(example, capsys):
 def test_readme_commands_are_the_tested_path():
     """The README's commands are the ones above: make-data into the tiny config's root, sft, then train."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Post-train a Hugging Face model")[1].split("\n## ")[0]
+    section = text.split("## Post-train any Hugging Face model")[1].split("\n## ")[0]
     block = section.split("```bash\n")[1].split("```")[0]
     commands = [
         line.split("#")[0].split("&&")[-1].strip() for line in block.splitlines() if "ppo-core" in line

@@ -92,7 +92,7 @@ def test_value_oracle_returns_a_clip_fraction_for_an_all_masked_batch():
 
 def _readme_testing_block() -> str:
     text = README.read_text()
-    section = text[text.index("## Testing your own code with our strategies") :]
+    section = text[text.index("## Test your own code with our strategies") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
