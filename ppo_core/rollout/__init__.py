@@ -47,6 +47,13 @@ from __future__ import annotations
 from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine, WeightReceiver
 from ppo_core.rollout.generate import generate
 from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.registry import (
+    auto_engine_name,
+    get_rollout_engine,
+    register_rollout_engine,
+    resolve_engine,
+    rollout_engine_names,
+)
 from ppo_core.rollout.sampling import (
     SamplingConfig,
     logits_of,
@@ -62,9 +69,14 @@ __all__ = [
     "RolloutEngine",
     "SamplingConfig",
     "WeightReceiver",
+    "auto_engine_name",
     "generate",
+    "get_rollout_engine",
     "logits_of",
+    "register_rollout_engine",
+    "resolve_engine",
     "rollout_batch",
+    "rollout_engine_names",
     "sample_from_logits",
     "sample_tokens",
     "sampling_log_probs",

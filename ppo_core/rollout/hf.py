@@ -56,10 +56,14 @@ from ppo_core.rollout.eager_rounding import (
     rotary_as_model,
     silu_mul_as_model,
 )
-from ppo_core.rollout.generate import _hf_causal_lm
 from ppo_core.rollout.kv_cache import KVCache
+from ppo_core.rollout.registry import hf_causal_lm as _hf_causal_lm
 
-__all__ = ["HFRolloutEngine", "supports_fast_path"]
+__all__ = [
+    "HFRolloutEngine",
+    "hf_engine",
+    "supports_fast_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -565,3 +569,9 @@ class HFRolloutEngine(CachedRolloutEngine):
         super().release()
         if isinstance(self._forward, _LlamaFamilyForward):
             self._forward.free()
+
+
+def hf_engine(model: nn.Module, config: Any) -> HFRolloutEngine:
+    """The registry's ``hf`` factory: :class:`HFRolloutEngine` on ``model`` with ``config.batch_invariant``
+    (every other option at its default)."""
+    return HFRolloutEngine(model, batch_invariant=bool(getattr(config, "batch_invariant", False)))

@@ -35,6 +35,7 @@ from ppo_core._checks import FieldValueError, check_int, check_positive, check_u
 from ppo_core._config_base import ConfigBase
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.fused_sampling import fused_sample, fused_sampling_available
+from ppo_core.rollout.registry import check_engine_name
 
 __all__ = [
     "SamplingConfig",
@@ -71,12 +72,22 @@ class SamplingConfig(ConfigBase):
     :class:`~ppo_core.rollout.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
     are the same bits whatever else is in the batch, so a prompt's response does not depend on its batch and cached
     decoding equals full recomputation bit for bit. Slower; an engine that cannot do it raises ``ValueError``."""
+    engine: str = "auto"
+    """The rollout engine, by its registered name (:mod:`~ppo_core.rollout.registry`): ``auto`` (the engine
+    :func:`~ppo_core.rollout.registry.auto_engine_name` picks for the model), ``reference`` (the simple loop),
+    ``hf`` (Hugging Face causal LMs), ``megatron`` (the megatron actor), or one you registered. An actor worker
+    builds it once and reuses it for every step; :func:`~ppo_core.rollout.generate.generate` keeps the one it built
+    for a model."""
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_positive("temperature", self.temperature, allow_zero=True)
         check_unit_interval("top_p", self.top_p)
         check_int("top_k", self.top_k, 0)
+        try:
+            check_engine_name(self.engine)
+        except ValueError as err:
+            raise FieldValueError("engine", str(err).removeprefix("engine")) from None
         if self.top_p == 0:
             raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
 

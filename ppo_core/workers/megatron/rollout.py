@@ -49,7 +49,7 @@ from ppo_core.workers.megatron.decode import MegatronDecodeForward, gather_vocab
 from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 
-__all__ = ["MegatronRolloutEngine"]
+__all__ = ["MegatronRolloutEngine", "megatron_engine"]
 
 TP_NOT_INVARIANT = (
     "a row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
@@ -244,3 +244,22 @@ def _invariant_product(
     """A linear layer's local product (megatron's ``_forward_impl`` at TP = 1: no communication inside it) by
     :func:`~ppo_core.rollout.batch_invariant.invariant_linear`."""
     return invariant_linear(input, weight, bias)
+
+
+def megatron_engine(view: nn.Module, config: Any) -> MegatronRolloutEngine:
+    """The registry's ``megatron`` factory: :class:`MegatronRolloutEngine` on the megatron actor worker's policy view
+    (its ``module``, ``model_config``, tensor-parallel group and size) with ``config.batch_invariant``."""
+    module = getattr(view, "module", None)
+    model_config = getattr(view, "model_config", None)
+    if module is None or model_config is None:
+        raise TypeError(
+            "the megatron rollout engine is built on the megatron actor worker's policy (rollout.engine: megatron "
+            f"needs MegatronActorWorker), got {type(view).__name__}"
+        )
+    return MegatronRolloutEngine(
+        module,
+        model_config,
+        tp_group=view._tp_group,
+        tp_size=view.layout.tp_size,
+        batch_invariant=bool(getattr(config, "batch_invariant", False)),
+    )
