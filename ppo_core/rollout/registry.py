@@ -11,7 +11,7 @@ Built-in names (their modules are imported only when the engine is built):
 
 - ``reference``: :class:`~ppo_core.rollout.engine.ModelRolloutEngine`, the simple loop of :func:`generate`
   (recomputes every step, or decodes through the model's own ``new_cache()``);
-- ``hf``: :class:`~ppo_core.rollout.hf.HFRolloutEngine`, the static-KV-cache, graph-captured engine for Hugging Face
+- ``hf``: :class:`~ppo_core_decode.hf.HFRolloutEngine`, the static-KV-cache, graph-captured engine for Hugging Face
   causal LMs;
 - ``megatron``: :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine`, the same for the megatron actor's
   ``GPTModel`` (the model is the megatron actor worker's policy view);
@@ -57,7 +57,7 @@ EngineFactory = Callable[[nn.Module, Any], Any]
 _FACTORIES: dict[str, EngineFactory | str] = {
     # built-ins by "module:attribute", imported when first built (the decode engines need transformers / megatron)
     "reference": "ppo_core.rollout.engine:reference_engine",
-    "hf": "ppo_core.rollout.hf:hf_engine",
+    "hf": "ppo_core_decode.hf:hf_engine",
     "megatron": "ppo_core.workers.megatron.rollout:megatron_engine",
 }
 

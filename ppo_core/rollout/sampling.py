@@ -8,9 +8,9 @@ vocabulary entry is an exact draw from ``softmax(filtered_logits / T)``. The noi
 - the same function runs inside a captured CUDA graph (no RNG state in the graph: the noise buffer is refilled
   before each replay),
 - every decoding path (full recomputation, the model's own cache, the static-cache engines of
-  :mod:`ppo_core.rollout.decoding`) draws the same tokens from the same logits and the same generator, except
+  :mod:`ppo_core_decode.decoding`) draws the same tokens from the same logits and the same generator, except
   the static-cache engines' CUDA temperature sampling without top-k/top-p: there the fused kernels of
-  :mod:`ppo_core.rollout.fused_sampling` make the noise themselves from a seed drawn from the generator (same
+  :mod:`ppo_core_decode.fused_sampling` make the noise themselves from a seed drawn from the generator (same
   generator, same tokens, with or without CUDA graphs, but not the tokens of the other paths).
 
 The log-probability returned with each token (``rollout_log_probs``) is ``log_softmax(logits / T)`` at the drawn
@@ -34,7 +34,6 @@ import torch
 from ppo_core._checks import FieldValueError, check_int, check_positive, check_unit_interval
 from ppo_core._config_base import ConfigBase
 from ppo_core.kernels.compiled import cuda_compiled
-from ppo_core.rollout.fused_sampling import fused_sample, fused_sampling_available
 from ppo_core.rollout.registry import check_engine_name
 
 __all__ = [
@@ -69,7 +68,7 @@ class SamplingConfig(ConfigBase):
     ``new_cache()`` when it has one; False recomputes the whole sequence for every token."""
     batch_invariant: bool = False
     """Sample with batch-invariant numerics (Llama-family Hugging Face models through
-    :class:`~ppo_core.rollout.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
+    :class:`~ppo_core_decode.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
     are the same bits whatever else is in the batch, so a prompt's response does not depend on its batch and cached
     decoding equals full recomputation bit for bit. Slower; an engine that cannot do it raises ``ValueError``."""
     engine: str = "auto"
@@ -191,10 +190,11 @@ def sample_tokens(
     if temperature > 0 and (noise is None or noise.shape != logits.shape):
         got = None if noise is None else tuple(noise.shape)
         raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling, got {got}")
-    if fused_sampling_available(
-        logits, top_k, top_p
-    ):  # CUDA without truncation: one read of logits and noise
-        return fused_sample(logits, noise, float(temperature))
+    if logits.is_cuda:  # the Triton sampler lives in the decode package (imported on first use)
+        from ppo_core_decode.fused_sampling import fused_sample, fused_sampling_available
+
+        if fused_sampling_available(logits, top_k, top_p):  # no truncation: one read of logits and noise
+            return fused_sample(logits, noise, float(temperature))
     return _draw(logits, noise, float(temperature), int(top_k), float(top_p))
 
 

@@ -84,7 +84,7 @@ def test_builtin_names_and_factories() -> None:
     names = rollout_engine_names()
     assert {"reference", "hf", "megatron"} <= set(names) and "auto" not in names
     assert get_rollout_engine("reference") is reference_engine
-    from ppo_core.rollout.hf import hf_engine
+    from ppo_core_decode.hf import hf_engine
 
     assert get_rollout_engine("hf") is hf_engine
 
@@ -167,7 +167,7 @@ def registry_slot() -> str:
 
 
 def test_generate_reuses_the_hf_engine_across_weight_updates(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ppo_core.rollout import hf
+    from ppo_core_decode import hf
 
     builds = []
     original = hf.HFRolloutEngine.__init__
@@ -215,7 +215,7 @@ def test_torch_actor_builds_its_engine_once_through_the_registry(counting: str) 
 
 
 def test_torch_actor_auto_picks_the_engine_for_its_model() -> None:
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     assert isinstance(_actor("auto").rollout, ModelRolloutEngine)
     assert isinstance(_actor("auto", _llama).rollout, HFRolloutEngine)

@@ -1,6 +1,6 @@
-"""The layer loop of a pre-norm decoder evaluated through a :class:`~ppo_core.rollout.kv_cache.KVCache`, shared by
+"""The layer loop of a pre-norm decoder evaluated through a :class:`~ppo_core_decode.kv_cache.KVCache`, shared by
 the rollout engines that run a model's layers themselves rather than its ``forward`` (Hugging Face's Llama family,
-:mod:`ppo_core.rollout.hf`; megatron-core's GPT, :mod:`ppo_core.workers.megatron.decode`).
+:mod:`ppo_core_decode.hf`; megatron-core's GPT, :mod:`ppo_core_decode.megatron`).
 
 A subclass says where the weights are and how each step rounds (hook methods); the loop fuses every residual add
 with the norm after it (``_add_rms_norm``: one kernel on CUDA), so a layer is: fused add + norm, q/k/v projection,
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ppo_core.rollout.kv_cache import KVCache
+from ppo_core_decode.kv_cache import KVCache
 
 __all__ = ["Attend", "DecoderLayerLoop", "add_linear_", "split_qkv"]
 
@@ -79,7 +79,7 @@ def add_linear_(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, inpla
 
 
 class DecoderLayerLoop:
-    """A :class:`~ppo_core.rollout.decoding.CachedForward` of a pre-norm decoder: ``input_ids``/``positions [B, S]``
+    """A :class:`~ppo_core_decode.decoding.CachedForward` of a pre-norm decoder: ``input_ids``/``positions [B, S]``
     -> logits ``[B, V]`` of the last position, in the model dtype.
 
     Subclasses implement the hooks: ``_layers``, ``_norms``, ``_embed``, ``_attention``, ``_projections``,

@@ -34,10 +34,10 @@ How the token is drawn depends on where the randomness comes from:
   from device memory, so a captured CUDA graph replays the next step's draw. :func:`fused_sampling_uniforms`
   materialises the uniforms.
 
-:func:`fused_sample_record` is the decoder's step (:mod:`ppo_core.rollout.decoding`): the second kernel also writes
+:func:`fused_sample_record` is the decoder's step (:mod:`ppo_core_decode.decoding`): the second kernel also writes
 the token, its response-mask bit and log-prob at column ``step`` and advances ``done``, the fed token and ``step``,
 so that drawing and recording a token is two launches. On Hopper both launch with programmatic dependent launch
-(:mod:`ppo_core.rollout.pdl`): each is scheduled while the kernel before it finishes and waits for it before its
+(:mod:`ppo_core_decode.pdl`): each is scheduled while the kernel before it finishes and waits for it before its
 first read.
 
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (the tests).
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.rollout.pdl import pdl_enabled
+from ppo_core_decode.pdl import pdl_enabled
 
 try:
     import triton

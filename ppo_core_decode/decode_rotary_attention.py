@@ -1,15 +1,15 @@
 """A layer's whole decode step after its projections in one Triton launch: rotary embedding, KV-cache write, attention.
 
-Unfused, a decode step on CUDA runs :func:`~ppo_core.rollout.decode_rotary.rotate_and_write_triton` (rotate the new
+Unfused, a decode step on CUDA runs :func:`~ppo_core_decode.decode_rotary.rotate_and_write_triton` (rotate the new
 query and key, write the key and value at the step's slot) and then
-:func:`~ppo_core.rollout.decode_attention.decode_attention_triton` (attend over the filled slots): two launches per
+:func:`~ppo_core_decode.decode_attention.decode_attention_triton` (attend over the filled slots): two launches per
 layer, the second waiting on the first. Here the programs of a (row ``b``, key/value head ``g``):
 
 1. rotate the group's ``H / G`` query heads and its new key by the row's ``cos``/``sin`` with the arithmetic of
-   :mod:`ppo_core.rollout.decode_rotary` (the same Triton function, both ``model_rounding`` rules);
+   :mod:`ppo_core_decode.decode_rotary` (the same Triton function, both ``model_rounding`` rules);
 2. write the rotated key and the value into the cache at ``slot`` (one program of the ``(b, g)`` does, so each
    cache row is written once);
-3. attend over the slots ``< n = min(kv_len, slot + 1)`` as :mod:`ppo_core.rollout.decode_attention`'s kernel does
+3. attend over the slots ``< n = min(kv_len, slot + 1)`` as :mod:`ppo_core_decode.decode_attention`'s kernel does
    (same blocks, same online softmax). Unsplit (``S = 1``, below), the program has written the new slot's key and
    value itself before a barrier, so its threads read them back from the cache like any other slot (a CTA's
    barrier orders its threads' global stores before their later loads); split, the program whose chunk holds the
@@ -26,7 +26,7 @@ captured in a CUDA graph cannot depend on it; late chunks may be empty). Every p
 value from its registers. Each program writes its partial online-softmax state to an fp32 workspace: running max
 ``m_s [REP]``, sum ``l_s [REP]`` and unnormalised output ``acc_s [REP, d]`` (``m_s = -inf``, ``l_s = 0``,
 ``acc_s = 0`` for an empty chunk). The partials are combined in the same launch: each program adds one to its
-``(b, g)``'s arrival counter (:func:`~ppo_core.rollout.split_launch.arrival_counters`), and the program that
+``(b, g)``'s arrival counter (:func:`~ppo_core_decode.split_launch.arrival_counters`), and the program that
 arrives last computes ``M = max_s m_s`` and ``out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s``, summing
 ``s = 0, ..., S - 1`` in that order whichever program combines, so the result does not depend on the order of
 arrival (two calls give the same bits), and resets the counter to zero for the next call (or graph replay).
@@ -62,7 +62,7 @@ masked gives NaN, as the unsplit kernel (and SDPA) does.
 
 Shapes: ``q [B, H, 1, d]``, ``k``/``v [B, G, 1, d]`` (any strides, last dimension contiguous), ``cos``/``sin
 [B, d]``, cache ``keys``/``values [B, G, L, d]``, ``bias [B, 1, 1, kv_len]`` (additive, as for
-:func:`~ppo_core.rollout.decode_attention.decode_attention`), ``slot []`` int64 on the device (the launch can be
+:func:`~ppo_core_decode.decode_attention.decode_attention`), ``slot []`` int64 on the device (the launch can be
 captured in a CUDA graph); output ``[B, H, 1, d]``.
 """
 
@@ -73,16 +73,16 @@ import os
 import torch
 
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core.rollout.decode_rotary import rotate_and_write_triton_available
-from ppo_core.rollout.pdl import pdl_enabled
-from ppo_core.rollout.split_launch import arrival_counters, sm_count
+from ppo_core_decode.decode_rotary import rotate_and_write_triton_available
+from ppo_core_decode.pdl import pdl_enabled
+from ppo_core_decode.split_launch import arrival_counters, sm_count
 
 try:
     import triton
     import triton.language as tl
 
-    from ppo_core.rollout.decode_attention import _softmax_block
-    from ppo_core.rollout.decode_rotary import _rotary
+    from ppo_core_decode.decode_attention import _softmax_block
+    from ppo_core_decode.decode_rotary import _rotary
 except ImportError:  # Triton is optional
     triton = None
     tl = None
@@ -356,8 +356,8 @@ def rotate_write_attend_triton(
     split: int | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
-    what :func:`~ppo_core.rollout.decode_rotary.rotate_and_write_triton` followed by
-    :func:`~ppo_core.rollout.decode_attention.decode_attention_triton` (with ``filled = slot + 1``) computes.
+    what :func:`~ppo_core_decode.decode_rotary.rotate_and_write_triton` followed by
+    :func:`~ppo_core_decode.decode_attention.decode_attention_triton` (with ``filled = slot + 1``) computes.
 
     Args:
         q: ``[B, H, 1, d]`` queries; k, v: ``[B, G, 1, d]`` keys and values of the step (not rotated; any strides
@@ -368,7 +368,7 @@ def rotate_write_attend_triton(
         bias: ``[B, 1, 1, kv_len]`` (or ``[1, 1, 1, kv_len]``) additive mask, fp32 or the model dtype; the slots
             attended are those below ``min(kv_len, slot + 1)``.
         scale: softmax scale (None: ``1 / sqrt(d)``).
-        model_rounding: the rotation's rounding rule (see :mod:`ppo_core.rollout.decode_rotary`).
+        model_rounding: the rotation's rounding rule (see :mod:`ppo_core_decode.decode_rotary`).
         block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (three stages:
             see the module docstring).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen

@@ -1,6 +1,6 @@
 """KV-cached, graph-captured decoding of Hugging Face causal LMs (the rollout engine of the torch workers).
 
-Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_cache.KVCache`:
+Two ways to run a ``transformers`` model through :class:`~ppo_core_decode.kv_cache.KVCache`:
 
 - **Llama-family fast path** (``llama``, ``mistral``, ``qwen2``, ``qwen3`` model types with SiLU MLPs and full
   attention): the decoder layers are evaluated from the model's own modules and weights, the element-wise steps
@@ -11,7 +11,7 @@ Two ways to run a ``transformers`` model through :class:`~ppo_core.rollout.kv_ca
   on the CPU the same tokens and log-probs as its own modules through the cache, bit for bit, in fp32 and bf16. On
   CUDA in half precision a forward of several tokens (the prefill) adds the residual in the output and down
   projections' GEMMs (``addmm``) and normalises the sum alone, where the model adds the rounded product in a kernel
-  of its own (:meth:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop._adds_residual_in_products`; the decode step's
+  of its own (:meth:`~ppo_core_decode.decoder_loop.DecoderLayerLoop._adds_residual_in_products`; the decode step's
   products add in their epilogues).
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
@@ -41,23 +41,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm
-from ppo_core.rollout.decode_linear import (
+from ppo_core.rollout.registry import hf_causal_lm as _hf_causal_lm
+from ppo_core_decode.batch_invariant import invariant_linear, invariant_rms_norm
+from ppo_core_decode.decode_linear import (
     decode_linear,
     decode_linear_available,
     fold_norm_weights,
     row_sumsq,
 )
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
-from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
-from ppo_core.rollout.eager_rounding import (
+from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
+from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
+from ppo_core_decode.eager_rounding import (
     add_rms_norm_as_model,
     rms_norm_as_model,
     rotary_as_model,
     silu_mul_as_model,
 )
-from ppo_core.rollout.kv_cache import KVCache
-from ppo_core.rollout.registry import hf_causal_lm as _hf_causal_lm
+from ppo_core_decode.kv_cache import KVCache
 
 __all__ = [
     "HFRolloutEngine",
@@ -97,7 +97,7 @@ def _concatenated(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
     none has one); written into ``out`` (weight, bias) when given. With ``scale [K]`` each weight's columns are
-    multiplied by it as they are copied (:func:`~ppo_core.rollout.decode_linear.fold_norm_weights`: one Triton
+    multiplied by it as they are copied (:func:`~ppo_core_decode.decode_linear.fold_norm_weights`: one Triton
     launch per group on CUDA)."""
     weight_out, bias_out = out if out is not None else (None, None)
     if scale is None:
@@ -465,18 +465,18 @@ class HFRolloutEngine(CachedRolloutEngine):
             it (unless ``keep_cache``): about half the weights of a Llama-shaped model more memory while
             sampling, none during the update.
         batch_invariant: on the fused path, compute every GEMM, RMSNorm and attention with the batch-invariant
-            functions of :mod:`ppo_core.rollout.batch_invariant`: each row's logits do not depend on the other
+            functions of :mod:`ppo_core_decode.batch_invariant`: each row's logits do not depend on the other
             rows, so cached decoding equals a full recomputation (:meth:`recompute_logits`) bit for bit, and a
             prompt's response does not depend on its batch. Slower (GEMMs in 64-row chunks, attention query by
             query); off by default.
         fused_decode: on the fused path, run the projections of decode steps of up to
-            :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
-            :func:`~ppo_core.rollout.decode_linear.decode_linear`: residual adds, RMSNorms and SiLU x up in the
+            :data:`~ppo_core_decode.decode_linear.MAX_ROWS` rows on CUDA through
+            :func:`~ppo_core_decode.decode_linear.decode_linear`: residual adds, RMSNorms and SiLU x up in the
             products' epilogues (its roundings: see that module). The norms' weights are folded into the concatenated
             q/k/v and gate/up weights as they are copied, so it costs no memory beyond ``fuse_projections``. None:
             wherever it applies (the fused path with ``fuse_projections``, no ``batch_invariant``, a CUDA model).
         cuda_graphs, kv_bucket, check_every, steps_per_graph, keep_cache: see
-            :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
+            :class:`~ppo_core_decode.decoding.StaticCacheDecoder`.
     """
 
     def __init__(

@@ -38,7 +38,7 @@ import torch
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
+from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
 try:
     import triton
@@ -269,7 +269,7 @@ def invariant_rms_norm(
 
     ``model_rounding``: the Hugging Face models' arithmetic (the normalised row rounded to ``x``'s dtype, then
     multiplied by the weight: the output in the promoted dtype of the two;
-    :func:`~ppo_core.rollout.eager_rounding.rms_norm_as_model`); otherwise one rounding at the end
+    :func:`~ppo_core_decode.eager_rounding.rms_norm_as_model`); otherwise one rounding at the end
     (``torch.nn.RMSNorm``'s, and megatron's fused norm: the output in ``x``'s dtype;
     :func:`~ppo_core.kernels.fused.rms_norm`). The sum ``x + delta`` is
     rounded to ``x``'s dtype before it is normalised. On CUDA (and under Triton's interpreter) one Triton program

@@ -28,7 +28,7 @@ the tensor cores straight from shared memory):
 - **persistent launch** (``DecodeLinearConfig.tiles_per_program``, the output layer's default): one program per SM
   streams an equal share of the weight's rows, its tiles' ``K`` loops flattened into one software pipeline (a
   product without residual, SwiGLU or split);
-- **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core.rollout.pdl`): a program loads
+- **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core_decode.pdl`): a program loads
   its first weight tile, then waits for the previous kernel, and lets the next kernel start once its main loop is
   done.
 
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core.rollout.pdl import pdl_enabled
-from ppo_core.rollout.split_launch import arrival_counters, sm_count
+from ppo_core_decode.pdl import pdl_enabled
+from ppo_core_decode.split_launch import arrival_counters, sm_count
 
 try:
     import triton

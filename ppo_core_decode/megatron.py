@@ -2,12 +2,12 @@
 in place, with fewer kernels per decode step than megatron's ``forward``.
 
 :class:`MegatronDecodeForward` is the counterpart of the Hugging Face engine's Llama-family path
-(:class:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop` is their shared layer loop). Per layer of a decode step:
+(:class:`~ppo_core_decode.decoder_loop.DecoderLayerLoop` is their shared layer loop). Per layer of a decode step:
 
 - every residual add is fused with the RMSNorm after it (megatron adds, then normalises: two kernels); on CUDA in
   half precision at TP = 1 a forward of several tokens (the prefill) adds the residual in the output and down
   projections' GEMMs instead and normalises the sum alone
-  (:meth:`~ppo_core.rollout.decoder_loop.DecoderLayerLoop._adds_residual_in_products`), the same add and norm with
+  (:meth:`~ppo_core_decode.decoder_loop.DecoderLayerLoop._adds_residual_in_products`), the same add and norm with
   half the norm kernel's memory traffic;
 - ``linear_qkv``'s rows, which megatron interleaves per query group (``q_0 .. q_{h/g-1} k v`` for each group),
   are re-laid out as ``[q; k; v]`` once per generation (:meth:`MegatronDecodeForward.refresh`), so that the query
@@ -22,7 +22,7 @@ more): add + norm, q/k/v GEMM, rotation + cache write, attention, output GEMM, a
 down GEMM. The numbers are megatron's: the same roundings as its own forward (bit for bit on the CPU).
 
 With ``fused_decode`` (TP = 1; the engine's default on CUDA) a decode step of up to 64 rows instead runs
-:meth:`MegatronDecodeForward._decode_step`: four :func:`~ppo_core.rollout.decode_linear.decode_linear` products and
+:meth:`MegatronDecodeForward._decode_step`: four :func:`~ppo_core_decode.decode_linear.decode_linear` products and
 the one-launch rotation + cache write + attention, five launches a layer. Each residual add is in the epilogue of
 the product before it, which also writes the new residual's sums of squares, and the next product scales by the
 norm's ``rstd`` in its epilogue. The norm's weight: with ``fold_norms`` (the default) each generation whose decode
@@ -32,15 +32,15 @@ the Hugging Face engine folds its concatenated weights), and the products read t
 weight is copied and the residual epilogue also writes the new residual times the next norm's weight (rounded) for
 the next product to read, which makes the decode step longer (``docs/performance.md``). The norms and SwiGLU then
 round as
-:mod:`~ppo_core.rollout.decode_linear` documents, not as megatron's fused kernels do.
+:mod:`~ppo_core_decode.decode_linear` documents, not as megatron's fused kernels do.
 
 Tensor parallelism: this rank's shards of every weight; the row-parallel outputs (``linear_proj``,
 ``linear_fc2``) are summed over the TP group with ``torch.distributed.all_reduce`` (captured with the CUDA graph,
 as megatron's own reduction is); the embedding is megatron's vocabulary-parallel module itself; the logits'
 vocabulary shards are gathered (:func:`gather_vocabulary`).
 
-Configurations: :func:`own_forward_unsupported` names what this forward does not evaluate (LayerNorm, biases on
-the other linear layers, learned absolute positions, a critic's value head and megatron options our configs do
+Configurations: :func:`~ppo_core.workers.megatron.rollout.own_forward_unsupported` names what this forward does
+not evaluate (LayerNorm, biases on the other linear layers, learned absolute positions, a critic's value head and megatron options our configs do
 not set); the engine then keeps megatron's own forward.
 
 Shapes: ``B`` rows, ``S`` tokens per row in this forward, ``D`` model width, ``H``/``G`` query/key-value heads of
@@ -58,67 +58,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
-from ppo_core.rollout.decode_linear import (
+from ppo_core_decode.decode_linear import (
     decode_linear,
     decode_linear_available,
     fold_norm_weights,
     row_sumsq,
     row_sumsq_scaled,
 )
-from ppo_core.rollout.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
-from ppo_core.rollout.eager_rounding import silu_mul_as_model
-from ppo_core.rollout.kv_cache import KVCache
-from ppo_core.workers.megatron.config import MegatronModelConfig
-from ppo_core.workers.megatron.fused import FusedNorm
-from ppo_core.workers.megatron.model import SDPACoreAttention
+from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
+from ppo_core_decode.eager_rounding import silu_mul_as_model
+from ppo_core_decode.kv_cache import KVCache
 
-__all__ = ["MegatronDecodeForward", "gather_vocabulary", "own_forward_unsupported"]
-
-
-def own_forward_unsupported(module: nn.Module, config: MegatronModelConfig) -> str | None:
-    """Why :class:`MegatronDecodeForward` cannot evaluate ``module`` (a ``GPTModel`` of ``config``), or None when it
-    can.
-
-    It evaluates pre-norm RMSNorm decoders with a SwiGLU MLP, no biases except an optional one on ``linear_qkv``,
-    rotary positions applied by :class:`SDPACoreAttention` (or none), and an output layer (an actor). Not
-    supported: ``model.norm="LayerNorm"`` (no fused residual add + LayerNorm kernel here), a critic's value head
-    (it decodes nothing), and megatron options the configs of ppo-core do not set (MoE, q/k norms, fp32 or
-    post-norm residuals, learned absolute positions, biases on the other linear layers, clamped or offset GLU).
-    """
-    tc = module.config
-    if config.norm != "RMSNorm":
-        return f"model.norm={config.norm!r}: the fused residual add + norm is RMSNorm's only"
-    options = {
-        "num_moe_experts": None,
-        "qk_layernorm": False,
-        "fp32_residual_connection": False,
-        "apply_residual_connection_post_layernorm": False,
-        "add_bias_linear": False,
-        "multi_latent_attention": False,
-        "use_te_activation_func": False,
-        "activation_func_clamp_value": None,
-    }
-    for name, supported in options.items():
-        if getattr(tc, name, supported) != supported:
-            return f"the transformer config sets {name}={getattr(tc, name)!r}"
-    if not tc.gated_linear_unit or tc.activation_func is not F.silu or getattr(tc, "glu_linear_offset", 0.0):
-        return "the MLP is not SwiGLU (gated_linear_unit with F.silu and no offset)"
-    embedding = getattr(module, "embedding", None)
-    if embedding is None or getattr(embedding, "add_position_embedding", False):
-        return "the model has no embedding, or learned absolute position embeddings"
-    output = getattr(module, "output_layer", None)
-    if output is None or not hasattr(output, "logits_window"):
-        return "the model has no vocabulary output layer (a critic, or sequence parallelism)"
-    decoder = getattr(module, "decoder", None)
-    if decoder is None or not isinstance(getattr(decoder, "final_layernorm", None), FusedNorm):
-        return "the decoder has no FusedNorm final norm"
-    for layer in decoder.layers:
-        norms = (layer.input_layernorm, layer.pre_mlp_layernorm)
-        if not all(isinstance(norm, FusedNorm) for norm in norms):
-            return "a layer's norms are not FusedNorm"
-        if not isinstance(layer.self_attention.core_attention, SDPACoreAttention):
-            return "a layer's core attention is not SDPACoreAttention (model.attention='sdpa')"
-    return None
+__all__ = ["MegatronDecodeForward", "gather_vocabulary"]
 
 
 def gather_vocabulary(
@@ -151,8 +102,10 @@ class MegatronDecodeForward(DecoderLayerLoop):
     """The cached forward of this rank's ``GPTModel`` from its weights in place (see the module docstring).
 
     Args:
-        module: the ``GPTModel`` (supported: :func:`own_forward_unsupported` is None), its attention layers'
-            ``kv_cache_layer`` set to their index.
+        module: the ``GPTModel``, its attention layers' ``kv_cache_layer`` set to their index. The caller checks
+            that this forward evaluates it (:func:`~ppo_core.workers.megatron.rollout.own_forward_unsupported` is
+            None; the megatron engine does): this package imports nothing of the workers, whose module classes that
+            check names.
         config: its :class:`~ppo_core.workers.megatron.config.MegatronModelConfig`.
         tp_group: the tensor-parallel process group (None when TP = 1).
         tp_size: tensor-parallel size.
@@ -170,16 +123,13 @@ class MegatronDecodeForward(DecoderLayerLoop):
     def __init__(
         self,
         module: nn.Module,
-        config: MegatronModelConfig,
+        config: Any,
         *,
         tp_group: Any = None,
         tp_size: int = 1,
         fused_decode: bool = False,
         fold_norms: bool = True,
     ) -> None:
-        reason = own_forward_unsupported(module, config)
-        if reason is not None:
-            raise ValueError(f"MegatronDecodeForward cannot evaluate this model: {reason}")
         tc = module.config
         self.module = module
         self.layers = list(module.decoder.layers)
@@ -322,19 +272,19 @@ class MegatronDecodeForward(DecoderLayerLoop):
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """A decode step (``h [B, D]``, one token per row, TP = 1) through
-        :func:`~ppo_core.rollout.decode_linear.decode_linear`: each residual add and the new residual's sums of
+        :func:`~ppo_core_decode.decode_linear.decode_linear`: each residual add and the new residual's sums of
         squares in the epilogue of the product before it; the norm's row scale in the epilogue of the product after
         it, which reads the residual itself and the norm's weight folded into its own (``fold_norms``), or else the
         new residual times the norm's weight, which the residual epilogue also writes; SiLU x up in the epilogue of
         ``linear_fc1``; the final norm in the output layer's epilogue. Five launches a layer with the rotation and
-        attention; roundings as documented in :mod:`~ppo_core.rollout.decode_linear` (the norm scales the product
+        attention; roundings as documented in :mod:`~ppo_core_decode.decode_linear` (the norm scales the product
         rather than its input)."""
         attend = self._attention(h[:, None], positions, cache)
         self.layers[0].self_attention.core_attention.cache_rotary_rows(cache)
         b = h.shape[0]
         fold = self._fold_now
 
-        def unfolded(norm: FusedNorm) -> torch.Tensor | None:
+        def unfolded(norm: nn.Module) -> torch.Tensor | None:
             """The weight the residual epilogue scales the next product's input by: none where it is folded."""
             return None if fold else norm.weight
 
@@ -366,7 +316,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         logits = decode_linear(x, self._output_weight(), sumsq=sumsq, eps=self._final_norm().eps).y
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
 
-    def _final_norm(self) -> FusedNorm:
+    def _final_norm(self) -> nn.Module:
         return self.module.decoder.final_layernorm
 
     def _output_weight(self) -> torch.Tensor:
@@ -396,7 +346,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         inplace: bool = False,
     ) -> torch.Tensor:
         """A row-parallel layer (no bias): this rank's partial product, summed over the TP group; with ``residual``
-        the residual plus it (at TP = 1 one GEMM, see :func:`~ppo_core.rollout.decoder_loop.add_linear_`)."""
+        the residual plus it (at TP = 1 one GEMM, see :func:`~ppo_core_decode.decoder_loop.add_linear_`)."""
         if residual is not None and self.tp_size == 1:
             return add_linear_(residual, x, linear.weight, inplace=inplace)
         out = self._linear(x, linear.weight, None)
@@ -409,14 +359,14 @@ class MegatronDecodeForward(DecoderLayerLoop):
     def _layers(self) -> Sequence[nn.Module]:
         return self.layers
 
-    def _norms(self, layer: nn.Module) -> tuple[FusedNorm, FusedNorm]:
+    def _norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
         return layer.input_layernorm, layer.pre_mlp_layernorm
 
-    def _rms_norm(self, x: torch.Tensor, norm: FusedNorm) -> torch.Tensor:
+    def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         return rms_norm(x, norm.weight, norm.eps)
 
     def _add_rms_norm(
-        self, h: torch.Tensor, delta: torch.Tensor, norm: FusedNorm
+        self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(h, delta, norm.weight, norm.eps)
 
@@ -436,7 +386,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         def attend(
             i: int, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
-            core: SDPACoreAttention = layer.self_attention.core_attention
+            core: Any = layer.self_attention.core_attention
             out = core.attend_cache(cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             # [B, S, H d], or [B, 1, H d] where the cache attends the last query only
             return out.transpose(1, 2).reshape(b, out.shape[2], -1)

@@ -3,7 +3,7 @@ megatron-core rollout engines.
 
 A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positions [B, S], cache) -> logits
 [B, V]`` (any floating dtype, read in fp32 by the sampler; the full vocabulary, last position only) that routes its attention through
-:meth:`ppo_core.rollout.kv_cache.KVCache.attend`. :class:`StaticCacheDecoder` then
+:meth:`ppo_core_decode.kv_cache.KVCache.attend`. :class:`StaticCacheDecoder` then
 
 1. allocates the cache for ``B`` rows of ``P + R`` slots,
 2. runs the prompts of all rows at once (prefill) and draws the first response token,
@@ -21,7 +21,7 @@ A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positi
 
 Sampling follows :func:`ppo_core.rollout.sampling.sample_tokens`. Where its fused Triton rule applies (CUDA logits,
 no top-k/top-p truncation) a step draws and records its token in two launches
-(:func:`ppo_core.rollout.fused_sampling.fused_sample_record`) and, when sampling, the randomness is made inside the
+(:func:`ppo_core_decode.fused_sampling.fused_sample_record`) and, when sampling, the randomness is made inside the
 second one: two uniforms a row from Philox keyed by a seed drawn once per :meth:`StaticCacheDecoder.generate` from
 the caller's generator, with the step (read from the device tensor ``t``, so a replayed graph draws the next step's)
 and the row as counter, which pick the token by the inverse of the cumulative distribution. No ``[B, V]`` noise is
@@ -58,11 +58,11 @@ from tensordict import TensorDict
 from torch import nn
 
 from ppo_core._checks import check_ndim, check_tensor
-from ppo_core.rollout.fused_sampling import fused_sample_record, fused_sampling_available
-from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id
 from ppo_core.rollout.sampling import sample_tokens
+from ppo_core_decode.fused_sampling import fused_sample_record, fused_sampling_available
+from ppo_core_decode.kv_cache import KVCache
 
 __all__ = ["CachedForward", "CachedRolloutEngine", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
 
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 
 class CachedForward(Protocol):
-    """A model's forward through a :class:`~ppo_core.rollout.kv_cache.KVCache`."""
+    """A model's forward through a :class:`~ppo_core_decode.kv_cache.KVCache`."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``[B, S]`` -> logits ``[B, V]`` of the last position (any floating dtype)."""

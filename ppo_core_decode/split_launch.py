@@ -1,6 +1,6 @@
 """Host-side state of the decode kernels that split one reduction over several programs and combine it in the launch.
 
-:mod:`ppo_core.rollout.decode_linear` (split-K) and :mod:`ppo_core.rollout.decode_rotary_attention` (a split of the
+:mod:`ppo_core_decode.decode_linear` (split-K) and :mod:`ppo_core_decode.decode_rotary_attention` (a split of the
 cache's slots) give a reduction to ``S`` programs when too few programs would otherwise keep the GPU busy. Each
 program writes its fp32 partial to a workspace and adds one to an arrival counter of its output block (an atomic
 with acquire-release order); the program that arrives last sums the ``S`` partials in a fixed order, writes the

@@ -13,7 +13,7 @@ Two roundings of ``t cos + rotate_half(t) sin`` (``rotate_half([t1, t2]) = [-t2,
 - ``model_rounding=False``: in fp32, rounded once to the model dtype (:func:`ppo_core.kernels.fused.apply_rotary`,
   megatron's rule);
 - ``model_rounding=True``: each product and the sum rounded to the model dtype, as a model's eager forward does
-  with tables in its dtype (:func:`ppo_core.rollout.eager_rounding.rotary_as_model`, the Hugging Face engine's).
+  with tables in its dtype (:func:`ppo_core_decode.eager_rounding.rotary_as_model`, the Hugging Face engine's).
   Compiled, the kernels form each product with an explicit ``mul.rn.f32``: LLVM would otherwise narrow the rounded
   products and their sum to the model dtype and, with Triton's default FP contraction, fuse one product into the
   sum, leaving it unrounded (which changes bf16 results by one step); ``rotary_as_model`` is compiled without
@@ -29,7 +29,7 @@ import torch
 
 from ppo_core.kernels.fused import apply_rotary
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core.rollout.eager_rounding import rotary_as_model
+from ppo_core_decode.eager_rounding import rotary_as_model
 
 try:
     import triton

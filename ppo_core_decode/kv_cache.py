@@ -37,20 +37,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ppo_core.rollout.batch_invariant import invariant_attention
-from ppo_core.rollout.decode_attention import decode_attention
-from ppo_core.rollout.decode_rotary import (
+from ppo_core_decode.batch_invariant import invariant_attention
+from ppo_core_decode.decode_attention import decode_attention
+from ppo_core_decode.decode_rotary import (
     rotate_and_write_prompt_triton,
     rotate_and_write_triton,
     rotate_and_write_triton_available,
 )
-from ppo_core.rollout.decode_rotary_attention import rotate_write_attend_triton
-from ppo_core.rollout.step_inputs import _record_and_mask, decode_step_inputs
+from ppo_core_decode.decode_rotary_attention import rotate_write_attend_triton
+from ppo_core_decode.step_inputs import _record_and_mask, decode_step_inputs
 
 __all__ = ["FUSED_DECODE", "KVCache", "prefill_attention_mask"]
 
 #: Whether :meth:`KVCache.attend_rotated` decodes on CUDA in one launch per layer
-#: (:func:`~ppo_core.rollout.decode_rotary_attention.rotate_write_attend_triton`) rather than two (the rotation and
+#: (:func:`~ppo_core_decode.decode_rotary_attention.rotate_write_attend_triton`) rather than two (the rotation and
 #: cache write, then the attention); read at each call, so that a benchmark can set it between runs.
 #: ``PPO_CORE_DECODE_FUSED=0`` sets it False at import.
 FUSED_DECODE: bool = os.environ.get("PPO_CORE_DECODE_FUSED", "1") != "0"
@@ -88,7 +88,7 @@ class KVCache:
         prefill_mask: ``[B, 1, P, P]`` mask of the current prefill (:func:`prefill_attention_mask`); None when no
             prompt is padded (the mask is then the causal one, which SDPA applies itself: ``is_causal``, each
             key/value head shared by its query heads without a copy, so that CUDA runs a flash kernel).
-        batch_invariant: attend with :func:`~ppo_core.rollout.batch_invariant.invariant_attention` in both modes (set
+        batch_invariant: attend with :func:`~ppo_core_decode.batch_invariant.invariant_attention` in both modes (set
             by the forward): each query alone over the slots up to its own, so that a prefill of the whole
             sequence and the decode step of a token give its query the same bits.
         last_query_only: in a prefill, :meth:`attend` writes every position's key and value but attends only the
@@ -189,7 +189,7 @@ class KVCache:
         """:meth:`begin_decode` for decode step ``t`` (``[]`` int64, ``>= 1``) of prompts ``prompt_width`` columns
         wide holding ``prompt_len [B]`` real tokens: slot ``P + t - 1``; returns the rows' rotary positions
         ``prompt_len + t - 1`` ``[B, 1]`` (also set as :attr:`positions`). One launch on CUDA
-        (:func:`~ppo_core.rollout.step_inputs.decode_step_inputs`)."""
+        (:func:`~ppo_core_decode.step_inputs.decode_step_inputs`)."""
         inputs = decode_step_inputs(
             t, prompt_len, prompt_width, self.key_valid, fed_valid, self.keys[0].dtype
         )
@@ -271,18 +271,18 @@ class KVCache:
 
         ``rotate(q, k) -> (q, k)`` is the caller's rotary embedding. On CUDA it is replaced by Triton kernels that
         rotate by ``tables() -> (cos, sin)`` ``[B, S, d]`` (the forward's token positions) with the same rule
-        (``model_rounding``: see :mod:`ppo_core.rollout.decode_rotary`) and write the rotated keys and the values
+        (``model_rounding``: see :mod:`ppo_core_decode.decode_rotary`) and write the rotated keys and the values
         into the cache in the same launch:
 
         - a prefill rotates and writes its ``S`` tokens in one launch
-          (:func:`~ppo_core.rollout.decode_rotary.rotate_and_write_prompt_triton`), then attends over the cache's
+          (:func:`~ppo_core_decode.decode_rotary.rotate_and_write_prompt_triton`), then attends over the cache's
           first ``S`` slots;
         - a decode step, with :data:`FUSED_DECODE` (and the Triton decode attention not turned off by
           ``PPO_CORE_DECODE_ATTENTION=sdpa``), rotates, writes and attends in one launch
-          (:mod:`ppo_core.rollout.decode_rotary_attention`); otherwise one launch rotates and writes, and the
+          (:mod:`ppo_core_decode.decode_rotary_attention`); otherwise one launch rotates and writes, and the
           attention follows. Both write the same cache; their outputs are the same bits unless the one launch
           splits each row's slots over several programs (few rows: see
-          :func:`~ppo_core.rollout.decode_rotary_attention.default_split`), which changes the order of the
+          :func:`~ppo_core_decode.decode_rotary_attention.default_split`), which changes the order of the
           softmax's fp32 sums (the outputs are still the same at every call).
 
         With :attr:`batch_invariant` the caller's rotation always runs (its bits are the contract there).
@@ -348,7 +348,7 @@ class KVCache:
         self, layer: int, q: torch.Tensor, scale: float | None, written: int
     ) -> torch.Tensor:
         """:meth:`attend`'s attention, once the keys and values are written, by
-        :func:`~ppo_core.rollout.batch_invariant.invariant_attention` (both modes; ``written``: the slots this
+        :func:`~ppo_core_decode.batch_invariant.invariant_attention` (both modes; ``written``: the slots this
         forward wrote, the last ``q.shape[2]`` of which hold the queries' own tokens in a prefill)."""
         keys, values = self.keys[layer], self.values[layer]
         if self.mode == "prefill":

@@ -8,7 +8,7 @@ before reading anything it produced; a kernel signals (``gdc_launch_dependents``
 that the next one can be scheduled. CUDA graphs capture these launches with their programmatic edges.
 
 Every kernel that takes part must wait before its first dependent read and before its first write, which the
-kernels of :mod:`ppo_core.rollout.decode_linear` and :mod:`ppo_core.rollout.decode_rotary_attention` do. On by
+kernels of :mod:`ppo_core_decode.decode_linear` and :mod:`ppo_core_decode.decode_rotary_attention` do. On by
 default where supported: the gaps between the step's kernels disappear, which is what makes the fused products
 faster than cuBLAS's (alone they are not; ``docs/performance.md``). The cuBLAS path (``fused_decode=False``) gains
 nothing from it (its products do not take part). ``PPO_CORE_PDL=0`` turns it off (the kernels then launch as usual,
