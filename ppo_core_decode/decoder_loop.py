@@ -11,6 +11,10 @@ forwards on CUDA), the output and down projections add the residual stream in th
 the norm after each reads the new residual alone: a prefill's add + norm kernels then move half the bytes (each read
 the residual and the product and wrote the new residual and the normalised input; the norm reads one and writes one).
 
+The fused decode step (one token per row, :meth:`DecoderLayerLoop._decode_step`) is written here once too: the
+products through :func:`~ppo_core_decode.decode_linear.decode_linear` with the adds, norms and SwiGLU in their
+epilogues; the subclasses give their weights and norms through hooks (:class:`StepWeights`).
+
 Shapes: ``B`` rows, ``S`` tokens per row in this forward, ``D`` model width, ``H``/``G`` query/key-value heads (of
 this rank), ``d`` head width.
 """
@@ -18,13 +22,14 @@ this rank), ``d`` head width.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ppo_core_decode.decode_linear import decode_linear, row_sumsq, row_sumsq_scaled
 from ppo_core_decode.kv_cache import KVCache
 
-__all__ = ["Attend", "DecoderLayerLoop", "add_linear_", "split_qkv"]
+__all__ = ["Attend", "DecoderLayerLoop", "StepWeights", "add_linear_", "split_qkv"]
 
 Attend = Callable[[int, Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(i, layer, q [B, S, H, d], k [B, S, G, d], v [B, S, G, d]) -> [B, S, H * d]``: layer ``i``'s rotation
@@ -78,13 +83,31 @@ def add_linear_(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, inpla
     return torch.addmm(h.reshape(-1, h.shape[-1]), x2, weight.t()).view(h.shape)
 
 
+class StepWeights(NamedTuple):
+    """One layer's weights as the fused decode step reads them (``[D_out, D_in]``, biases ``[D_out]`` or None):
+    the q/k/v and gate/up weights concatenated (``[q; k; v]``, ``[gate; up]``), with the norm before each folded into
+    their columns where the subclass folds (:meth:`DecoderLayerLoop._folds_norms`)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
 class DecoderLayerLoop:
     """A :class:`~ppo_core_decode.decoding.CachedForward` of a pre-norm decoder: ``input_ids``/``positions [B, S]``
     -> logits ``[B, V]`` of the last position, in the model dtype.
 
     Subclasses implement the hooks: ``_layers``, ``_norms``, ``_embed``, ``_attention``, ``_projections``,
     ``_attention_output``, ``_mlp``, ``_logits``, ``_rms_norm`` and ``_add_rms_norm``; one with a decode step of its
-    own (one token per row through fused kernels) also ``_fused_step_applies`` and ``_decode_step``.
+    own (one token per row through :func:`~ppo_core_decode.decode_linear.decode_linear`) also
+    ``_fused_step_applies`` and the hooks of :meth:`_decode_step` (``_step_weights``, ``_folds_norms``,
+    ``_norm_eps``, ``_final_norm``, ``_head``, ``_final_norm_in_head``, ``_split_qkv``; optionally
+    ``_before_decode_step`` and ``_vocabulary``).
     """
 
     batch_invariant: bool = False
@@ -157,9 +180,90 @@ class DecoderLayerLoop:
         return False
 
     def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """A decode step of the embedded tokens ``h [B, D]`` -> logits ``[B, V]`` by other kernels than the loop's
-        (see :meth:`_fused_step_applies`)."""
+        """A decode step of the embedded tokens ``h [B, D]`` (one per row) -> logits ``[B, V]`` through
+        :func:`~ppo_core_decode.decode_linear.decode_linear`, the step both model forwards share: each residual add
+        and the new residual's sums of squares in the epilogue of the product before it; each RMSNorm's row scale in
+        the epilogue of the product after it, which reads the residual itself with the norm's weight folded into its
+        own weight (:meth:`_folds_norms`), or else the new residual times the norm's weight, which the residual
+        epilogue also writes; SiLU x up in the epilogue of gate/up. Five launches a layer with the rotation and
+        attention. The final norm is in the output layer's epilogue where :meth:`_final_norm_in_head` (its weight
+        is never folded into the output layer's, which would copy the vocabulary's weight: the last down product
+        writes the new residual times it), else a norm of its own. Roundings: :mod:`~ppo_core_decode.decode_linear`
+        (the norm scales the product rather than its input)."""
+        attend = self._attention(h[:, None], positions, cache)
+        self._before_decode_step(cache)
+        b = h.shape[0]
+        fold = self._folds_norms()
+        layers = self._layers()
+        final = self._final_norm()
+        head_weight, head_bias = self._head()
+        final_in_head = self._final_norm_in_head(h)
+
+        def unfolded(norm: Any) -> torch.Tensor | None:
+            """The weight the residual epilogue scales the next product's input by: none where it is folded."""
+            return None if fold else norm.weight
+
+        # [1, B]: the first norm's statistics; the first product's input
+        sumsq, x = (row_sumsq(h), h) if fold else row_sumsq_scaled(h, self._norms(layers[0])[0].weight)
+        for i, layer in enumerate(layers):
+            w = self._step_weights(i, layer)
+            norm1, norm2 = self._norms(layer)
+            qkv = decode_linear(x, w.qkv, w.qkv_bias, sumsq=sumsq, eps=self._norm_eps(norm1)).y
+            out = attend(i, layer, *self._split_qkv(qkv[:, None]))  # [B, 1, H * d]
+            h, sumsq, scaled = decode_linear(
+                out.view(b, -1), w.out, w.out_bias, residual=h, next_norm_weight=unfolded(norm2)
+            )
+            x = h if scaled is None else scaled  # the next product's input
+            act = decode_linear(
+                x, w.gate_up, w.gate_up_bias, sumsq=sumsq, eps=self._norm_eps(norm2), swiglu=True
+            ).y
+            if i < len(layers) - 1:
+                following = unfolded(self._norms(layers[i + 1])[0])
+            else:
+                following = final.weight if final_in_head else None
+            h, sumsq, scaled = decode_linear(act, w.down, w.down_bias, residual=h, next_norm_weight=following)
+            x = h if scaled is None else scaled
+        if final_in_head:
+            logits = decode_linear(x, head_weight, head_bias, sumsq=sumsq, eps=self._norm_eps(final)).y
+        else:
+            logits = decode_linear(self._rms_norm(h, final), head_weight, head_bias).y
+        return self._vocabulary(logits)
+
+    def _step_weights(self, i: int, layer: Any) -> StepWeights:
+        """Layer ``i``'s weights for :meth:`_decode_step` (built or refreshed first where the subclass keeps copies)."""
         raise NotImplementedError
+
+    def _folds_norms(self) -> bool:
+        """Whether this generation's :meth:`_step_weights` have the norms' weights folded into q/k/v and gate/up."""
+        raise NotImplementedError
+
+    def _norm_eps(self, norm: Any) -> float:
+        """An RMSNorm's epsilon."""
+        raise NotImplementedError
+
+    def _final_norm(self) -> Any:
+        """The norm after the last layer."""
+        raise NotImplementedError
+
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output layer's weight ``[V, D]`` and bias (or None)."""
+        raise NotImplementedError
+
+    def _final_norm_in_head(self, h: torch.Tensor) -> bool:
+        """Whether :meth:`_decode_step` applies the final norm in the output layer's epilogue (its weight of the
+        dtype of ``h [B, D]``, contiguous)."""
+        raise NotImplementedError
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, S, (H + 2G) d]`` -> ``q [B, S, H, d]``, ``k``/``v [B, S, G, d]`` (see :func:`split_qkv`)."""
+        raise NotImplementedError
+
+    def _before_decode_step(self, cache: KVCache) -> None:
+        """What a decode step needs once before its layers (nothing by default)."""
+
+    def _vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """The decode step's output-layer product ``[B, V']`` -> the logits ``[B, V]`` (itself by default)."""
+        return logits
 
     def _layers(self) -> Sequence[Any]:
         """The decoder layers, in order."""

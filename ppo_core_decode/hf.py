@@ -44,12 +44,10 @@ from torch import nn
 from ppo_core.rollout.registry import hf_causal_lm as _hf_causal_lm
 from ppo_core_decode.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core_decode.decode_linear import (
-    decode_linear,
     decode_linear_available,
     fold_norm_weights,
-    row_sumsq,
 )
-from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
+from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
 from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core_decode.eager_rounding import (
     add_rms_norm_as_model,
@@ -341,50 +339,39 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             return self._layer(last, self.lm_head)
         return self.lm_head(last)  # model dtype: sampling reads it in fp32 (no [B, V] fp32 copy)
 
-    def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """A decode step (``h [B, D]``, the embedded tokens, one per row) through :func:`decode_linear`: each
-        residual add in the epilogue of the product before it, each RMSNorm's row scale in the epilogue of the
-        product after it (its weight folded into that product's weight by :meth:`refresh`), SiLU x up in the
-        epilogue of gate/up: five launches a layer with the rotation and attention. The final norm, whose weight
-        is not folded into the output layer's (that would copy the vocabulary's weight), is the megatron engine's:
-        the last down product also writes the new residual times the norm's weight, and the output layer scales
-        its rows by their ``rstd`` (the final norm's own kernel where the norm's weight is of another dtype)."""
-        attend = self._attention(h[:, None], positions, cache)
-        sumsq = row_sumsq(h)  # [1, B]: the first norm's statistics
-        final, head = self.body.norm, self.lm_head
-        # the final norm in the vocabulary product's epilogue: the last down product also writes the new residual
-        # times the norm's weight (the head's weight is not copied to fold it in), the head scales its rows
-        final_in_head = final.weight.dtype == h.dtype and final.weight.is_contiguous()
-        layers = len(self.body.layers)
-        for i, layer in enumerate(self.body.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self._group(i, 0), self._group(i, 1)
-            qkv, _, _ = decode_linear(
-                h, qkv_w, qkv_b, sumsq=sumsq, eps=layer.input_layernorm.variance_epsilon
-            )
-            out = attend(i, layer, *self._split_qkv(qkv[:, None]))  # [B, 1, H * d]
-            h, sumsq, _ = decode_linear(
-                out.view(h.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias, residual=h
-            )
-            act, _, _ = decode_linear(
-                h,
-                gate_up_w,
-                gate_up_b,
-                sumsq=sumsq,
-                eps=layer.post_attention_layernorm.variance_epsilon,
-                swiglu=True,
-            )
-            last = final_in_head and i == layers - 1
-            h, sumsq, scaled = decode_linear(
-                act,
-                mlp.down_proj.weight,
-                mlp.down_proj.bias,
-                residual=h,
-                next_norm_weight=final.weight if last else None,
-            )
-        if final_in_head:
-            return decode_linear(scaled, head.weight, head.bias, sumsq=sumsq, eps=final.variance_epsilon).y
-        return decode_linear(self._rms_norm(h, final), head.weight, head.bias).y
+    # ----- the fused decode step's hooks (DecoderLayerLoop._decode_step): the norms' weights are folded into the
+    # concatenated q/k/v and gate/up weights by refresh(); the final norm's, never folded into the vocabulary's
+    # weight, is in the head's epilogue where its dtype allows
+
+    def _step_weights(self, i: int, layer: nn.Module) -> StepWeights:
+        (qkv_w, qkv_b), (gate_up_w, gate_up_b) = self._group(i, 0), self._group(i, 1)
+        attn, mlp = layer.self_attn, layer.mlp
+        return StepWeights(
+            qkv_w,
+            qkv_b,
+            attn.o_proj.weight,
+            attn.o_proj.bias,
+            gate_up_w,
+            gate_up_b,
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+        )
+
+    def _folds_norms(self) -> bool:
+        return True
+
+    def _norm_eps(self, norm: nn.Module) -> float:
+        return norm.variance_epsilon
+
+    def _final_norm(self) -> nn.Module:
+        return self.body.norm
+
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.lm_head.weight, self.lm_head.bias
+
+    def _final_norm_in_head(self, h: torch.Tensor) -> bool:
+        final = self.body.norm
+        return final.weight.dtype == h.dtype and final.weight.is_contiguous()
 
 
 class _GenericForward:

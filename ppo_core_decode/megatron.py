@@ -59,13 +59,10 @@ from torch import nn
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from ppo_core_decode.decode_linear import (
-    decode_linear,
     decode_linear_available,
     fold_norm_weights,
-    row_sumsq,
-    row_sumsq_scaled,
 )
-from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, add_linear_, split_qkv
+from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
 from ppo_core_decode.eager_rounding import silu_mul_as_model
 from ppo_core_decode.kv_cache import KVCache
 
@@ -270,50 +267,46 @@ class MegatronDecodeForward(DecoderLayerLoop):
         dtype = tensors[0].dtype
         return dtype if all(t.is_contiguous() and t.dtype == dtype for t in tensors) else None
 
-    def _decode_step(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """A decode step (``h [B, D]``, one token per row, TP = 1) through
-        :func:`~ppo_core_decode.decode_linear.decode_linear`: each residual add and the new residual's sums of
-        squares in the epilogue of the product before it; the norm's row scale in the epilogue of the product after
-        it, which reads the residual itself and the norm's weight folded into its own (``fold_norms``), or else the
-        new residual times the norm's weight, which the residual epilogue also writes; SiLU x up in the epilogue of
-        ``linear_fc1``; the final norm in the output layer's epilogue. Five launches a layer with the rotation and
-        attention; roundings as documented in :mod:`~ppo_core_decode.decode_linear` (the norm scales the product
-        rather than its input)."""
-        attend = self._attention(h[:, None], positions, cache)
+    # ----- the fused decode step's hooks (DecoderLayerLoop._decode_step, TP = 1): the norms' weights folded into
+    # copies of the q/k/v and linear_fc1 weights (fold_norms) or written by the residual epilogue; the final norm
+    # always in the output layer's epilogue (_fused_step_dtype checked its weight)
+
+    def _step_weights(self, i: int, layer: nn.Module) -> StepWeights:
+        qkv_weight, qkv_bias = self._layer_qkv(i)
+        fc1_weight = layer.mlp.linear_fc1.weight
+        if self._fold_now:
+            qkv_weight, fc1_weight = self._folded[i]
+        return StepWeights(
+            qkv_weight,
+            qkv_bias,
+            layer.self_attention.linear_proj.weight,
+            None,
+            fc1_weight,
+            None,
+            layer.mlp.linear_fc2.weight,
+            None,
+        )
+
+    def _folds_norms(self) -> bool:
+        return self._fold_now
+
+    def _norm_eps(self, norm: nn.Module) -> float:
+        return norm.eps
+
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._output_weight(), None
+
+    def _final_norm_in_head(self, h: torch.Tensor) -> bool:
+        return True
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_qkv(qkv, self.heads, self.groups, self.head_dim)
+
+    def _before_decode_step(self, cache: KVCache) -> None:
+        # the rotary rows of this step's positions, gathered once for every layer
         self.layers[0].self_attention.core_attention.cache_rotary_rows(cache)
-        b = h.shape[0]
-        fold = self._fold_now
 
-        def unfolded(norm: nn.Module) -> torch.Tensor | None:
-            """The weight the residual epilogue scales the next product's input by: none where it is folded."""
-            return None if fold else norm.weight
-
-        # [1, B]: the first norm's statistics; the first product's input
-        sumsq, x = (row_sumsq(h), h) if fold else row_sumsq_scaled(h, self.layers[0].input_layernorm.weight)
-        for i, layer in enumerate(self.layers):
-            attn, mlp, post = layer.self_attention, layer.mlp, layer.pre_mlp_layernorm
-            qkv_weight, qkv_bias = self._layer_qkv(i)
-            fc1_weight = mlp.linear_fc1.weight
-            if fold:
-                qkv_weight, fc1_weight = self._folded[i]
-            qkv = decode_linear(x, qkv_weight, qkv_bias, sumsq=sumsq, eps=layer.input_layernorm.eps).y
-            out = attend(i, layer, *split_qkv(qkv[:, None], self.heads, self.groups, self.head_dim))
-            h, sumsq, scaled = decode_linear(
-                out.view(b, -1), attn.linear_proj.weight, residual=h, next_norm_weight=unfolded(post)
-            )
-            x = h if scaled is None else scaled  # the next product's input
-            act = decode_linear(x, fc1_weight, sumsq=sumsq, eps=post.eps, swiglu=True).y
-            # the output layer's weight (often the embedding's) is never folded: its norm's weight scales its input
-            following = (
-                self._final_norm().weight
-                if i == len(self.layers) - 1
-                else unfolded(self.layers[i + 1].input_layernorm)
-            )
-            h, sumsq, scaled = decode_linear(
-                act, mlp.linear_fc2.weight, residual=h, next_norm_weight=following
-            )
-            x = h if scaled is None else scaled
-        logits = decode_linear(x, self._output_weight(), sumsq=sumsq, eps=self._final_norm().eps).y
+    def _vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         return gather_vocabulary(logits, self.vocab_size, self.tp_group, self.tp_size)
 
     def _final_norm(self) -> nn.Module:
@@ -378,7 +371,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self, i: int, layer: nn.Module, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self._linear(x, *self._layer_qkv(i))  # [B, S, (H + 2G) d]
-        return split_qkv(qkv, self.heads, self.groups, self.head_dim)
+        return self._split_qkv(qkv)
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> Attend:
         b = positions.shape[0]
