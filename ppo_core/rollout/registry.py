@@ -15,7 +15,9 @@ Built-in names (their modules are imported only when the engine is built):
   causal LMs;
 - ``megatron``: :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine`, the same for the megatron actor's
   ``GPTModel`` (the model is the megatron actor worker's policy view);
-- ``auto``: :func:`auto_engine_name` picks one of them for the model.
+- ``auto``: :func:`auto_engine_name` picks one of them for the model (the megatron actor worker applies its own
+  rule for its policy: ``megatron`` where the model allows it, SDPA attention and no pipeline or sequence
+  parallelism, else ``reference``).
 
 Registering your own (an adapter to vLLM, SGLang...)::
 
@@ -124,8 +126,8 @@ def get_rollout_engine(name: str) -> EngineFactory:
 def auto_engine_name(model: nn.Module, *, use_cache: bool = True) -> str:
     """The engine ``auto`` picks for ``model``:
 
-    1. the model's own choice, when it has an ``auto_rollout_engine`` attribute (the megatron actor's policy view
-       says ``megatron`` where the model supports it, else ``reference``);
+    1. the model's own choice, when it has an ``auto_rollout_engine`` attribute (a string: a model class that
+       knows its engine says so);
     2. ``hf`` for a Hugging Face causal LM (a ``transformers.PreTrainedModel`` with an ``lm_head``, or a wrapper
        holding one as ``.model``) when ``use_cache``;
     3. ``reference`` otherwise.
