@@ -220,3 +220,45 @@ def test_torch_actor_auto_picks_the_engine_for_its_model() -> None:
     assert isinstance(_actor("auto").rollout, ModelRolloutEngine)
     assert isinstance(_actor("auto", _llama).rollout, HFRolloutEngine)
     assert isinstance(_actor("reference", _llama).rollout, ModelRolloutEngine)
+
+
+def test_generate_rebuilds_the_engine_when_the_model_changes_dtype(counting: str) -> None:
+    lm = _tiny()
+    prompts, mask = _prompts()
+    cfg = SamplingConfig(max_new_tokens=2, temperature=0, engine=counting)
+    generate(lm, prompts, mask, cfg)
+    generate(lm.to(torch.float64), prompts, mask, cfg)
+    assert _Counting.builds == 2
+    # the engine of the old placement is dropped: one engine per model and name
+    assert len(lm.__dict__[registry_slot()]) == 1
+
+
+def test_megatron_actor_picks_and_builds_its_engine_through_the_registry(counting: str) -> None:
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from ppo_core.workers.megatron import workers
+    from ppo_core.workers.megatron.rollout import megatron_engine
+
+    def setup(attention: str = "sdpa", pp: int = 1, sp: bool = False, engine: str = "auto"):
+        eng = SimpleNamespace(
+            module=SimpleNamespace(config=SimpleNamespace(sequence_parallel=sp)),
+            layout=SimpleNamespace(pp_size=pp, tp_size=1),
+        )
+        config = SimpleNamespace(
+            model=SimpleNamespace(attention=attention),
+            rollout=SamplingConfig(engine=engine, max_new_tokens=2),
+        )
+        return eng, config
+
+    assert workers._auto_engine(*setup()) == "megatron"
+    assert workers._auto_engine(*setup(attention="te")) == "reference"
+    assert workers._auto_engine(*setup(pp=2)) == "reference"
+    assert workers._auto_engine(*setup(sp=True)) == "reference"
+    view = _tiny()
+    built = workers._default_rollout(*setup(engine=counting), view)
+    assert isinstance(built, _Counting) and _Counting.builds == 1
+    assert isinstance(workers._default_rollout(*setup(engine="reference"), view), ModelRolloutEngine)
+    assert isinstance(workers._default_rollout(*setup(attention="te"), view), ModelRolloutEngine)
+    with pytest.raises(TypeError, match="MegatronActorWorker"):
+        megatron_engine(view, SamplingConfig())
