@@ -103,7 +103,8 @@ class DecoderLayerLoop:
     -> logits ``[B, V]`` of the last position, in the model dtype.
 
     Subclasses implement the hooks: ``_layers``, ``_norms``, ``_embed``, ``_attention``, ``_projections``,
-    ``_attention_output``, ``_mlp``, ``_logits``, ``_rms_norm`` and ``_add_rms_norm``; one with a decode step of its
+    ``_output_projection``, ``_down_projection``, ``_gate_up``, ``_swiglu``, ``_residual_product``, ``_logits``,
+    ``_rms_norm`` and ``_add_rms_norm``; one with a decode step of its
     own (one token per row through :func:`~ppo_core_decode.decode_linear.decode_linear`) also
     ``_fused_step_applies`` and the hooks of :meth:`_decode_step` (``_step_weights``, ``_folds_norms``,
     ``_norm_eps``, ``_final_norm``, ``_head``, ``_final_norm_in_head``, ``_split_qkv``; optionally
@@ -293,12 +294,38 @@ class DecoderLayerLoop:
         """The output projection of attention ``out [B, S, H * d]`` -> ``[B, S, D]``; with ``residual [B, S, D]``
         (see :meth:`_adds_residual_in_products`) the residual plus the projection, over ``residual`` if
         ``inplace``."""
-        raise NotImplementedError
+        return self._residual_product(out, self._output_projection(layer), residual, inplace)
 
     def _mlp(
         self, i: int, layer: Any, x: torch.Tensor, residual: torch.Tensor | None = None, inplace: bool = False
     ) -> torch.Tensor:
-        """Normalised ``x [B, S, D]`` -> ``[B, S, D]``; with ``residual`` as :meth:`_attention_output`."""
+        """Normalised ``x [B, S, D]`` -> ``[B, S, D]``: SwiGLU of the gate/up product, then the down product; with
+        ``residual`` as :meth:`_attention_output`."""
+        gate, up = self._gate_up(i, layer, x)
+        return self._residual_product(self._swiglu(gate, up), self._down_projection(layer), residual, inplace)
+
+    def _output_projection(self, layer: Any) -> Any:
+        """A layer's attention output projection (the linear module :meth:`_residual_product` applies)."""
+        raise NotImplementedError
+
+    def _down_projection(self, layer: Any) -> Any:
+        """A layer's MLP down projection (the linear module :meth:`_residual_product` applies)."""
+        raise NotImplementedError
+
+    def _gate_up(self, i: int, layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s gate and up products of the normalised ``x [B, S, D]``, each ``[B, S, F]``."""
+        raise NotImplementedError
+
+    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` in the model's rounding."""
+        raise NotImplementedError
+
+    def _residual_product(
+        self, x: torch.Tensor, linear: Any, residual: torch.Tensor | None = None, inplace: bool = False
+    ) -> torch.Tensor:
+        """``linear``'s product of ``x`` (with a tensor-parallel reduction where the subclass has one), or with
+        ``residual`` the residual plus it (one GEMM where it can: :func:`add_linear_`), over ``residual`` if
+        ``inplace``."""
         raise NotImplementedError
 
     def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor | None) -> torch.Tensor:

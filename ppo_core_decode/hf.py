@@ -248,20 +248,24 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_qkv(qkv, self.heads, self.kv_heads, self.head_dim)
 
-    def _mlp(
-        self,
-        i: int,
-        layer: nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        inplace: bool = False,
-    ) -> torch.Tensor:
-        mlp = layer.mlp
+    def _gate_up(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._fused is not None:
-            gate, up = self._linear(x, *self._group(i, 1)).chunk(2, dim=-1)
-        else:
-            gate, up = self._layer(x, mlp.gate_proj), self._layer(x, mlp.up_proj)
-        return self._layer(silu_mul_as_model(gate, up), mlp.down_proj, residual, inplace)
+            return self._linear(x, *self._group(i, 1)).chunk(2, dim=-1)
+        return self._layer(x, layer.mlp.gate_proj), self._layer(x, layer.mlp.up_proj)
+
+    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_mul_as_model(gate, up)
+
+    def _down_projection(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp.down_proj
+
+    def _output_projection(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn.o_proj
+
+    def _residual_product(
+        self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None, inplace: bool = False
+    ) -> torch.Tensor:
+        return self._layer(x, linear, residual, inplace)
 
     def _fused_step_applies(self, h: torch.Tensor) -> bool:
         return (
@@ -323,15 +327,6 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             return out.transpose(1, 2).reshape(b, out.shape[2], -1)  # S or, attending the last query only, 1
 
         return attend
-
-    def _attention_output(
-        self,
-        layer: nn.Module,
-        out: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        inplace: bool = False,
-    ) -> torch.Tensor:
-        return self._layer(out, layer.self_attn.o_proj, residual, inplace)
 
     def _logits(self, h_last: torch.Tensor, delta_last: torch.Tensor | None) -> torch.Tensor:
         last = self._rms_norm(h_last if delta_last is None else h_last + delta_last, self.body.norm)

@@ -331,7 +331,7 @@ class MegatronDecodeForward(DecoderLayerLoop):
         out = F.linear(x, weight)
         return out if bias is None else out + bias
 
-    def _row_parallel(
+    def _residual_product(
         self,
         x: torch.Tensor,
         linear: nn.Module,
@@ -386,26 +386,14 @@ class MegatronDecodeForward(DecoderLayerLoop):
 
         return attend
 
-    def _attention_output(
-        self,
-        layer: nn.Module,
-        out: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        inplace: bool = False,
-    ) -> torch.Tensor:
-        return self._row_parallel(out, layer.self_attention.linear_proj, residual, inplace)
+    def _output_projection(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attention.linear_proj
 
-    def _mlp(
-        self,
-        i: int,
-        layer: nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        inplace: bool = False,
-    ) -> torch.Tensor:
-        mlp = layer.mlp
-        gate, up = self._linear(x, mlp.linear_fc1.weight, None).chunk(2, dim=-1)  # [gate; up] per TP rank
-        return self._row_parallel(self._swiglu(gate, up), mlp.linear_fc2, residual, inplace)
+    def _down_projection(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp.linear_fc2
+
+    def _gate_up(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._linear(x, layer.mlp.linear_fc1.weight, None).chunk(2, dim=-1)  # [gate; up] per TP rank
 
     def _adds_residual_in_products(self, h: torch.Tensor) -> bool:
         # at TP = 1 only: with TP the residual add follows the all-reduce
