@@ -1,4 +1,4 @@
-"""Benchmark of the decode-step projections: :func:`ppo_core.rollout.decode_linear.decode_linear` against cuBLAS
+"""Benchmark of the decode-step projections: :func:`ppo_core_decode.decode_linear.decode_linear` against cuBLAS
 (``F.linear``) and the unfused element-wise kernels the engines run around it, in the same run.
 
 Prints ONE JSON object. Shapes: the projections of a Llama-3.2-1B-shaped layer at ``--rows`` rows (bf16): q/k/v,
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
-from ppo_core.rollout.decode_linear import DecodeLinearConfig, _default_config, decode_linear
-from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, silu_mul_as_model
+from ppo_core_decode.decode_linear import DecodeLinearConfig, _default_config, decode_linear
+from ppo_core_decode.eager_rounding import add_rms_norm_as_model, silu_mul_as_model
 
 SHAPES = {  # name: (N, K)
     "qkv": (3072, 2048),

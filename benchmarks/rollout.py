@@ -9,9 +9,9 @@ the rows (``step_hook``) and the other half runs to the end. Reported per method
 actually produced over the wall time of a whole call: prefill + decode), the median of ``repeats`` calls after a
 warm-up call (compilation, graph capture), and the peak GPU memory of a call.
 
-- ``ours_hf``: :class:`ppo_core.rollout.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` with its
+- ``ours_hf``: :class:`ppo_core_decode.hf.HFRolloutEngine` on ``transformers``' ``LlamaForCausalLM`` with its
   defaults (the fused Llama-family path; decode steps through
-  :func:`ppo_core.rollout.decode_linear.decode_linear`, norms and SwiGLU fused into the products);
+  :func:`ppo_core_decode.decode_linear.decode_linear`, norms and SwiGLU fused into the products);
 - ``ours_hf_unfused``: the same with ``fused_decode=False`` (cuBLAS products, the element-wise steps as kernels
   of their own);
 - ``ours_megatron``: :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine` on a megatron-core
@@ -278,7 +278,7 @@ def _fp32_split_k(run):
 
 
 def _bench_hf(cases: dict, args: argparse.Namespace, result: dict, attempt) -> None:
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf_model()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

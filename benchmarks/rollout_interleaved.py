@@ -34,8 +34,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
-    from ppo_core.rollout.hf import HFRolloutEngine
     from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     megatron, cfg = _megatron_model()
     engines = {

@@ -171,7 +171,7 @@ def _fused_attention_sweep(
     cache from HBM (``layers`` caches cycled, more than the L2 holds), over launch shapes (slot blocks, warps,
     stages) and splits of the slots: us per call and the cache bandwidth it reaches (``default_split``: the
     split the kernel chooses)."""
-    from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
+    from ppo_core_decode.decode_rotary_attention import default_split, rotate_write_attend_triton
 
     h, g, d = 32, 8, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -264,7 +264,7 @@ def _gemm_times(b: int) -> dict:
 def _attn_times(b: int, kv_len: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+    from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton
 
     q = torch.randn(b, 32, 1, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, 8, kv_len + 128, 64, device="cuda", dtype=torch.bfloat16)[:, :, :kv_len]
@@ -321,7 +321,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     from ppo_core.rollout import SamplingConfig
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     result: dict = {}
 

@@ -1,4 +1,4 @@
-"""Benchmark of a decode step's draw: :func:`ppo_core.rollout.fused_sampling.fused_sample_record` at ``B`` rows of a
+"""Benchmark of a decode step's draw: :func:`ppo_core_decode.fused_sampling.fused_sample_record` at ``B`` rows of a
 ``V``-entry vocabulary (bf16 logits), as the decoder runs it, against references in the same run.
 
 Prints ONE JSON object, microseconds per draw (the median of 20 replays of a CUDA graph of 20 draws, cycling over
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
 from benchmarks.decode_linear import _graph_us
-from ppo_core.rollout import fused_sampling
+from ppo_core_decode import fused_sampling
 
 CALLS, REPEATS = 20, 20
 

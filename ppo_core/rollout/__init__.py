@@ -9,12 +9,21 @@
   the bad argument; left-pads right-padded prompts) (:mod:`~ppo_core.rollout.prompt_checks`);
 - :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
   implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`);
-- KV-cached, graph-captured decoding: :class:`~ppo_core.rollout.hf.HFRolloutEngine` (Hugging Face causal LMs) over
-  :mod:`~ppo_core.rollout.kv_cache` and :mod:`~ppo_core.rollout.decoding`, with batch-invariant numerics on request
-  (``batch_invariant=True``, :mod:`~ppo_core.rollout.batch_invariant`: a row's logits do not depend on its batch,
-  and cached decoding equals full recomputation bit for bit).
+- :func:`register_rollout_engine`, :func:`get_rollout_engine`, :func:`rollout_engine_names`,
+  :func:`resolve_engine`, :func:`auto_engine_name`: rollout engines by name (:mod:`~ppo_core.rollout.registry`).
+  The KV-cached, graph-captured engine itself is the package :mod:`ppo_core_decode`.
 
-Plugging in an external inference engine (vLLM, SGLang, a KV-cached CUDA-graph engine): write a class with
+Which engine runs for my model: the one ``rollout.engine`` names (``actor.worker.rollout.engine`` in a trainer
+config, ``SamplingConfig(engine=...)`` for :func:`generate`). The default ``auto`` is
+:func:`auto_engine_name`: ``hf`` (:class:`~ppo_core_decode.hf.HFRolloutEngine`: static KV cache, CUDA graphs on a
+GPU, fused kernels for the Llama family, batch-invariant numerics on request) for a Hugging Face causal LM;
+``megatron`` (:class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine`) in the megatron actor where its
+model allows (SDPA attention, no pipeline or sequence parallelism); ``reference`` (:class:`ModelRolloutEngine`,
+the simple loop of :func:`generate`: full recomputation, or the model's own ``new_cache()``) otherwise, and with
+``use_cache=False``. A worker builds its engine once and reuses it every step; :func:`generate` keeps the engine it
+built for a model (on the model) and reuses it on the next call.
+
+Plugging in your own engine (vLLM, SGLang, ...): write a class with
 
 - ``generate(prompts [B, P], prompt_mask [B, P], config, *, generator) -> TensorDict`` returning ``prompts``,
   ``responses``, ``input_ids``, ``attention_mask``, ``response_mask`` and ``rollout_log_probs`` (the exact
@@ -28,10 +37,16 @@ Plugging in an external inference engine (vLLM, SGLang, a KV-cached CUDA-graph e
   shard, under the training engine's names; megatron names convert with
   :func:`ppo_core.workers.megatron.megatron_to_hf`).
 
-and give it to the actor worker: ``TorchActorWorker(model_factory, config, rollout_engine=factory)`` (or
-``MegatronActorWorker(config, rollout_engine=factory)``), where ``factory(policy)`` builds the engine from the
-actor's policy module (a class taking the module works, e.g. :class:`ModelRolloutEngine`, the default). No
-adapter for an external engine ships with ppo-core.
+then register a factory under a name, in a module your entry point imports, and name it in the config::
+
+    @register_rollout_engine("vllm")
+    def build(model, config):  # model: the actor's policy module; config: its SamplingConfig
+        return MyVLLMEngine(model, config)
+
+    # actor.worker.rollout.engine: vllm        (a config naming an unregistered engine fails when it is built)
+
+(or pass ``rollout_engine=factory``, ``factory(policy) -> RolloutEngine``, to ``TorchActorWorker`` /
+``MegatronActorWorker``). No adapter for an external engine ships with ppo-core.
 
 Example:
     >>> import torch
@@ -47,6 +62,13 @@ from __future__ import annotations
 from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine, WeightReceiver
 from ppo_core.rollout.generate import generate
 from ppo_core.rollout.layout import rollout_batch
+from ppo_core.rollout.registry import (
+    auto_engine_name,
+    get_rollout_engine,
+    register_rollout_engine,
+    resolve_engine,
+    rollout_engine_names,
+)
 from ppo_core.rollout.sampling import (
     SamplingConfig,
     logits_of,
@@ -62,9 +84,14 @@ __all__ = [
     "RolloutEngine",
     "SamplingConfig",
     "WeightReceiver",
+    "auto_engine_name",
     "generate",
+    "get_rollout_engine",
     "logits_of",
+    "register_rollout_engine",
+    "resolve_engine",
     "rollout_batch",
+    "rollout_engine_names",
     "sample_from_logits",
     "sample_tokens",
     "sampling_log_probs",

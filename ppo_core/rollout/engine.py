@@ -17,7 +17,7 @@ from torch import nn
 from ppo_core.rollout.generate import generate
 from ppo_core.rollout.sampling import SamplingConfig
 
-__all__ = ["ModelRolloutEngine", "RolloutEngine", "WeightReceiver"]
+__all__ = ["ModelRolloutEngine", "RolloutEngine", "WeightReceiver", "reference_engine"]
 
 
 @runtime_checkable
@@ -99,3 +99,8 @@ class ModelRolloutEngine:
             return generate(self.model, prompts, prompt_mask, config, generator=generator)
         finally:
             self.model.train(was_training)
+
+
+def reference_engine(model: nn.Module, config: SamplingConfig) -> ModelRolloutEngine:
+    """The registry's ``reference`` factory: :class:`ModelRolloutEngine` on ``model`` (``config`` fixes nothing)."""
+    return ModelRolloutEngine(model)

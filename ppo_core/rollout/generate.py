@@ -1,10 +1,13 @@
 """Batched autoregressive sampling from a causal LM: left-padded prompts, temperature, nucleus (top-p), EOS.
 
 The model is any ``nn.Module`` called as ``model(input_ids, attention_mask=mask)`` that returns logits
-``[B, T, V]`` (or an object with a ``.logits`` attribute). A Hugging Face causal LM (a
-``transformers.PreTrainedModel`` with an ``lm_head``, or a wrapper exposing one as ``.model``, like
-:class:`ppo_core.models.hf.HFCausalLM`) decodes through the static KV cache of
-:class:`ppo_core.rollout.hf.HFRolloutEngine` (CUDA graphs on a GPU). A model with a ``new_cache()`` method (like
+``[B, T, V]`` (or an object with a ``.logits`` attribute). ``config.engine`` names the engine that samples
+(:mod:`~ppo_core.rollout.registry`); ``auto`` (the default) is
+:func:`~ppo_core.rollout.registry.auto_engine_name`: a Hugging Face causal LM (a ``transformers.PreTrainedModel``
+with an ``lm_head``, or a wrapper exposing one as ``.model``, like :class:`ppo_core.models.hf.HFCausalLM`) decodes
+through the static KV cache of the ``hf`` engine (CUDA graphs on a GPU) unless ``use_cache=False``; any other model
+runs the ``reference`` loop here. The first call for a model builds its engine and later calls reuse it
+(:func:`engine_for`). In the reference loop a model with a ``new_cache()`` method (like
 :class:`ppo_core.models.TinyGPT`) decodes incrementally: ``model(new_ids, attention_mask=mask, cache=cache)``
 sees one new token per call. Otherwise (or with ``use_cache=False``) the whole sequence is recomputed each step
 (same tokens, slower).
@@ -19,7 +22,8 @@ and including the first EOS, 0 after it) and ``rollout_log_probs [B, R]`` (see
 
 from __future__ import annotations
 
-import sys
+import copyreg
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -27,9 +31,10 @@ from torch import nn
 
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id, vocab_size_of
+from ppo_core.rollout.registry import AUTO, auto_engine_name, check_engine_name, get_rollout_engine
 from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_tokens
 
-__all__ = ["generate"]
+__all__ = ["engine_for", "generate"]
 
 
 @torch.no_grad()
@@ -70,14 +75,12 @@ def generate(
     """
     if config.temperature > 0 and generator is None:
         raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
-    if config.use_cache:
-        hf_model = _hf_causal_lm(model)
-        if hf_model is not None:
-            from ppo_core.rollout.hf import HFRolloutEngine
-
-            # the engine's decoder checks the prompts and token ids (against the vocabulary it decodes)
-            engine = HFRolloutEngine(hf_model, batch_invariant=config.batch_invariant)
-            return engine.generate(prompts, prompt_mask, config, generator=generator)
+    name = check_engine_name(config.engine, "config.engine")
+    if name == AUTO:
+        name = auto_engine_name(model, use_cache=config.use_cache)
+    if name != "reference":
+        # the engine's decoder checks the prompts and token ids (against the vocabulary it decodes)
+        return engine_for(model, name, config).generate(prompts, prompt_mask, config, generator=generator)
     vocab_size = vocab_size_of(model)
     checked = check_prompts(prompts, prompt_mask, vocab_size)
     check_token_id("config.eos_token_id", config.eos_token_id, vocab_size, optional=True)
@@ -127,15 +130,44 @@ def generate(
     return rollout_batch(prompts, mask_BP, responses, response_mask, log_probs)
 
 
-def _hf_causal_lm(model: nn.Module) -> nn.Module | None:
-    """The ``transformers`` causal LM behind ``model`` (itself, or a wrapper's ``.model``), else None.
+_SLOT = "_ppo_core_rollout_engines"
 
-    Checked without importing ``transformers`` when nothing has imported it.
+
+class _EngineSlot(dict):
+    """The engines :func:`engine_for` built for one model, kept on the model itself (so they live and die with it:
+    a weak-keyed table would leak, since an engine holds its model). Copies and pickles of the model get an empty
+    slot: an engine (graphs, caches) belongs to the module it was built on."""
+
+    def __deepcopy__(self, memo: dict) -> _EngineSlot:
+        return _EngineSlot()
+
+    def __copy__(self) -> _EngineSlot:
+        return _EngineSlot()
+
+
+copyreg.pickle(_EngineSlot, lambda slot: (_EngineSlot, ()))
+
+
+def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
+    """The rollout engine ``name`` for ``model``, built by its registered factory on first use and reused by every
+    later call with the same options (``batch_invariant``) while the model keeps its device and dtype.
+
+    An engine reads the model's current weights at every generation (the Hugging Face engine refreshes its
+    concatenated weights and recaptures its graphs per generation unless built with ``keep_cache``), so reusing it
+    after a weight update is correct; a model moved to another device or dtype gets a new engine.
     """
-    tf = sys.modules.get("transformers")
-    if tf is None:
-        return None
-    for candidate in (model, getattr(model, "model", None)):
-        if isinstance(candidate, tf.PreTrainedModel) and hasattr(candidate, "lm_head"):
-            return candidate
-    return None
+    param = next(model.parameters(), None)
+    placement = (None, None) if param is None else (param.device, param.dtype)
+    key = (name, bool(config.batch_invariant), *placement)
+    slot = model.__dict__.get(_SLOT)
+    if slot is None:
+        slot = _EngineSlot()
+        object.__setattr__(model, _SLOT, slot)
+    engine = slot.get(key)
+    if engine is None:
+        # an engine built for other options or an old placement is dropped (one engine per model and name)
+        for stale in [k for k in slot if k[0] == name]:
+            del slot[stale]
+        engine = get_rollout_engine(name)(model, config)
+        slot[key] = engine
+    return engine

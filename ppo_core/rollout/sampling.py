@@ -8,9 +8,9 @@ vocabulary entry is an exact draw from ``softmax(filtered_logits / T)``. The noi
 - the same function runs inside a captured CUDA graph (no RNG state in the graph: the noise buffer is refilled
   before each replay),
 - every decoding path (full recomputation, the model's own cache, the static-cache engines of
-  :mod:`ppo_core.rollout.decoding`) draws the same tokens from the same logits and the same generator, except
+  :mod:`ppo_core_decode.decoding`) draws the same tokens from the same logits and the same generator, except
   the static-cache engines' CUDA temperature sampling without top-k/top-p: there the fused kernels of
-  :mod:`ppo_core.rollout.fused_sampling` make the noise themselves from a seed drawn from the generator (same
+  :mod:`ppo_core_decode.fused_sampling` make the noise themselves from a seed drawn from the generator (same
   generator, same tokens, with or without CUDA graphs, but not the tokens of the other paths).
 
 The log-probability returned with each token (``rollout_log_probs``) is ``log_softmax(logits / T)`` at the drawn
@@ -34,7 +34,7 @@ import torch
 from ppo_core._checks import FieldValueError, check_int, check_positive, check_unit_interval
 from ppo_core._config_base import ConfigBase
 from ppo_core.kernels.compiled import cuda_compiled
-from ppo_core.rollout.fused_sampling import fused_sample, fused_sampling_available
+from ppo_core.rollout.registry import check_engine_name
 
 __all__ = [
     "SamplingConfig",
@@ -68,15 +68,25 @@ class SamplingConfig(ConfigBase):
     ``new_cache()`` when it has one; False recomputes the whole sequence for every token."""
     batch_invariant: bool = False
     """Sample with batch-invariant numerics (Llama-family Hugging Face models through
-    :class:`~ppo_core.rollout.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
+    :class:`~ppo_core_decode.hf.HFRolloutEngine`, the megatron engine at tensor-parallel size 1): each row's logits
     are the same bits whatever else is in the batch, so a prompt's response does not depend on its batch and cached
     decoding equals full recomputation bit for bit. Slower; an engine that cannot do it raises ``ValueError``."""
+    engine: str = "auto"
+    """The rollout engine, by its registered name (:mod:`~ppo_core.rollout.registry`): ``auto`` (the engine
+    :func:`~ppo_core.rollout.registry.auto_engine_name` picks for the model), ``reference`` (the simple loop),
+    ``hf`` (Hugging Face causal LMs), ``megatron`` (the megatron actor), or one you registered. An actor worker
+    builds it once and reuses it for every step; :func:`~ppo_core.rollout.generate.generate` keeps the one it built
+    for a model."""
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_positive("temperature", self.temperature, allow_zero=True)
         check_unit_interval("top_p", self.top_p)
         check_int("top_k", self.top_k, 0)
+        try:
+            check_engine_name(self.engine)
+        except ValueError as err:
+            raise FieldValueError("engine", str(err).removeprefix("engine")) from None
         if self.top_p == 0:
             raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
 
@@ -180,10 +190,11 @@ def sample_tokens(
     if temperature > 0 and (noise is None or noise.shape != logits.shape):
         got = None if noise is None else tuple(noise.shape)
         raise ValueError(f"noise must be a [B, V] = {tuple(logits.shape)} tensor when sampling, got {got}")
-    if fused_sampling_available(
-        logits, top_k, top_p
-    ):  # CUDA without truncation: one read of logits and noise
-        return fused_sample(logits, noise, float(temperature))
+    if logits.is_cuda:  # the Triton sampler lives in the decode package (imported on first use)
+        from ppo_core_decode.fused_sampling import fused_sample, fused_sampling_available
+
+        if fused_sampling_available(logits, top_k, top_p):  # no truncation: one read of logits and noise
+            return fused_sample(logits, noise, float(temperature))
     return _draw(logits, noise, float(temperature), int(top_k), float(top_p))
 
 

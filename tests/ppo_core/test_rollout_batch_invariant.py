@@ -1,4 +1,4 @@
-"""Batch-invariant rollout numerics (``ppo_core.rollout.batch_invariant``, ``HFRolloutEngine(batch_invariant=True)``):
+"""Batch-invariant rollout numerics (``ppo_core_decode.batch_invariant``, ``HFRolloutEngine(batch_invariant=True)``):
 each row's result does not depend on the other rows, so cached decoding equals full recomputation bit for bit."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core.rollout import SamplingConfig
-from ppo_core.rollout import batch_invariant as bi
-from ppo_core.rollout.batch_invariant import (
+from ppo_core_decode import batch_invariant as bi
+from ppo_core_decode.batch_invariant import (
     CHUNK_ROWS,
     invariant_attention,
     invariant_linear,
     invariant_rms_norm,
     invariant_rows,
 )
-from ppo_core.rollout.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
+from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -284,7 +284,7 @@ def _cached_greedy_is_recomputation(engine, ids: torch.Tensor, mask: torch.Tenso
     ],
 )
 def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype, fuse):
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(_llama(kind, dtype), fuse_projections=fuse, batch_invariant=True)
     ids, mask = _left_padded(9, 11, seed=3)
@@ -293,7 +293,7 @@ def test_cached_greedy_decoding_is_full_recomputation_bit_for_bit(kind, dtype, f
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_prompt_samples_the_same_response_in_any_batch(dtype):
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(_llama("llama", dtype), batch_invariant=True)
     ids, mask = _left_padded(8, 9, seed=4)
@@ -306,7 +306,7 @@ def test_a_prompt_samples_the_same_response_in_any_batch(dtype):
 
 
 def test_sampling_is_reproducible_and_agrees_with_the_default_engine_in_fp32():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _llama("llama", torch.float32)
     ids, mask = _left_padded(6, 8, seed=5)
@@ -322,7 +322,7 @@ def test_sampling_is_reproducible_and_agrees_with_the_default_engine_in_fp32():
 
 
 def test_batch_invariance_needs_the_fused_path():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     with pytest.raises(ValueError, match="batch_invariant"):
         HFRolloutEngine(_llama("llama", torch.float32), fast_path=False, batch_invariant=True)
@@ -367,7 +367,7 @@ def test_triton_rms_norm_is_the_torch_steps_and_row_invariant(dtype, model_round
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cached_decoding_is_full_recomputation_bit_for_bit():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     cfg = transformers.LlamaConfig(
         vocab_size=1024,
@@ -400,7 +400,7 @@ def test_cuda_cached_decoding_is_full_recomputation_bit_for_bit():
 def test_the_sampling_config_asks_for_it_and_engines_that_cannot_refuse():
     from ppo_core.models import TinyGPT, TinyGPTConfig
     from ppo_core.rollout import generate
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _llama("llama", torch.bfloat16)
     ids, mask = _left_padded(6, 7, seed=8)
@@ -464,7 +464,7 @@ def test_the_megatron_worker_refuses_batch_invariance_with_tensor_parallelism():
 
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_recompute_logits_is_the_models_forward_at_the_last_position(fast_path):
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _llama("llama", torch.float32)
     ids, mask = _left_padded(5, 8, seed=10)

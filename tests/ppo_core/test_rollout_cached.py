@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core.rollout import SamplingConfig
-from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder
-from ppo_core.rollout.kv_cache import KVCache, prefill_attention_mask
 from ppo_core.rollout.sampling import sample_tokens, top_k_filter, top_p_filter
+from ppo_core_decode.decoding import ModelSpec, StaticCacheDecoder
+from ppo_core_decode.kv_cache import KVCache, prefill_attention_mask
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,7 +283,7 @@ def test_decode_attention_equals_attention_over_the_valid_prefix():
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "mistral"])
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_hf_cached_greedy_equals_recomputation_with_left_padding(kind, fast_path):
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf(kind)
     ids, mask = _left_padded(4, 6, seed=1)
@@ -299,7 +299,7 @@ def test_hf_cached_greedy_equals_recomputation_with_left_padding(kind, fast_path
 
 
 def test_hf_cached_eos_masks_and_pads_and_stops_when_every_row_is_done():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("llama")
     ids, mask = _left_padded(5, 4, seed=2)
@@ -329,7 +329,7 @@ def test_hf_cached_eos_masks_and_pads_and_stops_when_every_row_is_done():
 
 def test_hf_sampling_is_reproducible_from_the_generator_and_matches_the_recompute_path():
     from ppo_core.rollout import generate
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("qwen2")
     ids, mask = _left_padded(4, 5, seed=3)
@@ -352,7 +352,7 @@ def test_hf_sampling_is_reproducible_from_the_generator_and_matches_the_recomput
 
 def test_cpu_sampling_fills_a_noise_buffer_from_the_generator():
     """Without the fused Triton rule (CPU logits) the noise is ``[B, V]`` from the generator, refilled each step."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     ids, mask = _left_padded(2, 3, seed=4)
     engine = HFRolloutEngine(_hf("llama"), keep_cache=True)
@@ -362,7 +362,7 @@ def test_cpu_sampling_fills_a_noise_buffer_from_the_generator():
 
 
 def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("llama")
     ids, mask = _left_padded(2, 3, seed=4)
@@ -386,7 +386,7 @@ def test_decode_steps_gather_the_models_rotary_tables_from_the_prefills_table(ki
     frequencies depend on the longest position seen (dynamic) are computed per call, never from a table; the table
     outlives the concatenated weights (the next generation of the same cache length reuses it) and is rebuilt for
     another cache length."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     if kind == "dynamic_rope":
         model = _hf("llama")
@@ -425,7 +425,7 @@ def test_fused_projections_match_separate_ones_and_follow_weight_updates(kind):
     """The concatenated q/k/v and gate/up weights give the separate projections' tokens and log-probs, are rebuilt
     from the weights of the moment at every generation (in place when the cache and graphs are kept), and are
     dropped after a generation otherwise."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf(kind)
     model.model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.randn(48))  # an MLP bias on one of two
@@ -480,7 +480,7 @@ def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_
     captures none) are kept until the next generation has launched its prefill, or ``release``."""
     import weakref
 
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     class Graph:  # a stand-in for a captured torch.cuda.CUDAGraph
         pass
@@ -518,7 +518,7 @@ def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_
 
 
 def test_unsupported_architectures_take_the_generic_path():
-    from ppo_core.rollout.hf import HFRolloutEngine, supports_fast_path
+    from ppo_core_decode.hf import HFRolloutEngine, supports_fast_path
 
     model = _hf("llama")
     model.config.hidden_act = "gelu"  # not the SwiGLU the fused path computes
@@ -529,7 +529,7 @@ def test_unsupported_architectures_take_the_generic_path():
 
 
 def test_generic_path_restores_the_attention_implementation():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("llama")
     before = model.config._attn_implementation
@@ -629,7 +629,7 @@ def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse
     """In bf16 the fused Llama-family path rounds as the model's own eager forward does (norm, rotation, SwiGLU),
     so it draws the same tokens with the same log-probs as the model's own modules run through the cache, bit
     for bit (on the CPU, where both run eagerly)."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf(kind).to(torch.bfloat16)
     ids, mask = _left_padded(6, 9, seed=8)
@@ -653,7 +653,7 @@ _DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cud
 def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed):
     """The HF engine's refresh writes a group's weights stacked, each column times the norm's weight, in one call
     (one Triton launch on CUDA): the same bits as ``fold_norm_weight`` of each weight into its rows."""
-    from ppo_core.rollout.decode_linear import fold_norm_weight, fold_norm_weights
+    from ppo_core_decode.decode_linear import fold_norm_weight, fold_norm_weights
 
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for n in rows]
@@ -667,8 +667,8 @@ def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
     """refresh() only marks the concatenated weights stale: the prefill builds each layer's q/k/v and gate/up groups
     right before their products (so the host's work on layer i + 1's overlaps the device's on layer i), every
     group once per generation, from the weights of the moment."""
-    from ppo_core.rollout import hf
-    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+    from ppo_core_decode import hf
+    from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
     events = []
     concatenated, mlp, projections = (
@@ -721,7 +721,7 @@ def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
 def test_prefill_runs_the_last_layers_mlp_for_the_last_position_only(monkeypatch):
     """Only the last position's output of the last layer reaches the logits: the prefill's other layers run their
     MLP over every position, the last one over one position per row (and decode steps over their one token)."""
-    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+    from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
     seen = []
     mlp = _LlamaFamilyForward._mlp
@@ -745,7 +745,7 @@ def test_generation_sets_the_eval_mode_only_where_the_forward_depends_on_it(monk
     """A model in training mode with attention dropout samples as in eval mode and is left in training mode; the
     Llama-family path (its own functions on the weights) never toggles the mode, the generic path (the model's own
     forward, dropout included) does, and no path toggles a model already in eval mode."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     cfg = _hf("llama").config
     cfg.attention_dropout = 0.5
@@ -774,8 +774,8 @@ def test_generate_waits_for_the_device_once_and_times_prefill_and_decode(monkeyp
     ``generate`` (at its end), and the two spans of the stats (events on CUDA) are positive and fit in the call."""
     import time
 
-    from ppo_core.rollout import decoding
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode import decoding
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("llama")
     ids, mask = _left_padded(3, 5, seed=2)
@@ -796,7 +796,7 @@ def test_decode_steps_are_grouped_up_to_steps_per_graph_and_never_past_a_check(c
     """The decoder's launches: from step 1, groups of at most ``steps_per_graph`` steps that end at every multiple
     of ``check_every`` (where it checks for finished rows) and at the last step; single steps where a noise buffer
     is filled before each step; each group keyed by its steps' cache lengths."""
-    from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder
+    from ppo_core_decode.decoding import ModelSpec, StaticCacheDecoder
 
     decoder = StaticCacheDecoder(
         lambda *a: None,

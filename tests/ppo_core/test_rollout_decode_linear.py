@@ -1,4 +1,4 @@
-"""The decode-step GEMM with its fused prologue and epilogue (:mod:`ppo_core.rollout.decode_linear`) equals its
+"""The decode-step GEMM with its fused prologue and epilogue (:mod:`ppo_core_decode.decode_linear`) equals its
 PyTorch contract, and the contract equals the models' own steps (``TRITON_INTERPRET=1`` on CPU where Triton is
 installed, and on CUDA under the ``gpu`` marker; the contract's own tests always run)."""
 
@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout import decode_linear as dl
-from ppo_core.rollout.decode_linear import (
+from ppo_core_decode import decode_linear as dl
+from ppo_core_decode.decode_linear import (
     MAX_ROWS,
     DecodeLinearConfig,
     decode_linear,
     decode_linear_reference,
     fold_norm_weight,
 )
-from ppo_core.rollout.eager_rounding import rms_norm_as_model, silu_mul_as_model
-from ppo_core.rollout.split_launch import arrival_counters
+from ppo_core_decode.eager_rounding import rms_norm_as_model, silu_mul_as_model
+from ppo_core_decode.split_launch import arrival_counters
 
 INTERPRET = dl.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and dl.triton is not None
@@ -82,7 +82,7 @@ def test_contract_scaled_copy_is_the_new_residual_times_the_next_norm_weight() -
 
 
 def test_first_norm_statistics_are_the_rows_sums_of_squares_and_the_scaled_rows() -> None:
-    from ppo_core.rollout.decode_linear import row_sumsq, row_sumsq_scaled
+    from ppo_core_decode.decode_linear import row_sumsq, row_sumsq_scaled
 
     x, _, _, _, _ = _inputs(5, 8, 24, torch.bfloat16, "cpu", 3)
     nw = torch.linspace(0.5, 2.0, 24).to(torch.bfloat16)
@@ -94,7 +94,7 @@ def test_first_norm_statistics_are_the_rows_sums_of_squares_and_the_scaled_rows(
 
 
 def test_arrival_counters_are_one_zeroed_buffer_per_device_that_only_grows() -> None:
-    from ppo_core.rollout import split_launch
+    from ppo_core_decode import split_launch
 
     cpu = torch.device("cpu")
     assert split_launch.sm_count(cpu) == 132  # off CUDA: shaped as on an H100/H200
@@ -250,8 +250,8 @@ def test_strided_rows_and_refused_arguments(device) -> None:
 def test_engine_fused_decode_matches_the_default_engine(device) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ppo_core.rollout.hf import HFRolloutEngine
     from ppo_core.rollout.sampling import SamplingConfig
+    from ppo_core_decode.hf import HFRolloutEngine
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -402,7 +402,7 @@ def test_megatron_engine_refuses_fused_decode_without_its_own_forward_or_with_tp
 def test_engine_refuses_fused_decode_with_batch_invariance() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     lm = LlamaForCausalLM(
         LlamaConfig(
@@ -440,7 +440,7 @@ def test_cuda_graph_replays_split_k_with_fresh_inputs() -> None:
 
 
 def test_folded_concatenation_is_the_concatenation_of_scaled_weights() -> None:
-    from ppo_core.rollout.hf import _concatenated
+    from ppo_core_decode.hf import _concatenated
 
     gen = torch.Generator().manual_seed(6)
     layers = tuple(torch.nn.Linear(12, n, bias=n == 5) for n in (4, 5, 3))
@@ -464,8 +464,8 @@ def test_engine_with_folded_norms_samples_what_the_default_engine_samples_on_the
     projections and normalises without them: the same greedy tokens, log-probs within the roundings."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ppo_core.rollout.hf import HFRolloutEngine
     from ppo_core.rollout.sampling import SamplingConfig
+    from ppo_core_decode.hf import HFRolloutEngine
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM(

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout import decode_rotary
-from ppo_core.rollout.decode_rotary import (
+from ppo_core_decode import decode_rotary
+from ppo_core_decode.decode_rotary import (
     rotate_and_write,
     rotate_and_write_prompt,
     rotate_and_write_prompt_triton,
     rotate_and_write_triton,
 )
-from ppo_core.rollout.eager_rounding import rotary_as_model
+from ppo_core_decode.eager_rounding import rotary_as_model
 
 INTERPRET = decode_rotary.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and decode_rotary.triton is not None

@@ -17,13 +17,13 @@ from test_rollout_decode_rotary import _step as rotary_step
 from test_rollout_decode_rotary import _tolerance as rotary_tolerance
 
 from ppo_core.kernels.fused import apply_rotary
-from ppo_core.rollout import decode_attention, decode_rotary_attention, kv_cache
-from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
-from ppo_core.rollout.decode_rotary import rotate_and_write, rotate_and_write_triton
-from ppo_core.rollout.decode_rotary_attention import default_split, rotate_write_attend_triton
-from ppo_core.rollout.eager_rounding import rotary_as_model
-from ppo_core.rollout.kv_cache import KVCache
-from ppo_core.rollout.split_launch import arrival_counters
+from ppo_core_decode import decode_attention, decode_rotary_attention, kv_cache
+from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton
+from ppo_core_decode.decode_rotary import rotate_and_write, rotate_and_write_triton
+from ppo_core_decode.decode_rotary_attention import default_split, rotate_write_attend_triton
+from ppo_core_decode.eager_rounding import rotary_as_model
+from ppo_core_decode.kv_cache import KVCache
+from ppo_core_decode.split_launch import arrival_counters
 
 INTERPRET = decode_rotary_attention.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and decode_rotary_attention.triton is not None

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout.eager_rounding import (
+from ppo_core_decode.eager_rounding import (
     add_rms_norm_as_model,
     rms_norm_as_model,
     rotary_as_model,

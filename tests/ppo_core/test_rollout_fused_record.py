@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout import fused_sampling
-from ppo_core.rollout.decoding import ModelSpec, StaticCacheDecoder, _Sampler, _State
-from ppo_core.rollout.fused_sampling import (
+from ppo_core_decode import fused_sampling
+from ppo_core_decode.decoding import ModelSpec, StaticCacheDecoder, _Sampler, _State
+from ppo_core_decode.fused_sampling import (
     fused_sample,
     fused_sample_record,
     fused_sampling_uniforms,

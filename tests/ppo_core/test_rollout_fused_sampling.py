@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout import fused_sampling
-from ppo_core.rollout.fused_sampling import fused_sample, fused_sampling_available
 from ppo_core.rollout.sampling import _draw, sample_tokens
+from ppo_core_decode import fused_sampling
+from ppo_core_decode.fused_sampling import fused_sample, fused_sampling_available
 
 INTERPRET = fused_sampling.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and fused_sampling.triton is not None

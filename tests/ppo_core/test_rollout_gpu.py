@@ -40,7 +40,7 @@ def _prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graph_replay_equals_eager_decoding(temperature):
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(8, 40)
@@ -60,7 +60,7 @@ def test_graph_replay_equals_eager_decoding(temperature):
 def test_groups_of_steps_in_one_graph_draw_what_one_step_graphs_draw(eos):
     """``steps_per_graph`` changes how many launches replay the steps, not what they compute: the same tokens and
     log-probs (in-kernel randomness, EOS ending rows early) and the same early stop, cold and warm."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.bfloat16)
     ids, mask = _prompts(8, 40)
@@ -82,7 +82,7 @@ def test_kernel_noise_sampling_is_the_same_with_and_without_graphs(eos):
     """Temperature sampling without truncation draws its noise in the sampling kernel: the same generator state gives
     the same tokens eagerly and through replayed graphs, a ``[B, V]`` noise buffer is never allocated, and another
     seed gives other tokens."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(8, 40)
@@ -109,7 +109,7 @@ def test_a_warm_generation_captures_during_the_prefill_and_draws_the_same_tokens
     """A second call with the same shapes and settings skips the eager warm-up step: its first graph is captured
     while the prefill runs (before the host waits for it), or reused with ``keep_cache``; the tokens and log-probs
     equal the first call's for the same generator state, and another seed still gives other tokens."""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(8, 40)
@@ -145,7 +145,7 @@ def test_generations_of_other_shapes_and_settings_keep_their_graphs(keep_cache):
     repeated call captures during its prefill, and every call draws what a fresh engine draws. (Destroying the
     previous generation's graphs frees their memory pool; a generation that captures after that needs a new one:
     capturing into the freed pool failed and left the engine decoding eagerly.)"""
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(8, 40)
@@ -170,7 +170,7 @@ def test_generations_of_other_shapes_and_settings_keep_their_graphs(keep_cache):
 
 
 def test_graphs_stop_early_once_every_row_has_finished():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(4, 16)
@@ -191,7 +191,7 @@ def test_graphs_stop_early_once_every_row_has_finished():
 
 
 def test_bf16_cached_greedy_agrees_with_recomputation_up_to_near_ties():
-    from ppo_core.rollout.hf import HFRolloutEngine
+    from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.bfloat16)
     ids, mask = _prompts(16, 32)
@@ -217,7 +217,7 @@ def test_bf16_cached_greedy_agrees_with_recomputation_up_to_near_ties():
 @pytest.mark.parametrize(("heads", "groups", "d"), [(32, 8, 64), (8, 8, 128), (16, 2, 64), (12, 4, 64)])
 @pytest.mark.parametrize("kv_len", [1, 37, 64, 384, 1000])
 def test_triton_decode_attention_matches_the_sdpa_reference(dtype, heads, groups, d, kv_len):
-    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+    from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton
 
     g = torch.Generator("cuda").manual_seed(kv_len * heads + d)
     b, length = 5, kv_len + 7  # the cache is longer than the slots attended to
@@ -236,7 +236,7 @@ def test_triton_decode_attention_matches_the_sdpa_reference(dtype, heads, groups
 @pytest.mark.parametrize("filled", [1, 63, 64, 65, 300])
 def test_triton_decode_attention_stops_at_the_filled_slots(filled):
     """With ``filled`` (a device scalar) the kernel reads no slot past it: NaN there changes nothing."""
-    from ppo_core.rollout.decode_attention import decode_attention_sdpa, decode_attention_triton
+    from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton
 
     g = torch.Generator("cuda").manual_seed(filled)
     b, heads, groups, d, kv_len = 3, 16, 4, 64, 384

@@ -1,4 +1,4 @@
-"""The megatron rollout engine's own forward (:class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward`)
+"""The megatron rollout engine's own forward (:class:`~ppo_core_decode.megatron.MegatronDecodeForward`)
 against megatron's ``GPTModel.forward`` through the same cache (the oracle): on the CPU both run eagerly with the
 same roundings, so greedy and sampled tokens are equal, and their log-probs equal bit for bit in bf16, for every
 model shape it supports (grouped, multi-head and single-group attention, a q/k/v bias, tied embeddings); in fp32
@@ -17,11 +17,11 @@ from _megatron import random_hf_state, tiny_config
 
 from ppo_core.rollout import SamplingConfig
 from ppo_core.workers.megatron import ParallelConfig
-from ppo_core.workers.megatron.decode import MegatronDecodeForward, qkv_row_order
 from ppo_core.workers.megatron.engine import megatron_attention_mask, position_ids
 from ppo_core.workers.megatron.hf_loading import hf_to_megatron
 from ppo_core.workers.megatron.model import build_gpt_model
 from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+from ppo_core_decode.megatron import MegatronDecodeForward, qkv_row_order
 
 SHAPES = {
     "gqa": {},  # 4 query heads in 2 groups: the q/k/v rows are re-laid out

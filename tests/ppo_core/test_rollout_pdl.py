@@ -1,4 +1,4 @@
-"""When the decode kernels launch with programmatic dependent launch (:mod:`ppo_core.rollout.pdl`)."""
+"""When the decode kernels launch with programmatic dependent launch (:mod:`ppo_core_decode.pdl`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from ppo_core.rollout import pdl
+from ppo_core_decode import pdl
 
 
 def test_pdl_is_off_on_the_cpu_under_the_interpreter_and_when_turned_off(monkeypatch) -> None:
@@ -37,7 +37,7 @@ def test_the_sampling_kernels_launch_with_pdl_where_it_is_on(monkeypatch, on) ->
     """Both sampling kernels (the blocks' statistics, then the combining draw) take part in PDL where it is on: each
     is compiled to wait for the kernel before it and launched with the attribute; elsewhere neither is. (The
     launches are recorded, not run: the kernels' results are the CUDA and interpreter tests' business.)"""
-    from ppo_core.rollout import fused_sampling as fs
+    from ppo_core_decode import fused_sampling as fs
 
     launches = []
 

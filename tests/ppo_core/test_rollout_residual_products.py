@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core.rollout import SamplingConfig
-from ppo_core.rollout.decoder_loop import DecoderLayerLoop, add_linear_
+from ppo_core_decode.decoder_loop import DecoderLayerLoop, add_linear_
 
 pytest.importorskip("transformers")
 
@@ -97,8 +97,8 @@ def test_hf_loop_with_the_adds_in_the_products_draws_what_the_separate_adds_draw
     """fp32 on the CPU, the fused adds forced on: the same greedy tokens and log-probs within fp32 rounding; the
     prefill adds through the products (two a layer, the first over a new tensor: the embedding's output is not the
     loop's to overwrite; the last layer's on its last position) and calls no add + norm kernel."""
-    from ppo_core.rollout import hf
-    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+    from ppo_core_decode import hf
+    from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
     model = _hf(kind)
     ids, mask = _left_padded(5, 7, seed=3)
@@ -144,7 +144,7 @@ def test_the_layer_loop_adds_separately_unless_the_subclass_fuses():
 
 def test_hf_engine_keeps_the_models_roundings_on_the_cpu():
     """The default on the CPU (bit for bit the model's forward, see test_rollout_cached) and in fp32 anywhere."""
-    from ppo_core.rollout.hf import _LlamaFamilyForward
+    from ppo_core_decode.hf import _LlamaFamilyForward
 
     loop = _LlamaFamilyForward(_hf("llama"))
     assert not loop._adds_residual_in_products(torch.zeros(1, 1, 32, dtype=torch.bfloat16))
@@ -182,8 +182,8 @@ def test_add_linear_on_cuda_is_the_sum_within_the_models_two_roundings():
 def test_hf_engine_adds_in_the_products_on_cuda_and_stays_near_the_fp32_model(kind, monkeypatch):
     """bf16 on CUDA: the prefill adds through its products by default, and its logits are as near an fp32 forward
     of the same model as those of the separate adds (within 10%, on average over rows and vocabulary)."""
-    from ppo_core.rollout import hf
-    from ppo_core.rollout.hf import HFRolloutEngine, _LlamaFamilyForward
+    from ppo_core_decode import hf
+    from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
     model = _hf(kind).cuda()
     ids, mask = (t.cuda() for t in _left_padded(16, 12, seed=4))
@@ -210,11 +210,12 @@ def test_megatron_loop_with_the_adds_in_the_products_draws_what_the_separate_add
     pytest.importorskip("megatron.core")
     from _megatron import random_hf_state, tiny_config
 
-    from ppo_core.workers.megatron import ParallelConfig, decode
-    from ppo_core.workers.megatron.decode import MegatronDecodeForward
+    import ppo_core_decode.megatron as decode
+    from ppo_core.workers.megatron import ParallelConfig
     from ppo_core.workers.megatron.hf_loading import hf_to_megatron
     from ppo_core.workers.megatron.model import build_gpt_model
     from ppo_core.workers.megatron.rollout import MegatronRolloutEngine
+    from ppo_core_decode.megatron import MegatronDecodeForward
 
     cfg = tiny_config(**shape)
     model = build_gpt_model(cfg, ParallelConfig()).eval()

@@ -1,4 +1,4 @@
-"""A decode step's inputs in one launch (``ppo_core.rollout.step_inputs``): the kernel writes what its PyTorch
+"""A decode step's inputs in one launch (``ppo_core_decode.step_inputs``): the kernel writes what its PyTorch
 contract writes, and the contract is the rule (slot ``P + t - 1``, positions ``prompt_len + t - 1``, the fed token
 recorded at the slot, the mask of the valid slots). The kernel runs under ``TRITON_INTERPRET=1`` on CPU where Triton
 is installed, and on CUDA under the ``gpu`` marker."""
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_core.rollout import step_inputs
-from ppo_core.rollout.kv_cache import KVCache
-from ppo_core.rollout.step_inputs import decode_step_inputs, decode_step_inputs_reference
+from ppo_core_decode import step_inputs
+from ppo_core_decode.kv_cache import KVCache
+from ppo_core_decode.step_inputs import decode_step_inputs, decode_step_inputs_reference
 
 INTERPRET = step_inputs.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and step_inputs.triton is not None

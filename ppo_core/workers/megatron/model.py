@@ -173,7 +173,7 @@ class SDPACoreAttention(nn.Module):
             self._build_rotary(max_position, head_dim, device)
 
     def _cached(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attention through ``self.kv_cache`` (:class:`ppo_core.rollout.kv_cache.KVCache`): ``query [s, b, h, d]``,
+        """Attention through ``self.kv_cache`` (:class:`ppo_core_decode.kv_cache.KVCache`): ``query [s, b, h, d]``,
         ``key``/``value [s, b, g, d]`` of the tokens being decoded, rotated by the cache's per-row positions."""
         s, b, h, d = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d] views

@@ -2,25 +2,25 @@
 
 The model decodes with its own weights (the actor's, no copy: verl's "hybrid engine"), in one of two ways:
 
-- **its own forward** (the default where :func:`~ppo_core.workers.megatron.decode.own_forward_unsupported` finds
-  nothing, without ``batch_invariant``): :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward`
+- **its own forward** (the default where :func:`own_forward_unsupported` finds
+  nothing, without ``batch_invariant``): :class:`~ppo_core_decode.megatron.MegatronDecodeForward`
   evaluates megatron's layers from their weights in place, residual adds fused with the norms after them and the
   query a view of the q/k/v GEMM's output (about three kernels per layer fewer than megatron's forward, the same
   numbers); at TP = 1 on CUDA its decode steps run through
-  :func:`~ppo_core.rollout.decode_linear.decode_linear` with the element-wise steps in the products' epilogues
+  :func:`~ppo_core_decode.decode_linear.decode_linear` with the element-wise steps in the products' epilogues
   (``fused_decode``: five launches a layer, other roundings of the norms);
 - **megatron's forward**: every :class:`~ppo_core.workers.megatron.model.SDPACoreAttention` is pointed at a
-  :class:`~ppo_core.rollout.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
+  :class:`~ppo_core_decode.kv_cache.KVCache` for the duration of a generation, rotates the new tokens by their
   per-row positions and attends through the cache; everything else (embedding, fused norms, projections and their
   tensor-parallel reductions, SwiGLU, residual adds, output layer) is ``GPTModel.forward``.
 
 Both project only the last position onto the vocabulary (``logits_window``), and with tensor parallelism the
 vocabulary shards ``[B, V/TP]`` are gathered so that every TP rank draws the same token from the same generator.
-Decode steps are captured as CUDA graphs by :class:`~ppo_core.rollout.decoding.StaticCacheDecoder` (NCCL
+Decode steps are captured as CUDA graphs by :class:`~ppo_core_decode.decoding.StaticCacheDecoder` (NCCL
 collectives are captured with them).
 
 With ``batch_invariant=True`` (TP = 1) the engine computes with the batch-invariant functions of
-:mod:`ppo_core.rollout.batch_invariant` for the duration of a generation (or of ``recompute_logits``):
+:mod:`ppo_core_decode.batch_invariant` for the duration of a generation (or of ``recompute_logits``):
 every linear layer's product (megatron's ``_forward_impl``) in fixed 64-row chunks, every :class:`FusedNorm` row by
 row (RMSNorm; LayerNorm on fixed 64-row chunks), attention query by query. A row's logits then do not depend on the other rows, and cached
 decoding equals a full recomputation through the same functions (``recompute_logits``) bit for bit. (With TP > 1 the all-reduce of a
@@ -39,22 +39,69 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.rollout.batch_invariant import invariant_linear, invariant_rms_norm, invariant_rows
-from ppo_core.rollout.decoding import CachedRolloutEngine, ModelSpec
-from ppo_core.rollout.kv_cache import KVCache
 from ppo_core.workers.megatron.config import MegatronModelConfig
-from ppo_core.workers.megatron.decode import MegatronDecodeForward, gather_vocabulary, own_forward_unsupported
 from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
+from ppo_core_decode.batch_invariant import invariant_linear, invariant_rms_norm, invariant_rows
+from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
+from ppo_core_decode.kv_cache import KVCache
+from ppo_core_decode.megatron import MegatronDecodeForward, gather_vocabulary
 
-__all__ = ["MegatronRolloutEngine"]
+__all__ = ["MegatronRolloutEngine", "megatron_engine", "own_forward_unsupported"]
 
 TP_NOT_INVARIANT = (
     "a row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
 )
 """Why batch-invariant decoding needs tensor-parallel size 1 (the engine's and the worker's errors say it)."""
+
+
+def own_forward_unsupported(module: nn.Module, config: MegatronModelConfig) -> str | None:
+    """Why :class:`MegatronDecodeForward` cannot evaluate ``module`` (a ``GPTModel`` of ``config``), or None when it
+    can.
+
+    It evaluates pre-norm RMSNorm decoders with a SwiGLU MLP, no biases except an optional one on ``linear_qkv``,
+    rotary positions applied by :class:`SDPACoreAttention` (or none), and an output layer (an actor). Not
+    supported: ``model.norm="LayerNorm"`` (no fused residual add + LayerNorm kernel here), a critic's value head
+    (it decodes nothing), and megatron options the configs of ppo-core do not set (MoE, q/k norms, fp32 or
+    post-norm residuals, learned absolute positions, biases on the other linear layers, clamped or offset GLU).
+    """
+    tc = module.config
+    if config.norm != "RMSNorm":
+        return f"model.norm={config.norm!r}: the fused residual add + norm is RMSNorm's only"
+    options = {
+        "num_moe_experts": None,
+        "qk_layernorm": False,
+        "fp32_residual_connection": False,
+        "apply_residual_connection_post_layernorm": False,
+        "add_bias_linear": False,
+        "multi_latent_attention": False,
+        "use_te_activation_func": False,
+        "activation_func_clamp_value": None,
+    }
+    for name, supported in options.items():
+        if getattr(tc, name, supported) != supported:
+            return f"the transformer config sets {name}={getattr(tc, name)!r}"
+    if not tc.gated_linear_unit or tc.activation_func is not F.silu or getattr(tc, "glu_linear_offset", 0.0):
+        return "the MLP is not SwiGLU (gated_linear_unit with F.silu and no offset)"
+    embedding = getattr(module, "embedding", None)
+    if embedding is None or getattr(embedding, "add_position_embedding", False):
+        return "the model has no embedding, or learned absolute position embeddings"
+    output = getattr(module, "output_layer", None)
+    if output is None or not hasattr(output, "logits_window"):
+        return "the model has no vocabulary output layer (a critic, or sequence parallelism)"
+    decoder = getattr(module, "decoder", None)
+    if decoder is None or not isinstance(getattr(decoder, "final_layernorm", None), FusedNorm):
+        return "the decoder has no FusedNorm final norm"
+    for layer in decoder.layers:
+        norms = (layer.input_layernorm, layer.pre_mlp_layernorm)
+        if not all(isinstance(norm, FusedNorm) for norm in norms):
+            return "a layer's norms are not FusedNorm"
+        if not isinstance(layer.self_attention.core_attention, SDPACoreAttention):
+            return "a layer's core attention is not SDPACoreAttention (model.attention='sdpa')"
+    return None
 
 
 class MegatronRolloutEngine(CachedRolloutEngine):
@@ -67,18 +114,18 @@ class MegatronRolloutEngine(CachedRolloutEngine):
         tp_size: tensor-parallel size.
         batch_invariant: compute with batch-invariant numerics (see the module docstring; TP = 1 only), through
             megatron's forward.
-        own_forward: decode with :class:`~ppo_core.workers.megatron.decode.MegatronDecodeForward` (True), or with
+        own_forward: decode with :class:`~ppo_core_decode.megatron.MegatronDecodeForward` (True), or with
             megatron's ``GPTModel.forward`` (False); None: the former unless ``batch_invariant`` or the model is
-            one it does not evaluate (:func:`~ppo_core.workers.megatron.decode.own_forward_unsupported`).
+            one it does not evaluate (:func:`own_forward_unsupported`).
         fused_decode: with the own forward at TP = 1, run the products of decode steps of up to
-            :data:`~ppo_core.rollout.decode_linear.MAX_ROWS` rows on CUDA through
-            :func:`~ppo_core.rollout.decode_linear.decode_linear` (residual adds, RMSNorms and SiLU x up in their
+            :data:`~ppo_core_decode.decode_linear.MAX_ROWS` rows on CUDA through
+            :func:`~ppo_core_decode.decode_linear.decode_linear` (residual adds, RMSNorms and SiLU x up in their
             epilogues; five launches a layer); None: wherever that holds.
         fold_norms: with ``fused_decode``, copy the q/k/v and ``linear_fc1`` weights with the norm before each
             folded in for generations of up to ``MAX_ROWS`` rows (about half the weights again in memory; a
-            shorter decode step); False copies no weight (see :mod:`~ppo_core.workers.megatron.decode`).
+            shorter decode step); False copies no weight (see :mod:`~ppo_core_decode.megatron`).
         cuda_graphs, kv_bucket, check_every, steps_per_graph, keep_cache: see
-            :class:`~ppo_core.rollout.decoding.StaticCacheDecoder`.
+            :class:`~ppo_core_decode.decoding.StaticCacheDecoder`.
     """
 
     def __init__(
@@ -242,5 +289,24 @@ def _invariant_product(
     input: torch.Tensor, weight: torch.Tensor, *args: Any, bias: torch.Tensor | None = None, **kwargs: Any
 ) -> torch.Tensor:
     """A linear layer's local product (megatron's ``_forward_impl`` at TP = 1: no communication inside it) by
-    :func:`~ppo_core.rollout.batch_invariant.invariant_linear`."""
+    :func:`~ppo_core_decode.batch_invariant.invariant_linear`."""
     return invariant_linear(input, weight, bias)
+
+
+def megatron_engine(view: nn.Module, config: Any) -> MegatronRolloutEngine:
+    """The registry's ``megatron`` factory: :class:`MegatronRolloutEngine` on the megatron actor worker's policy view
+    (its ``module``, ``model_config``, tensor-parallel group and size) with ``config.batch_invariant``."""
+    module = getattr(view, "module", None)
+    model_config = getattr(view, "model_config", None)
+    if module is None or model_config is None:
+        raise TypeError(
+            "the megatron rollout engine is built on the megatron actor worker's policy (rollout.engine: megatron "
+            f"needs MegatronActorWorker), got {type(view).__name__}"
+        )
+    return MegatronRolloutEngine(
+        module,
+        model_config,
+        tp_group=view._tp_group,
+        tp_size=view.layout.tp_size,
+        batch_invariant=bool(getattr(config, "batch_invariant", False)),
+    )

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine
+from ppo_core.rollout.engine import RolloutEngine
+from ppo_core.rollout.registry import AUTO, build_rollout_engine
 from ppo_core.workers._common import as_config, resolve_device
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
@@ -34,7 +35,7 @@ from ppo_core.workers.megatron.parallel import (
     destroy_megatron_parallel,
     init_megatron_parallel,
 )
-from ppo_core.workers.megatron.rollout import TP_NOT_INVARIANT, MegatronRolloutEngine
+from ppo_core.workers.megatron.rollout import TP_NOT_INVARIANT
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 
 __all__ = ["MegatronActorWorker", "MegatronCriticWorker", "megatron_attention_mask", "position_ids"]
@@ -76,13 +77,18 @@ class _LastLogitsView(nn.Module):
     full-vocabulary logits ``[B, 1, V]`` of the last position only (gathered over TP), so sampling never
     materialises ``[B, S, V]``."""
 
-    def __init__(self, module: nn.Module, layout: MegatronLayout, vocab_size: int) -> None:
+    def __init__(
+        self, module: nn.Module, layout: MegatronLayout, vocab_size: int, model_config: Any = None
+    ) -> None:
         super().__init__()
         from megatron.core import parallel_state as ps
 
         self.module = module
         self.layout = layout
         self.vocab_size = vocab_size
+        self.model_config = (
+            model_config  # the MegatronModelConfig: what the ``megatron`` rollout engine needs
+        )
         self._tp_group = ps.get_tensor_model_parallel_group()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -103,26 +109,29 @@ class _LastLogitsView(nn.Module):
         return last[..., : self.vocab_size]
 
 
+def _auto_engine(engine: MegatronEngine, config: MegatronActorConfig) -> str:
+    """What ``rollout.engine: auto`` means for the megatron actor: the KV-cached, graph-captured ``megatron``
+    engine where the model supports it (SDPA attention, no pipeline or sequence parallelism), else the
+    ``reference`` loop (full recomputation through the policy view)."""
+    sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
+    if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
+        return "megatron"
+    return "reference"
+
+
 def _default_rollout(
     engine: MegatronEngine, config: MegatronActorConfig, view: _LastLogitsView
 ) -> RolloutEngine:
-    """The KV-cached, graph-captured engine where the model supports it (SDPA attention, no pipeline or sequence
-    parallelism), else full recomputation through ``view``."""
-    sequence_parallel = getattr(engine.module.config, "sequence_parallel", False)
+    """The engine ``config.rollout.engine`` names (``auto``: :func:`_auto_engine`), built once for this worker."""
     if config.rollout.batch_invariant and engine.layout.tp_size > 1:
         raise ValueError(
             "actor.worker.rollout.batch_invariant=True needs tensor-parallel size 1, got "
             f"{engine.layout.tp_size}: {TP_NOT_INVARIANT}"
         )
-    if config.model.attention == "sdpa" and engine.layout.pp_size == 1 and not sequence_parallel:
-        return MegatronRolloutEngine(
-            engine.module,
-            config.model,
-            tp_group=view._tp_group,
-            tp_size=engine.layout.tp_size,
-            batch_invariant=config.rollout.batch_invariant,
-        )
-    return ModelRolloutEngine(view)
+    name = config.rollout.engine
+    if name == AUTO:
+        name = _auto_engine(engine, config)
+    return build_rollout_engine(name, view, config.rollout)
 
 
 class MegatronActorWorker(PPOActorWorker):
@@ -132,9 +141,11 @@ class MegatronActorWorker(PPOActorWorker):
         config: a :class:`MegatronActorConfig` or a dict of its fields.
         rollout_engine: ``factory(policy) -> RolloutEngine``, called with the policy as a causal LM
             (``policy(input_ids, attention_mask=mask)`` -> last-position logits ``[B, 1, V]``; pass
-            :class:`~ppo_core.rollout.ModelRolloutEngine` to recompute every step); None: the KV-cached
-            :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine` (CUDA graphs on a GPU) where the model
-            supports it (``attention="sdpa"``, PP = 1, no sequence parallelism), else recomputation.
+            :class:`~ppo_core.rollout.ModelRolloutEngine` to recompute every step); None: the engine
+            ``config.rollout.engine`` names (:mod:`~ppo_core.rollout.registry`), built once and reused; ``auto``:
+            the KV-cached :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine` (CUDA graphs on a GPU)
+            where the model supports it (``attention="sdpa"``, PP = 1, no sequence parallelism), else
+            recomputation (``reference``).
 
     Example:
         >>> # one process per rank, torch.distributed env set (Monarch / torchrun):
@@ -160,7 +171,7 @@ class MegatronActorWorker(PPOActorWorker):
                 vocab_size=config.model.vocab_size,
                 remove_padding=config.use_remove_padding,
             )
-        view = _LastLogitsView(engine.module, engine.layout, config.model.vocab_size)
+        view = _LastLogitsView(engine.module, engine.layout, config.model.vocab_size, config.model)
         rollout = (
             rollout_engine(view) if rollout_engine is not None else _default_rollout(engine, config, view)
         )

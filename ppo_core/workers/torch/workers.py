@@ -4,7 +4,8 @@
 Each rank builds its model with ``model_factory()`` on its device; with ``world_size > 1`` every rank is a DDP
 replica (see :mod:`ppo_core.workers.torch.distributed`). The actor adds a frozen copy of the initial policy
 (``use_reference``) and samples through a rollout engine built from the policy module
-(:class:`~ppo_core.rollout.ModelRolloutEngine` unless ``rollout_engine`` says otherwise).
+(the engine named by ``rollout.engine`` in its config, :mod:`~ppo_core.rollout.registry`, unless
+``rollout_engine`` says otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine
+from ppo_core.rollout.engine import RolloutEngine
+from ppo_core.rollout.registry import build_rollout_engine
 from ppo_core.workers._common import as_config
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.config import OptimConfig
@@ -78,7 +80,9 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
         model_factory: zero-argument callable returning the policy ``nn.Module`` (called once per rank; it must be
             picklable for process backends, e.g. a module-level function or ``functools.partial``).
         config: a :class:`TorchActorConfig` or a dict of its fields.
-        rollout_engine: ``factory(policy_module) -> RolloutEngine``; None: :class:`~ppo_core.rollout.ModelRolloutEngine`.
+        rollout_engine: ``factory(policy_module) -> RolloutEngine``; None: the engine named by
+            ``config.rollout.engine`` (:mod:`~ppo_core.rollout.registry`; ``auto``: ``hf`` for a Hugging Face causal
+            LM, else the reference loop), built once here and reused for every step.
 
     Example:
         >>> import functools
@@ -113,7 +117,11 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
                 dp_size=engine.dp_size,
                 remove_padding=config.use_remove_padding,
             )
-        rollout = (rollout_engine or ModelRolloutEngine)(engine.module)
+        rollout = (
+            rollout_engine(engine.module)
+            if rollout_engine is not None
+            else build_rollout_engine(config.rollout.engine, engine.module, config.rollout)
+        )
         super().__init__(config, engine, rollout=rollout, reference=reference)
         self.config: TorchActorConfig = config
 

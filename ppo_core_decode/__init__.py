@@ -1,0 +1,30 @@
+"""The KV-cached, graph-captured decode engine behind ppo-core's fast rollout engines.
+
+What is here (one module per concept):
+
+- :mod:`~ppo_core_decode.decoding`: :class:`~ppo_core_decode.decoding.StaticCacheDecoder` (prefill, decode steps
+  captured as CUDA graphs, sampling, stop checks) and :class:`~ppo_core_decode.decoding.CachedRolloutEngine`, the
+  rollout-engine protocol over it;
+- :mod:`~ppo_core_decode.kv_cache`: the static KV cache (per-row positions, cache writes, attention through it);
+- :mod:`~ppo_core_decode.decoder_loop`: the layer loop both model forwards share (residual adds fused with the next
+  norm or with the products);
+- :mod:`~ppo_core_decode.hf`: :class:`~ppo_core_decode.hf.HFRolloutEngine`, Hugging Face causal LMs;
+- :mod:`~ppo_core_decode.megatron`: :class:`~ppo_core_decode.megatron.MegatronDecodeForward`, megatron-core
+  ``GPTModel`` s evaluated from their weights (the engine that wires it in is
+  :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine`);
+- fused Triton kernels of a decode step: :mod:`~ppo_core_decode.decode_linear`,
+  :mod:`~ppo_core_decode.decode_attention`, :mod:`~ppo_core_decode.decode_rotary`,
+  :mod:`~ppo_core_decode.decode_rotary_attention`, :mod:`~ppo_core_decode.fused_sampling`,
+  :mod:`~ppo_core_decode.step_inputs`, with :mod:`~ppo_core_decode.pdl` and :mod:`~ppo_core_decode.split_launch`;
+- numerics: :mod:`~ppo_core_decode.batch_invariant` (row-independent GEMMs, norms and attention) and
+  :mod:`~ppo_core_decode.eager_rounding` (element-wise steps rounded as the model's own forward rounds them).
+
+Import rule: this package imports torch, triton, the model libraries (``transformers``, ``megatron.core``, inside
+the functions that need them), ppo-core's core math (``ppo_core.kernels``, ``ppo_core._checks``,
+``ppo_core.keys``) and the leaf modules of :mod:`ppo_core.rollout` (``sampling``, ``layout``, ``prompt_checks``,
+``registry``); never ``ppo_core.workers``, ``ppo_core.trainer`` or ``ppo_core.backends``. ``ppo_core`` imports it
+only inside functions (the registry's ``hf`` factory, the CUDA sampling path) and in the megatron worker.
+
+Choosing an engine is not done here: :mod:`ppo_core.rollout.registry` names the engines (``hf`` is
+:func:`~ppo_core_decode.hf.hf_engine`).
+"""

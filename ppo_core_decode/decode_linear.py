@@ -1,0 +1,829 @@
+"""The projections of a decode step as weight-streaming Triton GEMMs with the layer's element-wise steps fused in.
+
+A decode step multiplies a few rows (one token per sequence, ``M <= 64``) by every weight matrix of the model, so
+each projection is bound by reading its weight once, and at this size a kernel's launch, ramp-up and tail cost as
+much as the read of a small matrix. Unfused, a Llama-family layer spends five more kernels around its four
+products: the residual add + RMSNorm before the q/k/v and the gate/up products (twice), SiLU x up after gate/up,
+and the split-K reduction of the down product. :func:`decode_linear` folds them into the products' epilogues and
+keeps the main loop a plain product (an element-wise prologue on the rows is slower: it keeps the rows from feeding
+the tensor cores straight from shared memory):
+
+- **residual epilogue** (``residual``): the product, rounded to the model dtype, is added to the residual stream as
+  the models add it, and the new residual ``h`` is the output; each program also writes the sum of squares of its
+  block of ``h``'s columns per row (``[P, M]`` partial sums over ``P`` column blocks), for the norm that follows;
+- **scaled copy** (``next_norm_weight``, with ``residual``): the new residual times the next norm's weight, rounded
+  (a second output): the input of a product whose norm weight is not folded into its weight (the output layer,
+  whose weight is the embedding's, and the megatron engine's products with ``fold_norms=False``, which copies no
+  weight), normalised by the row scale below;
+- **norm epilogue** (``sumsq``): RMSNorm of a row is a per-row scale, ``rmsnorm(h) W^T = rstd * (h (W diag w)^T)``
+  with ``rstd = 1 / sqrt(mean(h^2) + eps)``: the caller folds the norm weight ``w`` into the weight once per
+  generation (:func:`fold_norm_weight`), and each program sums the partial sums of squares in a fixed order and
+  scales its accumulator;
+- **SwiGLU epilogue** (``swiglu``): the weight is ``[gate; up]`` (``[2F, K]``); a program accumulates a block of
+  gate columns and the matching up columns and writes ``silu(gate) * up`` ``[M, F]`` only;
+- **split-K in one launch**: a product with few column blocks splits its ``K`` range over several programs; each
+  writes its fp32 partial to a workspace, and the program that finishes last for a column block (an atomic
+  counter, reset by that program for the next call) sums the partials in a fixed order and runs the epilogue. The
+  result is deterministic.
+- **persistent launch** (``DecodeLinearConfig.tiles_per_program``, the output layer's default): one program per SM
+  streams an equal share of the weight's rows, its tiles' ``K`` loops flattened into one software pipeline (a
+  product without residual, SwiGLU or split);
+- **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core_decode.pdl`): a program loads
+  its first weight tile, then waits for the previous kernel, and lets the next kernel start once its main loop is
+  done.
+
+Roundings: the residual add and the SwiGLU steps round as the models' eager forwards do (the product rounded to the
+model dtype, then the add in it; the gate and up products, SiLU and their product each rounded). The norm does not:
+the models round the normalised row and its product with ``w``; here ``W diag w`` is rounded once per generation and
+``rstd`` scales the fp32 accumulator. A decode step through these kernels therefore differs from the model's own
+forward by roundings of the size bf16 carries, like any change of GEMM kernel (the greedy tokens of the default
+engines differ from a full recomputation on near-ties already); the batch-invariant engines never use them.
+
+:func:`decode_linear_reference` is the contract in PyTorch (any device): the tests compare the kernel with it.
+``TRITON_INTERPRET=1`` runs the kernel on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ppo_core.kernels.compiled import cuda_compiled
+from ppo_core.kernels.triton_scan import _interpreting
+from ppo_core_decode.pdl import pdl_enabled
+from ppo_core_decode.split_launch import arrival_counters, sm_count
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional
+    triton = None
+    tl = None
+
+__all__ = [
+    "MAX_ROWS",
+    "DecodeLinearConfig",
+    "DecodeLinearOutput",
+    "decode_linear",
+    "decode_linear_available",
+    "decode_linear_reference",
+    "fold_norm_weight",
+    "fold_norm_weights",
+    "row_sumsq",
+    "row_sumsq_scaled",
+]
+
+MAX_ROWS = 64
+"""Most rows a call multiplies (one block of rows: every program reads the weight once for all of them)."""
+
+
+class DecodeLinearOutput(NamedTuple):
+    """What :func:`decode_linear` returns."""
+
+    y: torch.Tensor
+    """``[M, N]`` (``[M, N / 2]`` with SwiGLU) in the dtype of ``x``: the product, or with ``residual`` the new
+    residual stream."""
+    sumsq: torch.Tensor | None
+    """With ``residual``: ``[P, M]`` fp32 partial sums of squares of ``y``'s rows (one per block of its columns);
+    else None."""
+    scaled: torch.Tensor | None
+    """With ``next_norm_weight``: ``y * next_norm_weight`` rounded to the dtype of ``x`` ``[M, N]``; else None."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeLinearConfig:
+    """Launch shape of :func:`decode_linear` (None: chosen from the shapes by :func:`_default_config`)."""
+
+    block_n: int = 32
+    """Output columns per program (for ``swiglu``: gate columns, and as many up columns)."""
+    block_k: int = 128
+    """Reduction columns per loop iteration."""
+    split_k: int = 1
+    """Programs sharing one column block's ``K`` range (a power of two; partials summed in a fixed order)."""
+    num_warps: int = 4
+    num_stages: int = 4
+    tiles_per_program: int = 0
+    """0: one program per column block. ``T > 0`` (a product without ``residual``, SwiGLU or split): persistent,
+    one program per SM running ``T`` column tiles back to back in one pipelined loop, each tile
+    ``ceil(N / (SMs * T))`` columns (at most ``block_n``), so every program reads the same share of the weight."""
+
+
+def decode_linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`decode_linear` runs its kernel for ``x [M, K]`` and ``weight [N, K]``: Triton on CUDA (or
+    the interpreter), bf16 or fp16, ``1 <= M <= MAX_ROWS``, a contiguous weight."""
+    return (
+        triton is not None
+        and (x.is_cuda or _interpreting())
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and weight.shape[1] == x.shape[1]
+    )
+
+
+def fold_norm_weight(
+    weight: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``W diag w``: the weight ``[N, K]`` of a product that follows an RMSNorm with weight ``w [K]``, each column
+    scaled by the norm's weight and rounded to the weight's dtype (written into ``out`` when given)."""
+    return torch.mul(weight, norm_weight.to(weight.dtype), out=out)
+
+
+FOLD_MAX_WEIGHTS = 4
+"""Most weights :func:`fold_norm_weights` stacks in one launch."""
+
+
+def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """Stack ``weights`` (``[N_i, K]`` each) along their rows into ``out [sum N_i, K]``, each column times
+    ``scale [K]``: :func:`fold_norm_weight` of each weight into its rows of ``out``, the same bits (one product,
+    rounded to ``out``'s dtype, as ``torch.mul`` rounds it).
+
+    On CUDA, with contiguous tensors of one dtype and at most :data:`FOLD_MAX_WEIGHTS` weights, one Triton launch
+    writes the whole stack; elsewhere one ``torch.mul`` per weight. The HF engine refreshes these stacks before every
+    generation: ``torch.mul`` per weight broadcasts the ``[K]`` scale over the rows through PyTorch's unvectorised
+    element-wise kernel, and a compiled function per group costs host time with the GPU idle, both ahead of the
+    prefill.
+
+    Example:
+        >>> out = torch.empty(3, 2)
+        >>> fold_norm_weights(out, torch.tensor([2.0, 3.0]), [torch.ones(1, 2), torch.ones(2, 2)])
+        >>> out.tolist()
+        [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0]]
+    """
+    rows = [w.shape[0] for w in weights]
+    if out.dim() != 2 or sum(rows) != out.shape[0] or any(w.shape[1:] != out.shape[1:] for w in weights):
+        raise ValueError(
+            f"out must be [sum N_i, K] = [{sum(rows)}, K] for weights {[tuple(w.shape) for w in weights]}, "
+            f"got {tuple(out.shape)}"
+        )
+    if tuple(scale.shape) != (out.shape[1],):
+        raise ValueError(f"scale must be [{out.shape[1]}], got {tuple(scale.shape)}")
+    one_launch = (
+        triton is not None
+        and out.is_cuda
+        and 1 <= len(weights) <= FOLD_MAX_WEIGHTS
+        and out.is_contiguous()
+        and scale.is_contiguous()
+        and all(w.is_contiguous() and w.dtype == out.dtype and w.device == out.device for w in weights)
+        and scale.device == out.device
+    )
+    if one_launch:
+        _fold_norm_weights_triton(out, scale, weights)
+        return
+    for weight, part in zip(weights, out.split(rows), strict=True):
+        fold_norm_weight(weight, scale, out=part)
+
+
+def _fold_norm_weights_triton(
+    out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]
+) -> None:
+    """:func:`fold_norm_weights`' launch (contiguous tensors, 1 to :data:`FOLD_MAX_WEIGHTS` weights; on CPU tensors
+    under ``TRITON_INTERPRET=1``, whose fp32 -> bf16 conversion truncates where the GPU rounds to nearest)."""
+    n, k = out.shape
+    if n == 0 or k == 0:
+        return
+    ends = list(itertools.accumulate(w.shape[0] for w in weights)) + [n] * (FOLD_MAX_WEIGHTS - len(weights))
+    padded = list(weights) + [weights[0]] * (FOLD_MAX_WEIGHTS - len(weights))
+    block_r, block_k = 16, 256
+    _fold_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_k))](
+        out,
+        scale,
+        *padded,
+        ends[0],
+        ends[1],
+        ends[2],
+        n,
+        k,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        NUM=len(weights),
+        num_warps=4,
+    )
+
+
+@cuda_compiled
+def row_sumsq(h: torch.Tensor) -> torch.Tensor:
+    """``[1, M]`` fp32 sums of squares of the rows of ``h [M, K]``: the ``sumsq`` of the first normed product of a
+    decode step (later ones get theirs from the residual epilogue). One kernel on CUDA."""
+    return h.float().square().sum(-1)[None]
+
+
+@cuda_compiled
+def row_sumsq_scaled(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_sumsq` and ``h * weight`` rounded to ``h``'s dtype (``weight [K]``): the first normed product's
+    statistics and input where the norm's weight is not folded into it. One kernel on CUDA."""
+    return h.float().square().sum(-1)[None], h * weight
+
+
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    next_norm_weight: torch.Tensor | None = None,
+) -> DecodeLinearOutput:
+    """:func:`decode_linear`'s contract in PyTorch, with its roundings (see the module docstring). Its ``sumsq``
+    output is the whole per-row sum of squares ``[M]`` rather than partial sums."""
+    acc = x.float() @ weight.float().T
+    if sumsq is not None:
+        total = sumsq.float().sum(0) if sumsq.dim() == 2 else sumsq.float()
+        acc = acc * torch.rsqrt(total / x.shape[1] + eps)[:, None]
+    if bias is not None:
+        acc = acc + bias.float()
+    if swiglu:
+        gate, up = acc.to(x.dtype).chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    else:
+        y = acc.to(x.dtype)
+    if residual is None:
+        return DecodeLinearOutput(y, None, None)
+    y = residual + y
+    scaled = None if next_norm_weight is None else y * next_norm_weight.to(y.dtype)
+    return DecodeLinearOutput(y, y.float().pow(2).sum(-1), scaled)
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    next_norm_weight: torch.Tensor | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> DecodeLinearOutput:
+    """``y = x W^T + b`` for a few rows in one launch, with RMSNorm's row scale, SwiGLU or the residual add fused
+    into its epilogue (see the module docstring).
+
+    Args:
+        x: ``[M, K]`` rows (``M <= MAX_ROWS``; the residual stream itself when ``sumsq`` is given).
+        weight: ``[N, K]`` contiguous (``[gate; up]``, ``N = 2F``, with ``swiglu``; the norm weight folded in by
+            :func:`fold_norm_weight` with ``sumsq``).
+        bias: ``[N]`` or None.
+        sumsq: ``[P, M]`` fp32 partial sums of squares of ``x``'s rows (the second output of the call that produced
+            ``x``, or ``x.float().pow(2).sum(-1)[None]``): scale each row by ``1 / sqrt(mean(x^2) + eps)``.
+        eps: the norm's epsilon.
+        residual: ``[M, N]``: return ``residual + y`` (the new residual stream) and its partial sums of squares.
+        swiglu: return ``silu(gate) * up`` ``[M, N / 2]`` instead of ``[M, N]``.
+        next_norm_weight: ``[N]`` in the dtype of ``x``, with ``residual``: also return the new residual times it.
+        config: launch shape; None: chosen from the shapes.
+
+    Returns:
+        :class:`DecodeLinearOutput` ``(y, sumsq, scaled)``.
+
+    Example:
+        >>> x, w = torch.ones(2, 4), torch.eye(4)
+        >>> out = decode_linear_reference(
+        ...     x, 2 * w, sumsq=torch.full((2,), 4.0), eps=0.0, residual=x, next_norm_weight=torch.full((4,), 0.5)
+        ... )
+        >>> out.y[0].tolist(), out.sumsq.tolist(), out.scaled[0].tolist()
+        ([3.0, 3.0, 3.0, 3.0], [36.0, 36.0], [1.5, 1.5, 1.5, 1.5])
+    """
+    if not decode_linear_available(x, weight):
+        raise ValueError(
+            f"decode_linear needs Triton on CUDA, x [M <= {MAX_ROWS}, K] and a contiguous weight [N, K] of its "
+            f"dtype; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu needs an even number of weight rows ([gate; up]), got {n}")
+    width = n // 2 if swiglu else n
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    if residual is not None and (
+        tuple(residual.shape) != (m, width) or residual.device != x.device or residual.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"residual must be [{m}, {width}] {x.dtype} on {x.device}, got {tuple(residual.shape)} "
+            f"{residual.dtype} on {residual.device}"
+        )
+    if next_norm_weight is not None and (
+        residual is None
+        or tuple(next_norm_weight.shape) != (width,)
+        or next_norm_weight.dtype != x.dtype
+        or next_norm_weight.device != x.device
+    ):
+        raise ValueError(
+            f"next_norm_weight needs residual and must be [{width}] {x.dtype} on {x.device}, got "
+            f"{tuple(next_norm_weight.shape)} {next_norm_weight.dtype} on {next_norm_weight.device}"
+            + ("" if residual is not None else " (no residual)")
+        )
+    if sumsq is not None and (
+        sumsq.dim() != 2 or sumsq.shape[1] != m or sumsq.dtype != torch.float32 or sumsq.device != x.device
+    ):
+        raise ValueError(
+            f"sumsq must be [P, {m}] float32 on {x.device}, got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
+        )
+    cfg = config or _default_config(width, k, swiglu, x.device, plain=residual is None)
+    block_m = max(16, triton.next_power_of_2(m))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if sumsq is not None and not sumsq.is_contiguous():
+        sumsq = sumsq.contiguous()
+    if cfg.tiles_per_program > 0:
+        if residual is not None or swiglu or cfg.split_k != 1:
+            raise ValueError(
+                "DecodeLinearConfig.tiles_per_program > 0 (a persistent launch) takes no residual, swiglu or "
+                f"split_k; got residual={residual is not None}, swiglu={swiglu}, split_k={cfg.split_k}"
+            )
+        return DecodeLinearOutput(_persistent(x, weight, bias, sumsq, eps, cfg, block_m), None, None)
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    y = torch.empty(m, width, dtype=x.dtype, device=x.device)
+    scaled = torch.empty_like(y) if next_norm_weight is not None else None
+    n_blocks = triton.cdiv(width, cfg.block_n)
+    sumsq_out = torch.empty(n_blocks, m, device=x.device) if residual is not None else None
+    split = cfg.split_k
+    if split > 1:
+        parts = torch.empty(split, 2 if swiglu else 1, block_m, n_blocks * cfg.block_n, device=x.device)
+        counters = arrival_counters(x.device, n_blocks)
+    else:
+        parts = counters = y  # unused
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    p_in = sumsq.shape[0] if sumsq is not None else 1
+    pdl = pdl_enabled(x.device)
+    _decode_linear_kernel[(n_blocks, split)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        y,
+        residual if residual is not None else x,
+        sumsq if sumsq is not None else y,
+        sumsq_out if sumsq_out is not None else y,
+        next_norm_weight if next_norm_weight is not None else y,
+        scaled if scaled is not None else y,
+        parts,
+        counters,
+        m,
+        width,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        p_in,
+        float(eps),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_P=triton.next_power_of_2(p_in),
+        SPLIT=split,
+        NORM=sumsq is not None,
+        RESIDUAL=residual is not None,
+        SCALED=next_norm_weight is not None,
+        SWIGLU=swiglu,
+        HAS_BIAS=bias is not None,
+        UPCAST=_interpreting(),
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return DecodeLinearOutput(y, sumsq_out, scaled)
+
+
+def _persistent(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    eps: float,
+    cfg: DecodeLinearConfig,
+    block_m: int,
+) -> torch.Tensor:
+    """:func:`decode_linear`'s persistent launch (``cfg.tiles_per_program > 0``): ``y [M, N]``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    sms = sm_count(x.device)
+    cols = -(-n // (sms * cfg.tiles_per_program))
+    if cols > cfg.block_n:
+        raise ValueError(
+            f"DecodeLinearConfig: {cfg.tiles_per_program} tiles a program on {sms} SMs give tiles "
+            f"of {cols} of the {n} columns, more than block_n = {cfg.block_n}"
+        )
+    tiles = -(-n // cols)  # no tile without columns
+    progs = min(sms, tiles)
+    p_in = sumsq.shape[0] if sumsq is not None else 1
+    pdl = pdl_enabled(x.device)
+    _decode_linear_persistent_kernel[(progs,)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        y,
+        sumsq if sumsq is not None else y,
+        m,
+        n,
+        k,
+        cols,
+        tiles,
+        x.stride(0),
+        weight.stride(0),
+        p_in,
+        float(eps),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_P=triton.next_power_of_2(p_in),
+        PROGRAMS=progs,
+        STAGES=cfg.num_stages,
+        NORM=sumsq is not None,
+        HAS_BIAS=bias is not None,
+        UPCAST=_interpreting(),
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return y
+
+
+def _default_config(
+    width: int, k: int, swiglu: bool, device: torch.device, *, plain: bool = True
+) -> DecodeLinearConfig:
+    """From sweeps at 64 rows (``benchmarks/decode_linear.py``): 32-column blocks for narrow
+    products, 64 for wide or deep ones (and with SwiGLU's two weights). For a vocabulary without a residual (the
+    output layer) a persistent launch: one program per SM, each running the fewest tiles of at most 128 columns
+    that cover the vocabulary (Llama-3.2-1B's head: 8 tiles of 122 columns) through 128-column ``K`` blocks in one
+    four-stage pipeline, so that every program reads the same share of the weight and none refills its pipeline
+    between tiles: the product is bound by reading its weight, and a grid launch of many tiles runs in a
+    fractional number of waves that leaves SMs idle at its tail (the same bits); otherwise 256 columns of 64-column ``K``
+    blocks in a four-stage pipeline. ``K`` split while there are fewer programs than half the SMs (each split keeping at
+    least four ``block_k`` iterations).
+
+    Pipeline depth (``stages + 1`` tiles in shared memory, the first loaded before the loop): three stages with
+    SwiGLU's two weights (four do not fit the 227 KiB of shared memory); six where one program per
+    column block leaves SMs idle (the q/k/v product of a Llama-3.2-1B layer: 96 programs), so that each streams more
+    of its weight at once; four otherwise. The timings behind these choices are in ``docs/performance.md``."""
+    vocabulary = width >= 65536 and not swiglu
+    sms = sm_count(device)
+    if vocabulary and plain:  # persistent: the fewest tiles of at most 128 columns a program
+        tiles = -(-width // (sms * 128))
+        return DecodeLinearConfig(block_n=128, block_k=128, num_stages=4, tiles_per_program=tiles)
+    block_n = 256 if vocabulary else 64 if width > 4096 or k >= 4096 else 32
+    block_k = 64 if vocabulary else 128
+    n_blocks = -(-width // block_n)
+    split = 1
+    while n_blocks * split < sms // 2 and k // (2 * split) >= 4 * block_k:
+        split *= 2
+    if vocabulary:
+        stages = 4
+    elif swiglu:
+        stages = 3
+    elif split == 1 and n_blocks < sms:
+        stages = 6
+    else:
+        stages = 4
+    return DecodeLinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_linear_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        Res,
+        SqIn,
+        SqOut,
+        NormW,
+        Scaled,
+        Parts,
+        Counters,
+        M,
+        N,
+        K,
+        K_PER_SPLIT,
+        stride_x,
+        stride_w,
+        stride_r,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        SPLIT: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SCALED: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_in = rows < M
+        col_in = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        # the first weight tile before waiting for the previous kernel (with PDL: while it finishes)
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_in = ks < k_end
+        w_mask = col_in[:, None] & k_in[None, :]
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        w_up = w
+        if SWIGLU:
+            w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(
+            X + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
+        )
+        acc = _dot(acc, x, w, UPCAST)
+        if SWIGLU:
+            acc_up = _dot(acc_up, x, w_up, UPCAST)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_in = ks < k_end
+            x = tl.load(
+                X + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
+            )
+            w_mask = col_in[:, None] & k_in[None, :]
+            w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+            acc = _dot(acc, x, w, UPCAST)
+            if SWIGLU:
+                w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = _dot(acc_up, x, w_up, UPCAST)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        last = True  # whether this program runs the epilogue: every program unless K is split
+        if SPLIT > 1:
+            # publish this split's partials; the last program of the column block to arrive sums them in order
+            width = tl.num_programs(0) * BLOCK_N
+            part = Parts + pid_k * (1 + SWIGLU) * BLOCK_M * width + rows[:, None] * width + cols[None, :]
+            tl.store(part, acc)
+            if SWIGLU:
+                tl.store(part + BLOCK_M * width, acc_up)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+            last = arrived == SPLIT - 1
+            if last:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT):
+                    base = Parts + s * (1 + SWIGLU) * BLOCK_M * width + rows[:, None] * width + cols[None, :]
+                    acc += tl.load(base, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(base + BLOCK_M * width, cache_modifier=".cg")
+                tl.store(Counters + pid_n, 0)
+        if last:
+            _epilogue(
+                acc,
+                acc_up,
+                pid_n,
+                rows,
+                cols,
+                row_in,
+                col_in,
+                Bias,
+                Y,
+                Res,
+                SqIn,
+                SqOut,
+                NormW,
+                Scaled,
+                M,
+                N,
+                K,
+                stride_r,
+                P_IN,
+                eps,
+                BLOCK_M,
+                BLOCK_P,
+                NORM,
+                RESIDUAL,
+                SCALED,
+                SWIGLU,
+                HAS_BIAS,
+            )
+
+    @triton.jit
+    def _decode_linear_persistent_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        SqIn,
+        M,
+        N,
+        K,
+        COLS,
+        TILES,
+        stride_x,
+        stride_w,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+        STAGES: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Tiles ``pid, pid + PROGRAMS, ...`` of ``COLS`` columns each (``COLS <= BLOCK_N``; the lanes past
+        ``COLS`` masked, so they read nothing), the tiles' ``K`` loops flattened into one software pipeline: a
+        program streams its share of the weight without refilling the pipeline between tiles."""
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        lanes = tl.arange(0, BLOCK_N)
+        row_in = rows < M
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if NORM:
+            p = tl.arange(0, BLOCK_P)
+            parts = tl.load(
+                SqIn + p[:, None] * M + rows[None, :], mask=(p[:, None] < P_IN) & row_in[None, :], other=0.0
+            )
+            rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
+        for tile in tl.range(pid, TILES, PROGRAMS, flatten=True, num_stages=STAGES):
+            cols = tile * COLS + lanes
+            col_in = (lanes < COLS) & (cols < N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_in = ks < K
+                x = tl.load(
+                    X + rows[:, None] * stride_x + ks[None, :],
+                    mask=row_in[:, None] & k_in[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    W + cols[:, None] * stride_w + ks[None, :],
+                    mask=col_in[:, None] & k_in[None, :],
+                    other=0.0,
+                )
+                acc = _dot(acc, x, w, UPCAST)
+            # the grid launch's epilogue (bias, rounding, store) on the row-scaled tile; the norm's scale was read
+            # once, before the loop
+            _epilogue(
+                acc * rstd[:, None],
+                acc,
+                tile,
+                rows,
+                cols,
+                row_in,
+                col_in,
+                Bias,
+                Y,
+                Y,
+                SqIn,
+                SqIn,
+                Y,
+                Y,
+                M,
+                N,
+                K,
+                0,
+                P_IN,
+                eps,
+                BLOCK_M,
+                BLOCK_P,
+                NORM=False,
+                RESIDUAL=False,
+                SCALED=False,
+                SWIGLU=False,
+                HAS_BIAS=HAS_BIAS,
+            )
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _fold_kernel(
+        Out,
+        Scale,
+        W0,
+        W1,
+        W2,
+        W3,
+        E0,
+        E1,
+        E2,
+        N,
+        K,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM: tl.constexpr,
+    ):
+        """Rows ``[E_{i-1}, E_i)`` of ``Out`` are weight ``i`` times ``Scale`` (rounded to ``Out``'s dtype first, as
+        :func:`fold_norm_weight` casts it), rounded: one ``[BLOCK_R, BLOCK_K]`` tile a program."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        row_ok = rows < N
+        dtype = Out.dtype.element_ty
+        scale = tl.load(Scale + cols, mask=col_ok, other=0.0).to(dtype).to(tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        # each row reads its own weight (a select, not a sum of masked loads: -0.0 stays -0.0)
+        w = tl.load(W0 + rows[:, None] * K + cols[None, :], mask=ok & (rows < E0)[:, None], other=0.0)
+        if NUM > 1:
+            mine = (rows >= E0) & (rows < E1)
+            w1 = tl.load(W1 + (rows - E0)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w1, w)
+        if NUM > 2:
+            mine = (rows >= E1) & (rows < E2)
+            w2 = tl.load(W2 + (rows - E1)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w2, w)
+        if NUM > 3:
+            mine = rows >= E2
+            w3 = tl.load(W3 + (rows - E2)[:, None] * K + cols[None, :], mask=ok & mine[:, None], other=0.0)
+            w = tl.where(mine[:, None], w3, w)
+        y = (w.to(tl.float32) * scale[None, :]).to(dtype)
+        tl.store(Out + rows[:, None] * K + cols[None, :], y, mask=ok)
+
+    @triton.jit
+    def _dot(acc, x, w, UPCAST: tl.constexpr):
+        """``acc + x w^T``. ``UPCAST`` (the interpreter, whose bf16 products are wrong): in fp32, exact for half
+        precision inputs as the tensor cores' products are."""
+        if UPCAST:
+            return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _epilogue(
+        acc,
+        acc_up,
+        pid_n,
+        rows,
+        cols,
+        row_in,
+        col_in,
+        Bias,
+        Y,
+        Res,
+        SqIn,
+        SqOut,
+        NormW,
+        Scaled,
+        M,
+        N,
+        K,
+        stride_r,
+        P_IN,
+        eps,
+        BLOCK_M: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SCALED: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        """The norm's row scale, the bias, SwiGLU or the residual add in the models' roundings; store ``[M, N]``."""
+        if NORM:
+            p = tl.arange(0, BLOCK_P)
+            parts = tl.load(
+                SqIn + p[:, None] * M + rows[None, :], mask=(p[:, None] < P_IN) & row_in[None, :], other=0.0
+            )
+            rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
+            acc = acc * rstd[:, None]
+            acc_up = acc_up * rstd[:, None]
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc_up += tl.load(Bias + N + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+        dtype = Y.dtype.element_ty
+        if SWIGLU:
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            out = acc.to(dtype)
+        tile = row_in[:, None] & col_in[None, :]
+        if RESIDUAL:
+            res = tl.load(Res + rows[:, None] * stride_r + cols[None, :], mask=tile, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(dtype)
+            out32 = tl.where(tile, out.to(tl.float32), 0.0)
+            tl.store(SqOut + pid_n * M + rows, tl.sum(out32 * out32, axis=1), mask=row_in)
+            if SCALED:
+                w = tl.load(NormW + cols, mask=col_in, other=0.0).to(tl.float32)
+                tl.store(
+                    Scaled + rows[:, None] * N + cols[None, :], (out32 * w[None, :]).to(dtype), mask=tile
+                )
+        tl.store(Y + rows[:, None] * N + cols[None, :], out, mask=tile)

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+A decode step is a chain of short kernels, each waiting for the one before; at 64 rows a kernel's launch and
+ramp-up cost a few microseconds against a few microseconds of work. On Hopper GPUs (compute capability 9.0 or
+later) a kernel launched with PDL may start while the previous one is still finishing: it reads what no earlier
+kernel of the step writes (its weights) at once, then waits (``gdc_wait``) for the previous kernel's memory
+before reading anything it produced; a kernel signals (``gdc_launch_dependents``) once its main loop is done so
+that the next one can be scheduled. CUDA graphs capture these launches with their programmatic edges.
+
+Every kernel that takes part must wait before its first dependent read and before its first write, which the
+kernels of :mod:`ppo_core_decode.decode_linear` and :mod:`ppo_core_decode.decode_rotary_attention` do. On by
+default where supported: the gaps between the step's kernels disappear, which is what makes the fused products
+faster than cuBLAS's (alone they are not; ``docs/performance.md``). The cuBLAS path (``fused_decode=False``) gains
+nothing from it (its products do not take part). ``PPO_CORE_PDL=0`` turns it off (the kernels then launch as usual,
+with the same results).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ppo_core.kernels.triton_scan import _interpreting
+
+try:
+    import triton.language as tl
+except ImportError:  # Triton is optional
+    tl = None
+
+__all__ = ["pdl_enabled"]
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the decode kernels launch with PDL on ``device``: CUDA of compute capability >= 9, a Triton that has
+    grid dependency control, not the interpreter, and not turned off by ``PPO_CORE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("PPO_CORE_PDL", "1") == "0":
+        return False
+    if _interpreting():
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return cuda is not None and hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9

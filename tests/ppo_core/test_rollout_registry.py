@@ -1,0 +1,264 @@
+"""Rollout engines by name (``ppo_core.rollout.registry``): registration, ``auto``, ``generate()`` building one engine
+per model, and the torch actor building its engine once through the registry."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ppo_core.models import TinyGPT, TinyGPTConfig
+from ppo_core.rollout import (
+    ModelRolloutEngine,
+    SamplingConfig,
+    auto_engine_name,
+    generate,
+    get_rollout_engine,
+    register_rollout_engine,
+    registry,
+    resolve_engine,
+    rollout_engine_names,
+)
+from ppo_core.rollout.engine import reference_engine
+from ppo_core.workers.torch import TorchActorConfig, TorchActorWorker
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 29
+
+
+def _llama(seed: int = 0) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _tiny() -> TinyGPT:
+    return TinyGPT(TinyGPTConfig(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_heads=2))
+
+
+class _Counting:
+    """A registered engine that counts its builds and delegates to the reference loop."""
+
+    builds = 0
+
+    def __init__(self, model: torch.nn.Module, config: SamplingConfig) -> None:
+        type(self).builds += 1
+        self.inner = ModelRolloutEngine(model)
+
+    def generate(self, prompts, prompt_mask, config, *, generator):
+        return self.inner.generate(
+            prompts,
+            prompt_mask,
+            SamplingConfig(**{**config.to_dict(), "engine": "reference", "batch_invariant": False}),
+            generator=generator,
+        )
+
+
+@pytest.fixture
+def counting() -> str:
+    _Counting.builds = 0
+    register_rollout_engine("counting_test", replace=True)(_Counting)
+    yield "counting_test"
+    registry._FACTORIES.pop("counting_test", None)
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([[0, 3, 4], [5, 6, 7]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+
+
+def test_builtin_names_and_factories() -> None:
+    names = rollout_engine_names()
+    assert {"reference", "hf", "megatron"} <= set(names) and "auto" not in names
+    assert get_rollout_engine("reference") is reference_engine
+    from ppo_core_decode.hf import hf_engine
+
+    assert get_rollout_engine("hf") is hf_engine
+
+
+def test_registration_errors() -> None:
+    with pytest.raises(ValueError, match="auto"):
+        register_rollout_engine("auto")
+    with pytest.raises(ValueError, match="non-empty"):
+        register_rollout_engine("")
+    with pytest.raises(ValueError, match="already registered"):
+        register_rollout_engine("reference")(reference_engine)
+    with pytest.raises(TypeError, match="callable"):
+        register_rollout_engine("not_callable_test")(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"valid names: auto, .*hf.*reference"):
+        get_rollout_engine("nope")
+    with pytest.raises(ValueError, match="auto_engine_name"):
+        get_rollout_engine("auto")
+
+
+def test_auto_rule() -> None:
+    llama = _llama()
+    assert auto_engine_name(_tiny()) == "reference"
+    assert auto_engine_name(llama) == "hf"
+    assert auto_engine_name(llama, use_cache=False) == "reference"
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama
+
+    assert auto_engine_name(Wrapper()) == "hf"
+    own = _tiny()
+    own.auto_rollout_engine = "counting"
+    assert auto_engine_name(own) == "counting"
+    assert resolve_engine("auto", llama) == "hf" and resolve_engine("reference", llama) == "reference"
+    with pytest.raises(ValueError, match="not a rollout engine"):
+        resolve_engine("nope", llama)
+
+
+def test_config_names_the_bad_engine_and_lists_valid_ones() -> None:
+    with pytest.raises(
+        ValueError, match=r"^engine='vllm' is not a rollout engine; valid names: auto, "
+    ) as err:
+        SamplingConfig(engine="vllm")
+    assert "reference" in str(err.value) and "megatron" in str(err.value)
+    with pytest.raises(ValueError, match=r"^rollout\.engine='x' is not a rollout engine"):
+        TorchActorConfig.from_dict({"rollout": {"engine": "x"}})
+    assert SamplingConfig().engine == "auto"
+
+
+def test_generate_builds_one_engine_per_model(counting: str) -> None:
+    lm = _tiny()
+    prompts, mask = _prompts()
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0, engine=counting)
+    first = generate(lm, prompts, mask, cfg)
+    second = generate(lm, prompts, mask, cfg)
+    assert _Counting.builds == 1
+    assert torch.equal(first["responses"], second["responses"])
+    # the registered engine samples what the reference loop samples
+    ref = generate(lm, prompts, mask, SamplingConfig(max_new_tokens=3, temperature=0, engine="reference"))
+    assert torch.equal(first["responses"], ref["responses"])
+    # another model, or other build options, build another engine
+    generate(_tiny(), prompts, mask, cfg)
+    generate(
+        lm,
+        prompts,
+        mask,
+        SamplingConfig(max_new_tokens=3, temperature=0, engine=counting, batch_invariant=True),
+    )
+    assert _Counting.builds == 3
+    # a copy or a pickle of the model does not carry the engine along
+    assert _Counting.builds == 3 and not copy.deepcopy(lm).__dict__[registry_slot()]
+    assert not pickle.loads(pickle.dumps(lm)).__dict__[registry_slot()]
+
+
+def registry_slot() -> str:
+    import importlib
+
+    return importlib.import_module("ppo_core.rollout.generate")._SLOT
+
+
+def test_generate_reuses_the_hf_engine_across_weight_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_core_decode import hf
+
+    builds = []
+    original = hf.HFRolloutEngine.__init__
+
+    def counted(self, *args, **kwargs):
+        builds.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf.HFRolloutEngine, "__init__", counted)
+    lm = _llama()
+    prompts, mask = _prompts()
+    cfg = SamplingConfig(max_new_tokens=4, temperature=1.0)
+    out = generate(lm, prompts, mask, cfg, generator=torch.Generator().manual_seed(1))
+    assert len(builds) == 1
+    # the weights change in place (a training step): the kept engine samples what a fresh one does
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    again = generate(lm, prompts, mask, cfg, generator=torch.Generator().manual_seed(1))
+    assert len(builds) == 1
+    fresh = hf.HFRolloutEngine(lm).generate(prompts, mask, cfg, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(again["responses"], fresh["responses"])
+    assert torch.equal(again["rollout_log_probs"], fresh["rollout_log_probs"])
+    assert not torch.equal(out["rollout_log_probs"], again["rollout_log_probs"])
+
+
+def _actor(engine: str, model_factory=None) -> TorchActorWorker:
+    factory = model_factory or functools.partial(
+        TinyGPT, TinyGPTConfig(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_heads=2)
+    )
+    return TorchActorWorker(
+        factory,
+        {"rollout": {"max_new_tokens": 3, "engine": engine}, "ppo_mini_batch_size": 2, "device": "cpu"},
+    )
+
+
+def test_torch_actor_builds_its_engine_once_through_the_registry(counting: str) -> None:
+    actor = _actor(counting)
+    assert isinstance(actor.rollout, _Counting) and _Counting.builds == 1
+    prompts, mask = _prompts()
+    batch = TensorDict({"input_ids": prompts, "attention_mask": mask}, batch_size=[2])
+    for _ in range(2):
+        assert actor.generate_sequences(batch)["responses"].shape == (2, 3)
+    assert _Counting.builds == 1
+
+
+def test_torch_actor_auto_picks_the_engine_for_its_model() -> None:
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    assert isinstance(_actor("auto").rollout, ModelRolloutEngine)
+    assert isinstance(_actor("auto", _llama).rollout, HFRolloutEngine)
+    assert isinstance(_actor("reference", _llama).rollout, ModelRolloutEngine)
+
+
+def test_generate_rebuilds_the_engine_when_the_model_changes_dtype(counting: str) -> None:
+    lm = _tiny()
+    prompts, mask = _prompts()
+    cfg = SamplingConfig(max_new_tokens=2, temperature=0, engine=counting)
+    generate(lm, prompts, mask, cfg)
+    generate(lm.to(torch.float64), prompts, mask, cfg)
+    assert _Counting.builds == 2
+    # the engine of the old placement is dropped: one engine per model and name
+    assert len(lm.__dict__[registry_slot()]) == 1
+
+
+def test_megatron_actor_picks_and_builds_its_engine_through_the_registry(counting: str) -> None:
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from ppo_core.workers.megatron import workers
+    from ppo_core.workers.megatron.rollout import megatron_engine
+
+    def setup(attention: str = "sdpa", pp: int = 1, sp: bool = False, engine: str = "auto"):
+        eng = SimpleNamespace(
+            module=SimpleNamespace(config=SimpleNamespace(sequence_parallel=sp)),
+            layout=SimpleNamespace(pp_size=pp, tp_size=1),
+        )
+        config = SimpleNamespace(
+            model=SimpleNamespace(attention=attention),
+            rollout=SamplingConfig(engine=engine, max_new_tokens=2),
+        )
+        return eng, config
+
+    assert workers._auto_engine(*setup()) == "megatron"
+    assert workers._auto_engine(*setup(attention="te")) == "reference"
+    assert workers._auto_engine(*setup(pp=2)) == "reference"
+    assert workers._auto_engine(*setup(sp=True)) == "reference"
+    view = _tiny()
+    built = workers._default_rollout(*setup(engine=counting), view)
+    assert isinstance(built, _Counting) and _Counting.builds == 1
+    assert isinstance(workers._default_rollout(*setup(engine="reference"), view), ModelRolloutEngine)
+    assert isinstance(workers._default_rollout(*setup(attention="te"), view), ModelRolloutEngine)
+    with pytest.raises(TypeError, match="MegatronActorWorker"):
+        megatron_engine(view, SamplingConfig())
