@@ -72,7 +72,9 @@ def _resolve(value: Any, tree: dict, where: str, seen: tuple[str, ...]) -> Any:
         return value
 
     def lookup(key: str) -> Any:
-        if key.startswith("package_dir:"):  # the one resolver of a job's YAML (ppo_core_cli.loading.package_dir)
+        if key.startswith(
+            "package_dir:"
+        ):  # the one resolver of a job's YAML (ppo_core_cli.loading.package_dir)
             from ppo_core_cli.loading import package_dir
 
             try:
