@@ -55,6 +55,21 @@ logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[MonarchWorkerGroup] = weakref.WeakSet()
 
 
+def controller_logs_unprefixed() -> None:
+    """Keep Monarch from prefixing this (controller) process's log records with ``[actor=<root>]``.
+
+    Once a process has a Monarch context, Monarch adds a filter to every logging handler that rewrites each record's
+    message with the actor's name; in the controller that name is always ``<root>``, and with several handlers the
+    same record is rewritten once per handler (``[actor=<root>] [actor=<root>] ...``). Worker processes keep the
+    prefix, where it names the rank's actor. Called by the groups before they spawn processes."""
+    try:
+        from monarch._src.actor import config as monarch_actor_config
+    except ImportError:  # another Monarch layout: leave its logging alone
+        return
+    if hasattr(monarch_actor_config, "prefix_python_logs_with_actor"):
+        monarch_actor_config.prefix_python_logs_with_actor = False
+
+
 class MonarchWorkerGroup(WorkerGroup):
     """Run ``spec`` on ``procs_per_host`` Monarch processes per host (see the module docstring).
 
@@ -131,6 +146,7 @@ class MonarchWorkerGroup(WorkerGroup):
     # ----- start-up ---------------------------------------------------------------------------------------
     def _start(self, spec: WorkerSpec, procs_per_host: int, local_dim: str) -> None:
         cfg = self.config
+        controller_logs_unprefixed()
         self._proc_mesh = self._hosts.mesh.spawn_procs(per_host={local_dim: procs_per_host}, name=self._name)
         self.topology = MeshTopology.from_mesh(self._proc_mesh)
         self._actors = self._proc_mesh.spawn(self._name, WorkerActor)

@@ -107,9 +107,6 @@ def test_readme_is_short_and_its_first_screen_points_the_way() -> None:
 
 
 # written by the session that runs the real-model job; once a file exists, remove it here (the test says so)
-WRITTEN_ELSEWHERE = {"examples/configs/smollm2_cpu.yaml", "examples/configs/smollm2_ppo.yaml"}
-
-
 def test_every_linked_file_and_config_exists() -> None:
     root = README.parent
     text = README.read_text()
@@ -124,9 +121,6 @@ def test_every_linked_file_and_config_exists() -> None:
             combos = [c + o for c in combos for o in choice]
         expanded.update(combos)
     for path in sorted(links | expanded):
-        if path in WRITTEN_ELSEWHERE:
-            assert not (root / path).exists(), f"{path} exists now: remove it from WRITTEN_ELSEWHERE"
-            continue
         assert (root / path).exists(), f"README names {path}, which does not exist"
 
 

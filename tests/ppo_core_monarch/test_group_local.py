@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import os
 import time
 
@@ -167,3 +169,20 @@ def test_hosts_from_a_local_monarch_job():
         assert wg.topology.num_hosts == 1  # LocalJob maps every name to this machine: no host dimension
         assert [int(w["RANK"]) for w in wg.where()] == [0, 1]
     assert wg.closed
+
+
+def test_controller_log_records_keep_their_message(group, caplog):
+    """After a group started (Monarch then knows this process as its ``<root>`` actor), the controller's log
+    records are not rewritten with ``[actor=<root>]`` prefixes, once per handler."""
+    log = logging.getLogger("ppo_core_monarch.test")
+    extra = logging.StreamHandler(
+        io.StringIO()
+    )  # a second handler: Monarch's filter would rewrite the record twice
+    logging.getLogger().addHandler(extra)
+    try:
+        with caplog.at_level(logging.INFO, logger="ppo_core_monarch.test"):
+            assert len(group.role("dp").where()) == WORLD  # a call from the controller, in Monarch's context
+            log.info("controller message")
+    finally:
+        logging.getLogger().removeHandler(extra)
+    assert caplog.messages[-1] == "controller message"
