@@ -11,8 +11,8 @@ written) has one panel per quantity a run logged, so a run without some metrics 
 - KL to the reference (``actor/ref_kl``, the in-reward ``actor/reward_kl_penalty``, the loss's ``actor/kl_loss``);
 - the rollout/training mismatch (``training/rollout_probs_diff_mean`` and ``_max``).
 
-The reward panel and the KL panel are always drawn (empty when nothing was logged); records with none of these
-metrics give no plot at all (an empty one would look like a run that learned nothing).
+The reward panel is always drawn (empty when nothing was logged); a run without a reference model has no KL panel.
+Records with none of these metrics give no plot at all (an empty one would look like a run that learned nothing).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _panels(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[_Line]
                 ("in-reward KL penalty", train("actor/reward_kl_penalty"), "--"),
                 ("KL loss", train("actor/kl_loss"), ":"),
             ],
-            True,
+            False,
             False,
         ),
         (

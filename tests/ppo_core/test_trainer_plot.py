@@ -93,8 +93,8 @@ def test_the_plot_has_a_panel_per_logged_quantity(tmp_path):
         str(tmp_path / "reward.png"),
         "reward only",
     )
-    # reward and KL (always drawn): one column of two panels; the full run's seven: two columns of four rows
-    assert _size(reward_only) == (700, 600)
+    # the reward (always drawn) alone: one panel; the full run's seven: two columns of four rows
+    assert _size(reward_only) == (700, 300)
     assert _size(full) == (1400, 1200)
     # without the mismatch and the entropy: five panels, three rows
     partial = [
