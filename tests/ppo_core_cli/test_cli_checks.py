@@ -68,6 +68,10 @@ def _error(capsys, *argv: str) -> str:
             "critic.enable=false",
             "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False",
         ),
+        (
+            "trainer.resident_batches=true",
+            "trainer.resident_batches=True does not support algorithm.adv_estimator='gae'",
+        ),
     ],
 )
 def test_train_names_the_key_before_anything_loads(root, capsys, override, expected):
@@ -75,6 +79,13 @@ def test_train_names_the_key_before_anything_loads(root, capsys, override, expec
     assert _error(capsys, "train", TINY, f"vars.root={r}", override.format(r=r)).startswith(
         expected.format(r=r)
     )
+
+
+def test_resident_batches_with_the_grpo_presets_kl_loss_is_refused_before_anything_loads(root, capsys):
+    r = str(root)
+    line = _error(capsys, "train", TINY, f"vars.root={r}", "preset=grpo", "trainer.resident_batches=true")
+    assert line.startswith("trainer.resident_batches=True does not support reference log-probs"), line
+    assert "actor.use_kl_loss" in line
 
 
 def test_a_worker_default_that_breaks_the_rule_is_found_too(root, capsys):
