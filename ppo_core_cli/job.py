@@ -220,12 +220,21 @@ def _check_signature(fn: Any, spec: ScorerConfig, key: str) -> None:
         signature.bind("", "", None, **spec.kwargs)
     except TypeError as exc:
         where = f"{key}={spec.function!r}"
-        if spec.kwargs:
+        if spec.kwargs and _binds(signature):  # the function takes the three arguments: the kwargs are wrong
             where = f"{key.rpartition('.')[0] or 'scorer'}.kwargs={spec.kwargs}"
         raise ValueError(
             f"{where}: {spec.function}{signature} cannot be called as a scorer, "
             f"fn(solution_str, ground_truth, extra_info, **kwargs): {exc}"
         ) from None
+
+
+def _binds(signature: inspect.Signature) -> bool:
+    """Whether ``signature`` takes ``(solution_str, ground_truth, extra_info)`` without any kwargs."""
+    try:
+        signature.bind("", "", None)
+    except TypeError:
+        return False
+    return True
 
 
 def resolve_scorers(job: JobConfig, config_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
