@@ -11,7 +11,7 @@ import os
 
 from ppo_core_cli.config import JobConfig
 
-__all__ = ["check_eval_inputs", "check_sft_inputs", "check_train_inputs"]
+__all__ = ["check_eval_inputs", "check_output_file", "check_sft_inputs", "check_train_inputs"]
 
 
 def _checkpoint_dir(key: str, path: str) -> None:
@@ -74,6 +74,20 @@ def check_eval_inputs(job: JobConfig) -> None:
         raise ValueError("data.val_files must name the prompts to evaluate on (none given)")
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
+
+
+def check_output_file(option: str, path: str | None) -> None:
+    """A file the command writes at its end (``--json``, ``--timings-json``) can be written there: not an existing
+    folder, and its parent (created when missing) not a file. Checked first, so a run is not lost to a bad path."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path!r} is a directory; name the file to write")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the command will create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path!r}: {parent!r} is a file, not a folder")
 
 
 def check_sft_inputs(job: JobConfig) -> None:

@@ -157,3 +157,23 @@ def test_eval_builds_a_critic_free_job_from_a_gae_one():
     assert not job.use_critic and job.algorithm.adv_estimator == "reinforce_plus_plus"
     grpo = load_job_config(TINY, ["preset=grpo"])
     assert _actor_only(grpo).algorithm == grpo.algorithm
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_anything_loads(root, capsys, command):
+    r = str(root)
+    option = "--json" if command == "eval" else "--timings-json"
+    (root / "a_file").write_text("")
+    for path, expected in (
+        (r, f"{option} {r!r} is a directory; name the file to write"),
+        (f"{r}/a_file/out.json", f"{option} '{r}/a_file/out.json': '{r}/a_file' is a file, not a folder"),
+    ):
+        assert _error(capsys, command, TINY, f"vars.root={r}", option, path) == expected
+
+
+def test_check_output_file_accepts_a_new_file_in_folders_still_to_be_made(tmp_path):
+    from ppo_core_cli.checks import check_output_file
+
+    check_output_file("--json", str(tmp_path / "new" / "deeper" / "eval.json"))
+    check_output_file("--json", None)
+    assert not (tmp_path / "new").exists()  # checking creates nothing
