@@ -18,8 +18,15 @@ def _checkpoint_dir(key: str, path: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
+        hint = ""
+        if os.path.isdir(os.path.join(path, "actor")):  # a training checkpoint (global_step_N) or its root
+            hint = (
+                "; it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR` writes its actor "
+                "as a Hugging Face directory (a run's {run_dir}/export already is one)"
+            )
         raise FileNotFoundError(
             f"{key}={path!r} is not a Hugging Face checkpoint directory (no config.json in it) nor a GGUF file"
+            f"{hint}"
         )
 
 

@@ -177,3 +177,12 @@ def test_check_output_file_accepts_a_new_file_in_folders_still_to_be_made(tmp_pa
     check_output_file("--json", str(tmp_path / "new" / "deeper" / "eval.json"))
     check_output_file("--json", None)
     assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_eval_of_a_training_checkpoint_points_to_export(root, capsys):
+    r = str(root)
+    step = root / "checkpoints" / "global_step_2"
+    (step / "actor").mkdir(parents=True)
+    line = _error(capsys, "eval", TINY, f"vars.root={r}", "--model", str(step))
+    assert line.startswith(f"model.path={str(step)!r} is not a Hugging Face checkpoint directory"), line
+    assert "it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR`" in line
