@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_dir_of",
     "complete_workers",
     "load_datasets",
+    "load_prompts",
     "load_tokenizer",
     "prepare_model",
     "resolve_model_dirs",
@@ -118,21 +119,29 @@ def check_tokenizer_fits(job: JobConfig, tokenizer: Any) -> None:
         check_vocabulary_fits(tokenizer, job.model.tokenizer_dir, model_dir)
 
 
-def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """``(train, validation or None)`` prompt datasets of ``data.train_files`` / ``data.val_files``."""
+def load_prompts(job: JobConfig, tokenizer: Any, files: list[str]) -> Any:
+    """The prompt dataset of ``files`` (``data.train_files`` or ``data.val_files``) under the job's ``data``
+    settings: prompt length, truncation, prompt key, chat-template variables."""
     from ppo_core.data import load_prompt_dataset
 
     data = job.data
-    if not data.train_files:
-        raise ValueError("data.train_files must name at least one prompt file")
-    kwargs = dict(
+    return load_prompt_dataset(
+        files,
+        tokenizer,
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         prompt_key=data.prompt_key,
         chat_template_kwargs=data.chat_template_kwargs,
     )
-    train = load_prompt_dataset(data.train_files, tokenizer, **kwargs)
-    val = load_prompt_dataset(data.val_files, tokenizer, **kwargs) if data.val_files else None
+
+
+def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """``(train, validation or None)`` prompt datasets of ``data.train_files`` / ``data.val_files``."""
+    data = job.data
+    if not data.train_files:
+        raise ValueError("data.train_files must name at least one prompt file")
+    train = load_prompts(job, tokenizer, data.train_files)
+    val = load_prompts(job, tokenizer, data.val_files) if data.val_files else None
     return train, val
 
 
