@@ -24,15 +24,12 @@ from ppo_core.keys import KEYS
 from ppo_core.losses import agg_loss
 from ppo_core.metrics import (
     Timer,
-    compute_data_metrics,
-    compute_throughput_metrics,
-    compute_timing_metrics,
     rollout_probs_diff_metrics,
 )
 from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer.config import check_resident_config
 from ppo_core.trainer.reward import call_reward_fn
-from ppo_core.trainer.steps import assign_uids, merge_generation
+from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
 from ppo_core.workers.traffic import controller_bytes_metrics
 
 if TYPE_CHECKING:
@@ -99,11 +96,7 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 metrics.update(actor.update_actor(ref))
         actor.end_resident_step(step)
     timing = timer.reset()
-    metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
-    metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
-    metrics.update(compute_timing_metrics(batch, timing))
-    metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
-    metrics.update(controller_bytes_metrics(*groups))
+    metrics.update(step_end_metrics(batch, timing, config=cfg, step=step, epoch=epoch, groups=groups))
     return metrics
 
 
