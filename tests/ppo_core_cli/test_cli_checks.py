@@ -69,6 +69,11 @@ def _error(capsys, *argv: str) -> str:
             "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False",
         ),
         (
+            "actor.worker.rollout.engine=megatron",
+            "actor.worker.rollout.engine='megatron' samples with the megatron actor's policy: it needs workers: "
+            "megatron (workers is 'torch'",
+        ),
+        (
             "trainer.resident_batches=true",
             "trainer.resident_batches=True does not support algorithm.adv_estimator='gae'",
         ),
