@@ -11,15 +11,22 @@ import os
 
 from ppo_core_cli.config import JobConfig
 
-__all__ = ["check_eval_inputs", "check_sft_inputs", "check_train_inputs"]
+__all__ = ["check_eval_inputs", "check_output_file", "check_sft_inputs", "check_train_inputs"]
 
 
 def _checkpoint_dir(key: str, path: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
+        hint = ""
+        if os.path.isdir(os.path.join(path, "actor")):  # a training checkpoint (global_step_N) or its root
+            hint = (
+                "; it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR` writes its actor "
+                "as a Hugging Face directory (a run's {run_dir}/export already is one)"
+            )
         raise FileNotFoundError(
             f"{key}={path!r} is not a Hugging Face checkpoint directory (no config.json in it) nor a GGUF file"
+            f"{hint}"
         )
 
 
@@ -74,6 +81,20 @@ def check_eval_inputs(job: JobConfig) -> None:
         raise ValueError("data.val_files must name the prompts to evaluate on (none given)")
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
+
+
+def check_output_file(option: str, path: str | None) -> None:
+    """A file the command writes at its end (``--json``, ``--timings-json``) can be written there: not an existing
+    folder, and its parent (created when missing) not a file. Checked first, so a run is not lost to a bad path."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path!r} is a directory; name the file to write")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the command will create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path!r}: {parent!r} is a file, not a folder")
 
 
 def check_sft_inputs(job: JobConfig) -> None:

@@ -308,6 +308,13 @@ class JobConfig(PPOConfig):
                 f"=false, but {need} needs the reference policy's log-probs (the actor worker keeps the "
                 "reference)",
             )
+        engine = actor.rollout.engine  # type: ignore[attr-defined]
+        if engine == "megatron" and self.workers != "megatron":
+            raise FieldValueError(
+                "actor.worker.rollout.engine",
+                f"='megatron' samples with the megatron actor's policy: it needs workers: megatron (workers is "
+                f"{self.workers!r}; use auto, hf or reference with it)",
+            )
         if self.workers == "torch":  # one data-parallel rank per process
             for role, size in self.effective_mini_batch_sizes().items():
                 dp = getattr(self, role).world_size

@@ -86,6 +86,7 @@ def evaluate_job(job: JobConfig, *, scorers: Mapping[str, Any] | None = None) ->
         build_trainer,
         check_tokenizer_fits,
         complete_workers,
+        load_prompts,
         load_tokenizer,
         resolve_model_dirs,
         resolve_scorers,
@@ -107,17 +108,7 @@ def evaluate_job(job: JobConfig, *, scorers: Mapping[str, Any] | None = None) ->
     tokenizer = load_tokenizer(job)
     check_tokenizer_fits(job, tokenizer)
     tokens = special_tokens(job, tokenizer)
-    from ppo_core.data import load_prompt_dataset
-
-    data = job.data
-    val = load_prompt_dataset(
-        data.val_files,
-        tokenizer,
-        max_prompt_length=data.max_prompt_length,
-        truncation=data.truncation,
-        prompt_key=data.prompt_key,
-        chat_template_kwargs=data.chat_template_kwargs,
-    )
+    val = load_prompts(job, tokenizer, job.data.val_files)
     actor_worker, critic_worker = complete_workers(job, tokenizer, job.model.path, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     reward = build_reward(job, tokenizer, scorers)

@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_dir_of",
     "complete_workers",
     "load_datasets",
+    "load_prompts",
     "load_tokenizer",
     "prepare_model",
     "resolve_model_dirs",
@@ -118,21 +119,29 @@ def check_tokenizer_fits(job: JobConfig, tokenizer: Any) -> None:
         check_vocabulary_fits(tokenizer, job.model.tokenizer_dir, model_dir)
 
 
-def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """``(train, validation or None)`` prompt datasets of ``data.train_files`` / ``data.val_files``."""
+def load_prompts(job: JobConfig, tokenizer: Any, files: list[str]) -> Any:
+    """The prompt dataset of ``files`` (``data.train_files`` or ``data.val_files``) under the job's ``data``
+    settings: prompt length, truncation, prompt key, chat-template variables."""
     from ppo_core.data import load_prompt_dataset
 
     data = job.data
-    if not data.train_files:
-        raise ValueError("data.train_files must name at least one prompt file")
-    kwargs = dict(
+    return load_prompt_dataset(
+        files,
+        tokenizer,
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         prompt_key=data.prompt_key,
         chat_template_kwargs=data.chat_template_kwargs,
     )
-    train = load_prompt_dataset(data.train_files, tokenizer, **kwargs)
-    val = load_prompt_dataset(data.val_files, tokenizer, **kwargs) if data.val_files else None
+
+
+def load_datasets(job: JobConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """``(train, validation or None)`` prompt datasets of ``data.train_files`` / ``data.val_files``."""
+    data = job.data
+    if not data.train_files:
+        raise ValueError("data.train_files must name at least one prompt file")
+    train = load_prompts(job, tokenizer, data.train_files)
+    val = load_prompts(job, tokenizer, data.val_files) if data.val_files else None
     return train, val
 
 
@@ -220,12 +229,21 @@ def _check_signature(fn: Any, spec: ScorerConfig, key: str) -> None:
         signature.bind("", "", None, **spec.kwargs)
     except TypeError as exc:
         where = f"{key}={spec.function!r}"
-        if spec.kwargs:
+        if spec.kwargs and _binds(signature):  # the function takes the three arguments: the kwargs are wrong
             where = f"{key.rpartition('.')[0] or 'scorer'}.kwargs={spec.kwargs}"
         raise ValueError(
             f"{where}: {spec.function}{signature} cannot be called as a scorer, "
             f"fn(solution_str, ground_truth, extra_info, **kwargs): {exc}"
         ) from None
+
+
+def _binds(signature: inspect.Signature) -> bool:
+    """Whether ``signature`` takes ``(solution_str, ground_truth, extra_info)`` without any kwargs."""
+    try:
+        signature.bind("", "", None)
+    except TypeError:
+        return False
+    return True
 
 
 def resolve_scorers(job: JobConfig, config_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:

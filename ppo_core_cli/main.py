@@ -217,12 +217,13 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ppo_core_cli.checks import check_train_inputs
+    from ppo_core_cli.checks import check_output_file, check_train_inputs
     from ppo_core_cli.job import resolve_model_dirs
 
     job = _load(args)  # the preset applied, the config rules checked
     scorers = _resolve_scorers(job, args.config)
     _check(check_train_inputs, job)  # every named file and folder, before any model loads
+    _check(lambda _: check_output_file("--timings-json", args.timings_json), job)
     try:  # the model files (a GGUF file is converted here): a bad one is named in one line
         job = resolve_model_dirs(job)
     except (ValueError, FileNotFoundError) as exc:
@@ -332,11 +333,12 @@ def _config(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     if args.model:
         args.overrides = [*args.overrides, f"model.path={args.model}"]
-    from ppo_core_cli.checks import check_eval_inputs
+    from ppo_core_cli.checks import check_eval_inputs, check_output_file
 
     job = _load(args)  # the preset applied, as for train
     scorers = _resolve_scorers(job, args.config)
     _check(check_eval_inputs, job)
+    _check(lambda _: check_output_file("--json", args.json), job)
     from ppo_core_cli.evaluate import evaluate_job
 
     try:
@@ -355,6 +357,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=2)
             f.write("\n")

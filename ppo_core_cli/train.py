@@ -36,6 +36,7 @@ import torch
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
 from ppo_core.trainer.plot import plot_run, validation_mean
+from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.tracking import usable_loggers
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
@@ -93,7 +94,8 @@ class TrainResult:
 
 class JobInputError(ValueError):
     """The job's inputs (prompt files, batch size against the prompts...) cannot make a run: found while setting
-    it up, before any model loads; the command prints it as one line."""
+    it up, before any model loads, or (a rerun whose keys change what the checkpoint's run means) when ``fit``
+    resumes; the command prints it as a ``ppo-core: error:`` message, no traceback."""
 
 
 @contextlib.contextmanager
@@ -231,6 +233,8 @@ def run_train(
             result.extra["peak_memory_gib"] = _peak_memory(trainer)
     except KeyboardInterrupt:
         interrupted = True
+    except ResumeConfigError as exc:  # a rerun changing the run: printed by the command, no traceback
+        raise JobInputError(str(exc)) from exc
     finally:
         trainer.shutdown()
         reward.close()

@@ -194,6 +194,7 @@ def load_prompt_dataset(
     items: list[dict[str, Any]] = []
     origins: list[RowOrigin] = []
     total_length = 0
+    too_long: list[tuple[RowOrigin, int]] = []
     for origin, row in iter_prompt_rows(files):
         stats.num_rows += 1
         record: PromptRecord = parse_prompt_row(
@@ -204,11 +205,9 @@ def load_prompt_dataset(
             raise ValueError(f"{origin}: the chat template rendered {prompt_key} to zero tokens")
         stats.max_length = max(stats.max_length, len(ids))
         if len(ids) > max_prompt_length:
-            if truncation == "error":
-                raise ValueError(
-                    f"{origin}: {prompt_key} is {len(ids)} tokens after the chat template, more than "
-                    f"max_prompt_length={max_prompt_length} (set truncation to 'filter', 'left' or 'right')"
-                )
+            if truncation == "error":  # go on: the error names the first such row, how many, and the longest
+                too_long.append((origin, len(ids)))
+                continue
             if truncation == "filter":
                 stats.num_filtered += 1
                 continue
@@ -225,6 +224,14 @@ def load_prompt_dataset(
         items.append(item)
         origins.append(origin)
         total_length += len(ids)
+    if too_long:
+        origin, length = too_long[0]
+        raise ValueError(
+            f"{origin}: {prompt_key} is {length} tokens after the chat template, more than "
+            f"max_prompt_length={max_prompt_length}; {len(too_long)} of {stats.num_rows} prompts are longer, the "
+            f"longest {stats.max_length} tokens (raise max_prompt_length to {stats.max_length}, or set truncation "
+            "to 'filter', 'left' or 'right')"
+        )
     stats.num_kept = len(items)
     stats.mean_length = total_length / len(items) if items else 0.0
     logger.info(

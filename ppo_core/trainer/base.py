@@ -39,9 +39,6 @@ from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
 from ppo_core.losses import agg_loss
 from ppo_core.metrics import (
     Timer,
-    compute_data_metrics,
-    compute_throughput_metrics,
-    compute_timing_metrics,
     rollout_probs_diff_metrics,
 )
 from ppo_core.rewards.metrics import reward_metrics_by_source
@@ -53,7 +50,13 @@ from ppo_core.trainer.data import PromptDataLoader
 from ppo_core.trainer.resident_step import resident_train_step
 from ppo_core.trainer.resume_config import check_resume_config, rescale_loader_state
 from ppo_core.trainer.reward import RewardFn, call_reward_fn
-from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation, take_outputs
+from ppo_core.trainer.steps import (
+    assign_uids,
+    compute_advantages,
+    merge_generation,
+    step_end_metrics,
+    take_outputs,
+)
 from ppo_core.trainer.tracking import Tracker
 from ppo_core.trainer.validation import run_validation
 from ppo_core.workers.group import WorkerGroup
@@ -345,11 +348,7 @@ class BasePPOTrainer(abc.ABC):
                         actor_batch.set(KEYS.response_mask, policy_mask)
                     metrics.update(self.actor_wg.update_actor(actor_batch))
         timing = timer.reset()
-        metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
-        metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
-        metrics.update(compute_timing_metrics(batch, timing))
-        metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
-        metrics.update(controller_bytes_metrics(*groups))
+        metrics.update(step_end_metrics(batch, timing, config=cfg, step=step, epoch=epoch, groups=groups))
         return metrics
 
     def _validate(self) -> dict[str, float]:

@@ -18,12 +18,14 @@ from ppo_core.config import AlgorithmConfig
 
 __all__ = [
     "GROUP_ADV_ESTIMATORS",
+    "RESIDENT_ESTIMATORS",
     "ActorConfig",
     "CriticConfig",
     "DataConfig",
     "PPOConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "check_resident_config",
     "start_warnings",
 ]
 
@@ -231,6 +233,8 @@ class PPOConfig(ConfigBase):
                 f"{self.rollout.n}"
             )
         self.check_mini_batches(self.mini_batch_sizes())
+        if self.trainer.resident_batches:
+            check_resident_config(self)
 
     def check_mini_batches(self, sizes: dict[str, int | None]) -> None:
         """Raise ``ValueError`` naming the keys when a role's ``ppo_mini_batch_size`` (``sizes[role]``; None: not
@@ -267,6 +271,31 @@ class PPOConfig(ConfigBase):
     def use_reference(self) -> bool:
         """Whether reference log-probs are needed (in-reward KL or KL loss)."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
+
+
+RESIDENT_ESTIMATORS = ("grpo",)
+"""The advantage estimators ``trainer.resident_batches`` serves (outcome advantages: one value per row)."""
+
+
+def check_resident_config(config: PPOConfig) -> None:
+    """``ValueError`` naming the settings when ``trainer.resident_batches`` cannot serve ``config`` yet (checked
+    when the config is built, so a job is refused before any model loads)."""
+    bad = []
+    if config.algorithm.adv_estimator not in RESIDENT_ESTIMATORS:
+        bad.append(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
+        )
+    if config.use_critic:
+        bad.append("a critic")
+    if config.use_reference:
+        bad.append("reference log-probs (algorithm.use_kl_in_reward / actor.use_kl_loss)")
+    if config.rollout.old_log_probs_from_rollout:
+        bad.append("rollout.old_log_probs_from_rollout=True")
+    if bad:
+        raise ValueError(
+            f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "
+            "or change those keys"
+        )
 
 
 def start_warnings(config: PPOConfig, *, steps_per_epoch: int) -> list[str]:

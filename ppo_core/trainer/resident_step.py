@@ -24,14 +24,12 @@ from ppo_core.keys import KEYS
 from ppo_core.losses import agg_loss
 from ppo_core.metrics import (
     Timer,
-    compute_data_metrics,
-    compute_throughput_metrics,
-    compute_timing_metrics,
     rollout_probs_diff_metrics,
 )
 from ppo_core.rewards.metrics import reward_metrics_by_source
+from ppo_core.trainer.config import check_resident_config
 from ppo_core.trainer.reward import call_reward_fn
-from ppo_core.trainer.steps import assign_uids, merge_generation
+from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
 from ppo_core.workers.traffic import controller_bytes_metrics
 
 if TYPE_CHECKING:
@@ -41,32 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = ["check_resident_config", "resident_train_step"]
 
-_OUTCOME_ESTIMATORS = ("grpo",)
-
-
-def check_resident_config(trainer: BasePPOTrainer) -> None:
-    """``ValueError`` naming the setting when ``trainer.resident_batches`` cannot serve this config yet."""
-    cfg = trainer.config
-    bad = []
-    if cfg.algorithm.adv_estimator not in _OUTCOME_ESTIMATORS:
-        bad.append(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} (supported: {list(_OUTCOME_ESTIMATORS)})"
-        )
-    if cfg.use_critic:
-        bad.append("a critic")
-    if cfg.use_reference:
-        bad.append("reference log-probs (use_kl_in_reward / actor.use_kl_loss)")
-    if cfg.rollout.old_log_probs_from_rollout:
-        bad.append("rollout.old_log_probs_from_rollout=True")
-    if bad:
-        raise ValueError(
-            f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set it to False"
-        )
-
 
 def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: int) -> dict[str, float]:
     """:meth:`BasePPOTrainer.train_step` with the batch resident in the actor's workers (see the module docstring)."""
-    check_resident_config(trainer)
+    check_resident_config(trainer.config)
     cfg, step, timer = trainer.config, trainer.global_steps, Timer()
     actor = trainer.actor_wg
     metrics: dict[str, float] = {}
@@ -120,11 +96,7 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 metrics.update(actor.update_actor(ref))
         actor.end_resident_step(step)
     timing = timer.reset()
-    metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
-    metrics.update(compute_data_metrics(batch, use_critic=cfg.use_critic))
-    metrics.update(compute_timing_metrics(batch, timing))
-    metrics.update(compute_throughput_metrics(batch, timing, n_gpus=cfg.actor.world_size))
-    metrics.update(controller_bytes_metrics(*groups))
+    metrics.update(step_end_metrics(batch, timing, config=cfg, step=step, epoch=epoch, groups=groups))
     return metrics
 
 

@@ -7,6 +7,7 @@ write their own loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tensordict import NonTensorStack, TensorDictBase, is_non_tensor
 
@@ -14,8 +15,13 @@ from ppo_core.advantages import get_advantage_estimator
 from ppo_core.batch._td import _shallow_copy
 from ppo_core.config import AlgorithmConfig
 from ppo_core.keys import KEYS
+from ppo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from ppo_core.workers.traffic import controller_bytes_metrics
 
-__all__ = ["assign_uids", "compute_advantages", "merge_generation", "take_outputs"]
+if TYPE_CHECKING:
+    from ppo_core.trainer.config import PPOConfig
+
+__all__ = ["assign_uids", "compute_advantages", "merge_generation", "step_end_metrics", "take_outputs"]
 
 
 def assign_uids(batch: TensorDictBase, prefix: str) -> TensorDictBase:
@@ -127,3 +133,31 @@ def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> Ten
     out.set(KEYS.advantages, advantages)
     out.set(KEYS.returns, returns)
     return out
+
+
+def step_end_metrics(
+    batch: TensorDictBase,
+    timing: dict[str, float],
+    *,
+    config: PPOConfig,
+    step: int,
+    epoch: int,
+    groups: Sequence[Any],
+) -> dict[str, float]:
+    """The metrics every training step ends with (the by-value and the resident step alike): ``training/global_step``
+    and ``training/epoch``, the batch's data metrics, the stage timings and throughput of ``timing`` (``{stage:
+    seconds}``), and the controller bytes the worker ``groups`` (None entries skipped) moved since the step began.
+
+    Args:
+        batch: the step's ``[B, ...]`` batch, responses and what the step added (scores, advantages, ...).
+        timing: seconds per stage (``Timer.reset()``).
+        config: the run's config (whether a critic runs, the actor's world size for throughput).
+        step: the global step; epoch: the epoch.
+        groups: the worker groups whose traffic counters the step started (``controller_bytes_metrics``).
+    """
+    metrics = {"training/global_step": float(step), "training/epoch": float(epoch)}
+    metrics.update(compute_data_metrics(batch, use_critic=config.use_critic))
+    metrics.update(compute_timing_metrics(batch, timing))
+    metrics.update(compute_throughput_metrics(batch, timing, n_gpus=config.actor.world_size))
+    metrics.update(controller_bytes_metrics(*groups))
+    return metrics

@@ -265,6 +265,23 @@ def test_console_logger_alone_keeps_the_record_and_a_missing_one_warns_once(
 
 
 @pytest.mark.slow
+def test_a_rerun_that_changes_what_the_run_means_is_an_error_message_not_a_traceback(example, capsys):
+    root, data = example
+    common = [
+        TINY,
+        f"vars.root={data}",
+        f"run_dir={root / 'changed'}",
+        *SHORT,
+        "trainer.total_training_steps=2",
+    ]
+    _run(capsys, "train", *common)
+    assert main(["train", *common, "rollout.n=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ppo-core: error: resuming from "), err
+    assert "rollout.n: 1 in the checkpoint, 2 now" in err and "trainer.resume_allow_changes" in err, err
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_shuts_down_and_says_how_to_resume(example, capsys):
     import signal
     import time

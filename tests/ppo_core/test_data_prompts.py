@@ -323,6 +323,20 @@ def test_error_policy_names_the_row_and_length(tmp_path):
         load_prompt_dataset(path, CountingTokenizer(), max_prompt_length=16)
 
 
+def test_error_policy_counts_the_long_rows_and_names_the_longest(tmp_path):
+    rows = [_row(0, content="ab"), _row(1, content="abcdefgh"), _row(2, content="abcdefghijkl"), _row(3)]
+    path = _jsonl(tmp_path / "p.jsonl", rows)
+    # 14, 20 and 24 tokens (see above); row 3's default content decides whether it is long too
+    lengths = [len(tokenize_chat(CountingTokenizer(), r["prompt"], {})) for r in rows]
+    longer = [n for n in lengths if n > 16]
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(path, CountingTokenizer(), max_prompt_length=16)
+    message = str(info.value)
+    assert "p.jsonl row 1: prompt is 20 tokens after the chat template" in message, message
+    assert f"{len(longer)} of 4 prompts are longer, the longest {max(lengths)} tokens" in message, message
+    assert f"raise max_prompt_length to {max(lengths)}" in message
+
+
 def test_filtered_counts_are_logged(tmp_path, caplog):
     rows = [_row(0, content="ab"), _row(1, content="abcdefgh")]
     with caplog.at_level("INFO", logger="ppo_core.data.prompts"):

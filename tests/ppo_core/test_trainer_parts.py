@@ -354,3 +354,51 @@ def test_kl_loss_switches_of_trainer_and_worker_must_agree() -> None:
         ActorConfig(use_kl_loss=False, worker={"use_kl_loss": True})
     with pytest.raises(ValueError, match=r"actor\.use_kl_loss=True"):
         ActorConfig(use_kl_loss=True, worker={"use_kl_loss": False})
+
+
+def test_step_end_metrics_is_the_union_of_its_parts_and_takes_the_groups_traffic():
+    from ppo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+    from ppo_core.trainer.config import PPOConfig
+    from ppo_core.trainer.steps import step_end_metrics
+    from ppo_core.workers.traffic import TrafficCounter
+
+    class Group:  # a worker group's traffic counter, nothing else
+        def __init__(self) -> None:
+            self.traffic = TrafficCounter()
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    batch = TensorDict(
+        dict(
+            response_mask=mask,
+            token_level_scores=r,
+            token_level_rewards=r,
+            advantages=r,
+            returns=r,
+            values=r,
+            attention_mask=torch.cat([torch.ones(3, 2, dtype=torch.long), mask], dim=1),
+        ),
+        batch_size=[3],
+    )
+    timing = {"step": 2.0, "gen": 1.0, "update_actor": 0.5}
+    config = PPOConfig.from_dict({"actor": {"world_size": 2}})
+    actor, critic = Group(), Group()
+    actor.traffic.record("generate_sequences", sent=10, received=7)
+    critic.traffic.record("compute_values", sent=5)
+    got = step_end_metrics(batch, timing, config=config, step=4, epoch=1, groups=(actor, None, critic))
+    want = {"training/global_step": 4.0, "training/epoch": 1.0}
+    want.update(compute_data_metrics(batch, use_critic=config.use_critic))
+    want.update(compute_timing_metrics(batch, timing))
+    want.update(compute_throughput_metrics(batch, timing, n_gpus=2))
+    want.update(
+        {
+            "perf/controller_bytes": 22.0,
+            "perf/controller_bytes_sent": 15.0,
+            "perf/controller_bytes_received": 7.0,
+        }
+    )
+    assert got == want
+    # the counters were taken: the next step starts from zero
+    again = step_end_metrics(batch, timing, config=config, step=5, epoch=1, groups=(actor, critic))
+    assert again["perf/controller_bytes"] == 0.0 and again["training/global_step"] == 5.0

@@ -68,6 +68,15 @@ def _error(capsys, *argv: str) -> str:
             "critic.enable=false",
             "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False",
         ),
+        (
+            "actor.worker.rollout.engine=megatron",
+            "actor.worker.rollout.engine='megatron' samples with the megatron actor's policy: it needs workers: "
+            "megatron (workers is 'torch'",
+        ),
+        (
+            "trainer.resident_batches=true",
+            "trainer.resident_batches=True does not support algorithm.adv_estimator='gae'",
+        ),
     ],
 )
 def test_train_names_the_key_before_anything_loads(root, capsys, override, expected):
@@ -75,6 +84,13 @@ def test_train_names_the_key_before_anything_loads(root, capsys, override, expec
     assert _error(capsys, "train", TINY, f"vars.root={r}", override.format(r=r)).startswith(
         expected.format(r=r)
     )
+
+
+def test_resident_batches_with_the_grpo_presets_kl_loss_is_refused_before_anything_loads(root, capsys):
+    r = str(root)
+    line = _error(capsys, "train", TINY, f"vars.root={r}", "preset=grpo", "trainer.resident_batches=true")
+    assert line.startswith("trainer.resident_batches=True does not support reference log-probs"), line
+    assert "actor.use_kl_loss" in line
 
 
 def test_a_worker_default_that_breaks_the_rule_is_found_too(root, capsys):
@@ -146,3 +162,32 @@ def test_eval_builds_a_critic_free_job_from_a_gae_one():
     assert not job.use_critic and job.algorithm.adv_estimator == "reinforce_plus_plus"
     grpo = load_job_config(TINY, ["preset=grpo"])
     assert _actor_only(grpo).algorithm == grpo.algorithm
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_anything_loads(root, capsys, command):
+    r = str(root)
+    option = "--json" if command == "eval" else "--timings-json"
+    (root / "a_file").write_text("")
+    for path, expected in (
+        (r, f"{option} {r!r} is a directory; name the file to write"),
+        (f"{r}/a_file/out.json", f"{option} '{r}/a_file/out.json': '{r}/a_file' is a file, not a folder"),
+    ):
+        assert _error(capsys, command, TINY, f"vars.root={r}", option, path) == expected
+
+
+def test_check_output_file_accepts_a_new_file_in_folders_still_to_be_made(tmp_path):
+    from ppo_core_cli.checks import check_output_file
+
+    check_output_file("--json", str(tmp_path / "new" / "deeper" / "eval.json"))
+    check_output_file("--json", None)
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_eval_of_a_training_checkpoint_points_to_export(root, capsys):
+    r = str(root)
+    step = root / "checkpoints" / "global_step_2"
+    (step / "actor").mkdir(parents=True)
+    line = _error(capsys, "eval", TINY, f"vars.root={r}", "--model", str(step))
+    assert line.startswith(f"model.path={str(step)!r} is not a Hugging Face checkpoint directory"), line
+    assert "it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR`" in line

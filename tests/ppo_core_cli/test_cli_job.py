@@ -162,3 +162,32 @@ def test_reward_uses_the_jobs_scorers_first(tiny):
     assert reward.registry.get("synthetic/arith_gsm8k")("#### 4", "5")["score"] == 0.25
     assert reward.registry.get("openai/gsm8k")("#### 4", "5")["score"] == 0.25  # the job's glob wins
     assert reward.num_workers == 0
+
+
+def test_load_prompts_follows_the_jobs_data_settings(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ppo_core.data.prompts import tokenize_chat
+    from ppo_core_cli.job import load_datasets, load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = [
+        {
+            "data_source": "t",
+            "question": [{"role": "user", "content": text}],
+            "reward_model": {"ground_truth": "1"},
+        }
+        for text in ("Mia", "Mia has 7 shells. Mia has 7 shells. Mia has 7 shells.")
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = [len(tokenize_chat(tokenizer, r["question"], {})) for r in rows]
+    limit = (lengths[0] + lengths[1]) // 2
+    assert lengths[0] <= limit < lengths[1]
+    data = {"max_prompt_length": limit, "truncation": "filter", "prompt_key": "question"}
+    job = JobConfig.from_dict({"data": {**data, "train_files": [str(path)], "val_files": [str(path)]}})
+    assert len(load_prompts(job, tokenizer, [str(path)])) == 1  # the long row filtered at the job's limit
+    train, val = load_datasets(job, tokenizer)
+    assert len(train) == len(val) == 1
+    job = JobConfig.from_dict({"data": {**data, "truncation": "left", "train_files": [str(path)]}})
+    assert len(load_prompts(job, tokenizer, [str(path)])) == 2 and load_datasets(job, tokenizer)[1] is None

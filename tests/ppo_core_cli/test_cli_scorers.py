@@ -67,6 +67,9 @@ SCORER_FILE = textwrap.dedent(
     def score(solution_str, ground_truth, extra_info=None, bonus=0.0):
         return {"score": float(solution_str == ground_truth) + bonus, "exact": float(solution_str == ground_truth)}
 
+    def one_arg(solution_str):
+        return 0.0
+
     not_a_function = 3
     """
 )
@@ -138,6 +141,12 @@ def test_a_scorer_beside_the_config_is_found_first(config_dir):
             "an unexpected keyword argument 'bonnus'",
         ),
         ("gsm8k", "{methd: flexible}", "reward.scorers.t.kwargs={'methd': 'flexible'}: gsm8k(solution_str"),
+        (  # the function's own arguments are wrong, not the kwargs: the function's key is named
+            "<module>:one_arg",
+            "{bonus: 1}",
+            "reward.scorers.t.function='<module>:one_arg': <module>:one_arg(solution_str) cannot be called as a "
+            "scorer, fn(solution_str, ground_truth, extra_info, **kwargs): too many positional arguments",
+        ),
     ],
 )
 def test_train_with_a_scorer_that_cannot_be_used_is_one_line_before_any_model_loads(
