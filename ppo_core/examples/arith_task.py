@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.examples.rows import gsm8k_prompt_row
 
 __all__ = [
     "DATA_SOURCE",
@@ -123,20 +124,13 @@ def make_arith_rows(
             a=a,
             b=written_b,
         )
-        rows.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(value)},
-                "extra_info": {
-                    "split": split,
-                    "index": index,
-                    "question": question,
-                    "answer": f"{a} {op} {b} = {value}\n#### {value}",
-                },
-            }
-        )
+        extra = {
+            "split": split,
+            "index": index,
+            "question": question,
+            "answer": f"{a} {op} {b} = {value}\n#### {value}",
+        }
+        rows.append(gsm8k_prompt_row(DATA_SOURCE, question, INSTRUCTION, value, extra))
     return rows
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.examples.rows import gsm8k_prompt_row
 
 __all__ = [
     "DATA_SOURCE_PREFIX",
@@ -270,21 +271,16 @@ def _row(
         fields[letter] = n
         fields[f"{letter}_items"] = f"{n} {singular if n == 1 else plural}"
     question = templates[int(rng.integers(len(templates)))].format(**fields)
-    return {
-        "data_source": data_source(level),
-        "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(value)},
-        "extra_info": {
-            "split": split,
-            "index": index,
-            "level": level,
-            "operation": op,
-            "operands": list(operands),
-            "question": question,
-            "answer": "\n".join([*solution_of(*operands), f"#### {value}"]),
-        },
+    extra = {
+        "split": split,
+        "index": index,
+        "level": level,
+        "operation": op,
+        "operands": list(operands),
+        "question": question,
+        "answer": "\n".join([*solution_of(*operands), f"#### {value}"]),
     }
+    return gsm8k_prompt_row(data_source(level), question, INSTRUCTION, value, extra)
 
 
 def make_arithmetic_splits(
