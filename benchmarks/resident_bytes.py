@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
 from ppo_core.workers import Dispatch, Worker, WorkerSpec, register
 
 # The worker class lives in this script: Monarch pickles classes of __main__ by value.
@@ -143,19 +147,10 @@ def _group(backend: str, spec: WorkerSpec, procs: int, hosts: int):
         with LocalWorkerGroup(spec, world_size=procs * hosts) as wg:
             yield wg
         return
-    import ppo_core_monarch  # noqa: F401  (before monarch)
-    from ppo_core_monarch import MonarchConfig, attach_hosts, start_worker_loops
-    from ppo_core_monarch.group import MonarchWorkerGroup
+    from benchmarks._groups import monarch_group  # Monarch only where asked for
 
-    loops = start_worker_loops(hosts) if hosts > 1 else None
-    try:
-        cfg = MonarchConfig(call_timeout_s=600.0, ready_timeout_s=300.0, shared_memory=loops is None)
-        where = attach_hosts(loops.addresses) if loops is not None else None
-        with MonarchWorkerGroup(spec, procs_per_host=procs, hosts=where, config=cfg) as wg:
-            yield wg
-    finally:
-        if loops is not None:
-            loops.stop()
+    with monarch_group(spec, procs=procs, hosts=hosts) as wg:
+        yield wg
 
 
 def main() -> None:
@@ -168,6 +163,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=1, help="monarch: > 1 simulates hosts (worker loops, TCP)")
     ap.add_argument("--backend", choices=("local", "monarch"), default="local")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="also write the JSON here (benchmarks/results/<script>.json)")
     args = ap.parse_args()
     out = {
         "rows": args.rows,
@@ -205,7 +201,7 @@ def main() -> None:
                 result["by_value"]["controller_bytes"] / result["resident"]["controller_bytes"], 1
             )
             out["runs"].append(result)
-    print(json.dumps(out, indent=1))
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,22 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import statistics
+import sys
 import time
 
-import ppo_core_monarch  # noqa: F401  (before monarch, which reads its supervision poll at import)
-
 # isort: split
+from pathlib import Path
+
 import torch
 from tensordict import TensorDict
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._groups import monarch_group
+from benchmarks._meta import emit
 from ppo_core.workers import ColocatedWorker, Dispatch, Worker, WorkerSpec, register
 from ppo_core.workers.reshard import plan_reshard
-from ppo_core_monarch import MonarchConfig, attach_hosts, start_worker_loops
-from ppo_core_monarch.group import MonarchWorkerGroup
 
 WIDTH = 4096  # int64 columns per row: 32 KiB a row
 
@@ -51,19 +52,9 @@ class Holder(Worker):
         return {"sum": float(batch["tokens"].double().sum())}
 
 
-@contextlib.contextmanager
 def _group(hosts: int, procs: int):
     roles = {"producer": WorkerSpec(Holder), "consumer": WorkerSpec(Holder, kwargs={"tp": 2})}
-    loops = start_worker_loops(hosts) if hosts > 1 else None
-    try:
-        cfg = MonarchConfig(call_timeout_s=600.0, ready_timeout_s=300.0, shared_memory=loops is None)
-        where = attach_hosts(loops.addresses) if loops is not None else None
-        spec = WorkerSpec(ColocatedWorker, kwargs={"roles": roles})
-        with MonarchWorkerGroup(spec, procs_per_host=procs, hosts=where, config=cfg) as wg:
-            yield wg
-    finally:
-        if loops is not None:
-            loops.stop()
+    return monarch_group(WorkerSpec(ColocatedWorker, kwargs={"roles": roles}), procs=procs, hosts=hosts)
 
 
 def main() -> None:
@@ -72,6 +63,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--mb", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", help="also write the JSON here (benchmarks/results/<script>.json)")
     args = ap.parse_args()
     rows = args.mb * 2**20 // (WIDTH * 8)
     out = {"hosts": args.hosts, "procs": args.procs, "rows": rows, "mb": args.mb, "executors": {}}
@@ -104,7 +96,7 @@ def main() -> None:
                 "moved_gb_per_s": round(out["moved_between_processes_mb"] / 1024 / t, 3),
                 "controller_bytes": max(through),
             }
-    print(json.dumps(out, indent=1))
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
