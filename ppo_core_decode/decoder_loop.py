@@ -124,9 +124,23 @@ class DecoderLayerLoop:
             return self._decode_step(h.view(b, -1), positions, cache)
         return self._forward(h, positions, cache)
 
-    def _forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def sequence_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, keep: int
+    ) -> torch.Tensor:
+        """The logits of the last ``keep`` positions of a prefill of ``input_ids [B, S]`` -> ``[B, keep, V]``
+        (every position through every layer; the cache prepared by
+        :meth:`~ppo_core_decode.kv_cache.KVCache.begin_prefill`). Batch-invariantly, position ``j``'s logits are
+        the bits a forward whose last position is ``j`` computes: those of the prefill or decode step that
+        sampled token ``j + 1`` (training's exact log-probs, :mod:`ppo_core_decode.sequence_log_probs`)."""
+        cache.batch_invariant = self.batch_invariant
+        return self._forward(self._embed(input_ids), positions, cache, keep=keep)
+
+    def _forward(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, keep: int | None = None
+    ) -> torch.Tensor:
         """The layers and the logits from the embedded tokens ``h [B, S, D]`` (a subclass that decodes some
-        steps otherwise embeds once and picks)."""
+        steps otherwise embeds once and picks): ``[B, V]`` of the last position, or ``[B, keep, V]`` of the last
+        ``keep`` positions."""
         attend = self._attention(h, positions, cache)
         layers = self._layers()
         if not layers:
@@ -142,7 +156,7 @@ class DecoderLayerLoop:
             q, k, v = self._projections(i, layer, x)
             # the last layer's keys and values go to the cache for every position, but only the last position's
             # output reaches the logits: its attention, output projection and MLP run for that position alone
-            last_only = i == len(layers) - 1 and h.shape[1] > 1
+            last_only = keep is None and i == len(layers) - 1 and h.shape[1] > 1
             cache.last_query_only = last_only
             try:
                 attn = attend(i, layer, q, k, v)
@@ -159,6 +173,8 @@ class DecoderLayerLoop:
             else:
                 h, x = self._add_rms_norm(h, self._attention_output(layer, attn), norm2)
                 delta = self._mlp(i, layer, x)
+        if keep is not None:
+            return self._logits(h[:, -keep:], None if delta is None else delta[:, -keep:])
         return self._logits(h[:, -1], None if delta is None else delta[:, -1])
 
     def _adds_residual_in_products(self, h: torch.Tensor) -> bool:

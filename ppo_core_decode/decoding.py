@@ -636,6 +636,42 @@ class CachedRolloutEngine:
         with self._eval_mode(), self._forwarding(s):
             return self.decoder.forward(input_ids, cache.positions, cache)
 
+    @torch.no_grad()
+    def sequence_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
+    ) -> torch.Tensor:
+        """The next-token logits at the last ``keep`` positions of each sequence, from one full forward through this
+        engine's own layer loop (:meth:`recompute_logits` at every one of those positions at once). With
+        ``batch_invariant`` the logits at position ``j`` are, bit for bit, those the cached decoding sampled token
+        ``j + 1`` from when it generated the sequence (same ``[B, S]`` layout: left-padded prompts, then the
+        responses).
+
+        Args:
+            input_ids: ``[B, S]`` token ids (left-padded prompts and their responses, as generated).
+            attention_mask: ``[B, S]`` 1 on real tokens.
+            keep: how many of the last positions to return (``R + 1`` covers a response of ``R`` tokens and the
+                token after it).
+
+        Returns:
+            ``[B, keep, V]`` logits in the model dtype.
+
+        Raises:
+            ValueError: the engine's forward is not a layer loop of its own (the generic Hugging Face path).
+        """
+        loop = getattr(self.decoder.forward, "sequence_logits", None)
+        if loop is None:
+            raise ValueError(
+                f"{type(self).__name__} runs the model's own forward here; sequence_logits needs the engine's layer "
+                "loop (a Llama-family model on the fused path)"
+            )
+        b, s = input_ids.shape
+        if not 1 <= keep <= s:
+            raise ValueError(f"keep must be in [1, {s}] for sequences of {s} tokens, got {keep}")
+        cache = self.decoder.new_cache(b, s)
+        cache.begin_prefill(attention_mask)
+        with self._eval_mode(), self._forwarding(s):
+            return loop(input_ids, cache.positions, cache, keep)
+
     def generate(
         self,
         prompts: torch.Tensor,

@@ -61,6 +61,7 @@ __all__ = [
     "fused_sample_record",
     "fused_sampling_available",
     "fused_sampling_uniforms",
+    "fused_token_log_probs",
     "inverse_cdf_draw",
 ]
 
@@ -191,6 +192,7 @@ if triton is not None:
         RECORD: tl.constexpr,
         HAS_EOS: tl.constexpr,
         CDF: tl.constexpr,
+        GIVEN: tl.constexpr,
         BLOCKS: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
@@ -208,7 +210,9 @@ if triton is not None:
         mass = s * tl.exp(m - m_safe)  # [BLOCKS]: each block's share of the row's sum of exp(x - m_safe)
         total = tl.sum(mass, axis=0)
         lse = m_safe + tl.log(total)
-        if CDF:
+        if GIVEN:  # the log-prob of a token drawn before (token_ptr holds it): the same lse, no draw
+            token = tl.load(token_ptr + row)
+        elif CDF:
             lanes = tl.zeros([2], dtype=tl.int32) + row  # Philox on a tensor of two equal lanes, then scalars
             u_blocks, u_entries = _uniforms(tl.load(seed_ptr), tl.load(noise_step_ptr), lanes)
             u_block, u_entry = tl.max(u_blocks, axis=0), tl.max(u_entries, axis=0)
@@ -258,6 +262,8 @@ if triton is not None:
             tl.store(last_tok_ptr + row, fed)
             tl.store(last_valid_ptr + row, running)
             tl.store(step_ptr, col + 1, mask=row == 0)
+        elif GIVEN:
+            tl.store(logp_ptr + row, x - lse)
         else:
             tl.store(token_ptr + row, token.to(tl.int64))
             tl.store(logp_ptr + row, x - lse)
@@ -400,6 +406,7 @@ def fused_sample(
         RECORD=False,
         HAS_EOS=False,
         CDF=mode == _KERNEL_NOISE,
+        GIVEN=False,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
         PDL=pdl,
@@ -505,12 +512,85 @@ def fused_sample_record(
         RECORD=True,
         HAS_EOS=eos_token_id is not None,
         CDF=mode == _KERNEL_NOISE,
+        GIVEN=False,
         BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
         PDL=pdl,
         num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
         **({"launch_pdl": True} if pdl else {}),
     )
+
+
+def fused_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-probabilities that :func:`fused_sample_record` records for ``tokens`` drawn from ``logits``, bit for
+    bit: the same first kernel (in-kernel noise when ``temperature > 0``, the decoder's mode; greedy otherwise)
+    and the same combining kernel with as many warps, which reads the token instead of drawing it. Each row's
+    result depends on that row alone (one program per row and block), so the rows may be any tokens of any
+    sequences: training's exact log-probs (:mod:`ppo_core_decode.sequence_log_probs`).
+
+    Args:
+        logits: ``[N, V]`` next-token logits (fp32, bf16 or fp16) on CUDA, last dimension contiguous.
+        tokens: ``[N]`` int64 token ids in ``[0, V)``.
+        temperature: the sampling temperature (0: greedy, scored at ``T = 1``).
+
+    Returns:
+        ``[N]`` fp32 log-probabilities ``x[token] - logsumexp(x)``, ``x = logits / T``.
+    """
+    if triton is None:
+        raise RuntimeError("fused_token_log_probs needs Triton")
+    if logits.dim() != 2 or tokens.shape != logits.shape[:1] or tokens.dtype != torch.int64:
+        raise ValueError(
+            f"logits must be [N, V] and tokens [N] int64, got {tuple(logits.shape)} and {tuple(tokens.shape)} "
+            f"{tokens.dtype}"
+        )
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    tokens = tokens.contiguous()
+    rows, vocab = logits.shape
+    log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return log_probs
+    mode = _KERNEL_NOISE if temperature > 0 else _NO_NOISE
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    pdl = pdl_enabled(logits.device)
+    parts, index, step_copy = _launch_blocks(logits, None, None, None, mode, inv_t, record=False, pdl=pdl)
+    n_blocks = index.shape[1]
+    _sample_combine[(rows,)](
+        logits,
+        parts,
+        index,
+        tokens,
+        log_probs,
+        tokens,  # mask, done, last token, last valid, step: unused without RECORD
+        tokens,
+        tokens,
+        tokens,
+        step_copy,
+        step_copy,
+        step_copy,
+        step_copy,
+        vocab,
+        logits.stride(0),
+        0,
+        0,
+        0,
+        0,
+        n_blocks,
+        inv_t,
+        0,
+        0,
+        STOCHASTIC=temperature > 0,
+        RECORD=False,
+        HAS_EOS=False,
+        CDF=False,
+        GIVEN=True,
+        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
+        BLOCK=BLOCK_V,
+        PDL=pdl,
+        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return log_probs
 
 
 def fused_sampling_uniforms(seed: torch.Tensor, step: torch.Tensor, rows: int) -> torch.Tensor:

@@ -20,6 +20,11 @@ class TorchActorConfig(PPOActorConfig):
 
     device: str | None = None
     """Torch device; None picks ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    exact_log_probs: bool = False
+    """Exact on-policy mode: every policy log-prob (``old_log_probs``, ``ref_log_probs``, the update's) takes the
+    batch-invariant rollout's values bit for bit, so ``old_log_probs == rollout_log_probs`` and PPO's ratio is 1
+    before the first optimiser step; gradients are the model forward's. Needs ``rollout.batch_invariant`` and a
+    Llama-family Hugging Face model (:mod:`ppo_core.workers.torch.exact`, docs/semantics.md)."""
 
 
 @dataclass(kw_only=True)

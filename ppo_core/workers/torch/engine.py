@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -153,12 +153,23 @@ class TorchEngine(EngineBase):
             remove_padding is True or (remove_padding == "auto" and packs_sparsely(module))
         )
         self._logits_to_keep = head == "policy" and _takes_logits_to_keep(module)
+        self.exact_log_probs: Callable[[TensorDictBase, torch.Tensor], torch.Tensor] | None = None
+        """Exact mode (:mod:`~ppo_core.workers.torch.exact`): ``(micro, log_probs) -> log_probs`` with the rollout's
+        numerics' values in place of the model forward's (set by the actor worker); None: the forward's own."""
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(value, self.data_parallel)
 
     # ----- forward / backward -------------------------------------------------------------------------------
     def _outputs(self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec) -> dict[str, torch.Tensor]:
+        outputs = self._model_outputs(model, micro, spec)
+        if self.exact_log_probs is not None and LOG_PROBS in outputs:
+            outputs[LOG_PROBS] = self.exact_log_probs(micro, outputs[LOG_PROBS])
+        return outputs
+
+    def _model_outputs(
+        self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec
+    ) -> dict[str, torch.Tensor]:
         if self.packed:
             return self._packed_outputs(model, micro, spec)
         responses = micro[KEYS.responses]

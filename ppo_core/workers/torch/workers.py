@@ -26,6 +26,7 @@ from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 from ppo_core.workers.torch.distributed import init_data_parallel, resolve_device
 from ppo_core.workers.torch.engine import TorchEngine
+from ppo_core.workers.torch.exact import ExactLogProbs
 
 __all__ = ["TorchActorWorker", "TorchCriticWorker"]
 
@@ -122,6 +123,10 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
             if rollout_engine is not None
             else build_rollout_engine(config.rollout.engine, engine.module, config.rollout)
         )
+        if config.exact_log_probs:
+            engine.exact_log_probs = ExactLogProbs(rollout, config.rollout)
+            if reference is not None:
+                reference.exact_log_probs = ExactLogProbs.for_module(reference.module, config.rollout)
         super().__init__(config, engine, rollout=rollout, reference=reference)
         self.config: TorchActorConfig = config
 
