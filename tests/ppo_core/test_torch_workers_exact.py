@@ -86,6 +86,18 @@ def test_old_and_reference_log_probs_are_the_rollout_s_bit_for_bit(ckpts, arch, 
     assert torch.equal(ref[valid], batch["rollout_log_probs"][valid])
 
 
+def test_long_micro_batches_run_in_chunks_of_rows_with_the_same_bits(ckpts, monkeypatch):
+    from ppo_core.workers.torch import exact
+
+    actor = _actor(ckpts["llama"])
+    batch = actor.generate_sequences(_prompts())
+    whole = actor.compute_log_prob(batch)["old_log_probs"]
+    monkeypatch.setattr(exact, "LOGITS_PER_CHUNK", 3 * (R + 1) * V)  # three rows a forward
+    chunked = actor.compute_log_prob(batch)["old_log_probs"]
+    assert torch.equal(chunked, whole)
+    assert actor.engine.exact_log_probs.values(batch[:0]).shape == (0, R)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_without_exact_mode_the_log_probs_differ(ckpts, arch):
     """The test above is meaningful: the same rollout scored by the model's own forward is off in fp32 too."""

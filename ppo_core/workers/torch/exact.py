@@ -32,9 +32,13 @@ from torch import nn
 from ppo_core.keys import KEYS
 from ppo_core.rollout.sampling import SamplingConfig
 
-__all__ = ["ExactLogProbs", "substitute_values"]
+__all__ = ["LOGITS_PER_CHUNK", "ExactLogProbs", "substitute_values"]
 
 _PATH = "actor.worker.exact_log_probs"
+
+LOGITS_PER_CHUNK = 2**28
+"""Most logits one exact forward materialises (``rows x (R + 1) x V``; 512 MiB in bf16): longer micro-batches
+run as several forwards of fewer rows."""
 
 
 class _Substitute(torch.autograd.Function):
@@ -138,18 +142,27 @@ class ExactLogProbs:
 
     def values(self, micro: TensorDictBase) -> torch.Tensor:
         """The exact log-probs ``[b, R]`` (fp32, no gradient) of a micro-batch's ``responses`` given its
-        ``input_ids``/``attention_mask`` ``[b, P + R]``."""
+        ``input_ids``/``attention_mask`` ``[b, P + R]``: computed in chunks of rows whose ``[rows, R + 1, V]``
+        logits hold at most :data:`LOGITS_PER_CHUNK` entries (each row's bits are its own, so chunking changes
+        none)."""
         from ppo_core_decode.sequence_log_probs import sequence_log_probs
 
-        return sequence_log_probs(
-            self.rollout,
-            micro[KEYS.input_ids],
-            micro[KEYS.attention_mask],
-            micro[KEYS.responses],
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-        )
+        ids, mask, responses = micro[KEYS.input_ids], micro[KEYS.attention_mask], micro[KEYS.responses]
+        vocab = self.rollout.decoder.vocab_size
+        rows = max(1, LOGITS_PER_CHUNK // ((responses.shape[1] + 1) * vocab))
+        parts = [
+            sequence_log_probs(
+                self.rollout,
+                ids[i : i + rows],
+                mask[i : i + rows],
+                responses[i : i + rows],
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+            )
+            for i in range(0, responses.shape[0], rows)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(responses.shape, device=responses.device)
 
     def __call__(self, micro: TensorDictBase, log_probs: torch.Tensor) -> torch.Tensor:
         """``log_probs [b, R]`` (the engine's differentiable ones) with the exact values in their place."""
