@@ -17,12 +17,13 @@ from _hf import make_checkpoint  # noqa: E402
 
 from ppo_core.backends import LocalWorkerGroup  # noqa: E402
 from ppo_core.models import TinyGPT, TinyGPTConfig, load_causal_lm  # noqa: E402
+from ppo_core.rollout import SamplingConfig  # noqa: E402
 from ppo_core.trainer import BasePPOTrainer, PPOConfig  # noqa: E402
 from ppo_core.trainer.tracking import read_metrics_jsonl  # noqa: E402
 from ppo_core.workers import WorkerSpec  # noqa: E402
 from ppo_core.workers.engine import LOG_PROBS, OutputSpec  # noqa: E402
 from ppo_core.workers.torch import TorchActorWorker  # noqa: E402
-from ppo_core.workers.torch.exact import substitute_values  # noqa: E402
+from ppo_core.workers.torch.exact import ExactLogProbs, substitute_values  # noqa: E402
 
 V, EOS, PAD = 16, 3, 0  # a small vocabulary: EOS ends some responses early (padding inside the rows)
 R = 6
@@ -208,13 +209,14 @@ def test_a_trainer_run_in_exact_mode_is_on_policy_at_every_step(ckpts, tmp_path)
 
 
 def test_unsupported_settings_name_the_config_field(ckpts):
-    with pytest.raises(
-        ValueError, match=r"actor\.worker\.exact_log_probs.*actor\.worker\.rollout\.batch_invariant"
-    ):
+    with pytest.raises(ValueError, match=r"^exact_log_probs=True needs .* rollout\.batch_invariant=True"):
         TorchActorWorker(
             functools.partial(load_causal_lm, ckpts["llama"]),
             {**_worker_config(True), "rollout": {"max_new_tokens": R}},
         )
+    # built by hand around another engine: the worker's section named in full
+    with pytest.raises(ValueError, match=r"actor\.worker\.exact_log_probs=True needs .*batch_invariant=True"):
+        ExactLogProbs(object(), SamplingConfig())
     tiny = functools.partial(
         TinyGPT, TinyGPTConfig(vocab_size=V, max_seq_len=16, d_model=16, n_heads=2), seed=1
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ppo_core._checks import FieldValueError
 from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
 
 __all__ = ["TorchActorConfig", "TorchCriticConfig"]
@@ -25,6 +26,15 @@ class TorchActorConfig(PPOActorConfig):
     batch-invariant rollout's values bit for bit, so ``old_log_probs == rollout_log_probs`` and PPO's ratio is 1
     before the first optimiser step; gradients are the model forward's. Needs ``rollout.batch_invariant`` and a
     Llama-family Hugging Face model (:mod:`ppo_core.workers.torch.exact`, docs/semantics.md)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.exact_log_probs and not self.rollout.batch_invariant:
+            raise FieldValueError(
+                "exact_log_probs",
+                "=True needs the batch-invariant sampler: set rollout.batch_invariant=True next to it (training "
+                "reproduces that sampler's numerics; the default sampler's differ)",
+            )
 
 
 @dataclass(kw_only=True)
