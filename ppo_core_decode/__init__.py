@@ -17,7 +17,9 @@ What is here (one module per concept):
   :mod:`~ppo_core_decode.decode_rotary_attention`, :mod:`~ppo_core_decode.fused_sampling`,
   :mod:`~ppo_core_decode.step_inputs`, with :mod:`~ppo_core_decode.pdl` and :mod:`~ppo_core_decode.split_launch`;
 - numerics: :mod:`~ppo_core_decode.batch_invariant` (row-independent GEMMs, norms and attention) and
-  :mod:`~ppo_core_decode.eager_rounding` (element-wise steps rounded as the model's own forward rounds them).
+  :mod:`~ppo_core_decode.eager_rounding` (element-wise steps rounded as the model's own forward rounds them);
+- :mod:`~ppo_core_decode.sequence_log_probs`: the log-probs a batch-invariant rollout recorded, recomputed for whole
+  sequences bit for bit (the torch actor's exact on-policy mode).
 
 Import rule: this package imports torch, triton, the model libraries (``transformers``, ``megatron.core``, inside
 the functions that need them), ppo-core's core math (``ppo_core.kernels``, ``ppo_core._checks``,

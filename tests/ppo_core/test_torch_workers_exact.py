@@ -222,3 +222,51 @@ def test_unsupported_settings_name_the_config_field(ckpts):
     )
     with pytest.raises(ValueError, match=r"actor\.worker\.exact_log_probs.*Hugging Face rollout engine"):
         TorchActorWorker(tiny, _worker_config(True, use_reference=False))
+
+
+# ----- CUDA ---------------------------------------------------------------------------------------------------
+
+
+def _cuda_model(kind: str) -> torch.nn.Module:
+    """A bf16 model with a head width of 16 (the Triton attention's smallest) and a vocabulary of two sampling
+    blocks."""
+    from ppo_core.models import HFCausalLM
+
+    sizes = dict(
+        vocab_size=5000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if kind == "qwen2":
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    return HFCausalLM(model.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cuda_exact_mode_is_the_rollout_bit_for_bit(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = _worker_config(True, forward_max_token_len_per_gpu=500, use_remove_padding=True)
+    config["device"] = "cuda"
+    config["rollout"].update(max_new_tokens=48, eos_token_id=7)
+    actor = TorchActorWorker(functools.partial(_cuda_model, kind), config)
+    batch = actor.generate_sequences(_prompts(batch=24, width=40, seed=2))
+    valid = batch["response_mask"].bool()
+    old = actor.compute_log_prob(batch)["old_log_probs"]
+    ref = actor.compute_ref_log_prob(batch)["ref_log_probs"]
+    assert torch.equal(old[valid], batch["rollout_log_probs"][valid])
+    assert torch.equal(ref[valid], batch["rollout_log_probs"][valid])
+    log_prob, grads = _first_micro_batch(actor, batch, rows=5)
+    assert torch.equal(log_prob.cpu()[valid[:5]], batch["rollout_log_probs"][:5][valid[:5]])
+    assert all(bool(torch.isfinite(g).all()) for g in grads.values())
+    fast = TorchActorWorker(functools.partial(_cuda_model, kind), {**config, "exact_log_probs": False})
+    assert _max_diff(fast.compute_log_prob(batch)["old_log_probs"], batch["rollout_log_probs"], valid) > 0

@@ -3,7 +3,8 @@
 
 Modules: :mod:`~ppo_core.workers.torch.engine` (the engine), :mod:`~ppo_core.workers.torch.workers`
 (``TorchActorWorker``, ``TorchCriticWorker``), :mod:`~ppo_core.workers.torch.config`,
-:mod:`~ppo_core.workers.torch.distributed` (process group, DDP). The sampling functions are re-exported from
+:mod:`~ppo_core.workers.torch.distributed` (process group, DDP), :mod:`~ppo_core.workers.torch.exact` (exact on-policy
+log-probs, ``exact_log_probs``). The sampling functions are re-exported from
 :mod:`ppo_core.rollout`.
 
 Example:
