@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
+from ppo_core_cli.shapes import SHAPES as SHAPES_QWEN
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": (  # a smoke run on the CPU (--device cpu; the test of this script)
@@ -68,21 +69,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 8192,
         },
     ),
-    "qwen2.5-0.5b": (
-        "qwen2",
-        {
-            "hidden_size": 896,
-            "intermediate_size": 4864,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 14,
-            "num_key_value_heads": 2,
-            "vocab_size": 151936,
-            "rope_theta": 1e6,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 32768,
-        },
-    ),
+    "qwen2.5-0.5b": ("qwen2", SHAPES_QWEN["qwen2.5-0.5b"]),
 }
 """The published configurations' shapes (random weights cost the same per step as trained ones)."""
 

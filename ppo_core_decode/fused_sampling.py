@@ -338,6 +338,62 @@ def _launch_blocks(
     return parts, index, step_copy
 
 
+def _launch_combine(
+    logits: torch.Tensor,
+    parts: torch.Tensor,
+    index: torch.Tensor,
+    tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+    step_copy: torch.Tensor,
+    seed: torch.Tensor | None,
+    step: torch.Tensor | None,
+    mode: int,
+    temperature: float,
+    pdl: bool,
+    given: bool = False,
+) -> None:
+    """The combining kernel without the decoder's bookkeeping: writes ``tokens [B]`` (or, ``given``, reads them)
+    and their ``log_probs [B]``. Its warps are the mode's, whether it draws or reads the token (the reduction of the
+    blocks' masses then runs in the same order as the decoder's)."""
+    rows, vocab = logits.shape
+    n_blocks = index.shape[1]
+    _sample_combine[(rows,)](
+        logits,
+        parts,
+        index,
+        tokens,
+        log_probs,
+        tokens,  # mask, done, last token, last valid, step: unused without RECORD
+        tokens,
+        tokens,
+        tokens,
+        step_copy,
+        step_copy,
+        seed if seed is not None else step_copy,
+        step if step is not None else step_copy,
+        vocab,
+        logits.stride(0),
+        0,
+        0,
+        0,
+        0,
+        n_blocks,
+        1.0 / temperature if temperature > 0 else 1.0,
+        0,
+        0,
+        STOCHASTIC=temperature > 0,
+        RECORD=False,
+        HAS_EOS=False,
+        CDF=mode == _KERNEL_NOISE and not given,
+        GIVEN=given,
+        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
+        BLOCK=BLOCK_V,
+        PDL=pdl,
+        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
 def fused_sample(
     logits: torch.Tensor,
     noise: torch.Tensor | None,
@@ -369,7 +425,7 @@ def fused_sample(
     mode = _noise_mode(logits, noise, seed, step, temperature)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
@@ -377,42 +433,7 @@ def fused_sample(
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     pdl = pdl_enabled(logits.device)  # both launches take part in PDL, or neither
     parts, index, step_copy = _launch_blocks(logits, noise, seed, step, mode, inv_t, record=False, pdl=pdl)
-    n_blocks = index.shape[1]
-    _sample_combine[(rows,)](
-        logits,
-        parts,
-        index,
-        tokens,
-        log_probs,
-        tokens,  # mask, done, last token, last valid, step: unused without RECORD
-        tokens,
-        tokens,
-        tokens,
-        step_copy,
-        step_copy,
-        seed if seed is not None else step_copy,
-        step if step is not None else step_copy,
-        vocab,
-        logits.stride(0),
-        0,
-        0,
-        0,
-        0,
-        n_blocks,
-        inv_t,
-        0,
-        0,
-        STOCHASTIC=temperature > 0,
-        RECORD=False,
-        HAS_EOS=False,
-        CDF=mode == _KERNEL_NOISE,
-        GIVEN=False,
-        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
-        BLOCK=BLOCK_V,
-        PDL=pdl,
-        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    _launch_combine(logits, parts, index, tokens, log_probs, step_copy, seed, step, mode, temperature, pdl)
     return tokens, log_probs
 
 
@@ -546,7 +567,7 @@ def fused_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperatur
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     tokens = tokens.contiguous()
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return log_probs
@@ -554,41 +575,8 @@ def fused_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperatur
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     pdl = pdl_enabled(logits.device)
     parts, index, step_copy = _launch_blocks(logits, None, None, None, mode, inv_t, record=False, pdl=pdl)
-    n_blocks = index.shape[1]
-    _sample_combine[(rows,)](
-        logits,
-        parts,
-        index,
-        tokens,
-        log_probs,
-        tokens,  # mask, done, last token, last valid, step: unused without RECORD
-        tokens,
-        tokens,
-        tokens,
-        step_copy,
-        step_copy,
-        step_copy,
-        step_copy,
-        vocab,
-        logits.stride(0),
-        0,
-        0,
-        0,
-        0,
-        n_blocks,
-        inv_t,
-        0,
-        0,
-        STOCHASTIC=temperature > 0,
-        RECORD=False,
-        HAS_EOS=False,
-        CDF=False,
-        GIVEN=True,
-        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
-        BLOCK=BLOCK_V,
-        PDL=pdl,
-        num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
-        **({"launch_pdl": True} if pdl else {}),
+    _launch_combine(
+        logits, parts, index, tokens, log_probs, step_copy, None, None, mode, temperature, pdl, given=True
     )
     return log_probs
 
