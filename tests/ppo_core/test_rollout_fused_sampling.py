@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from ppo_core.rollout.sampling import _draw, sample_tokens
 from ppo_core_decode import fused_sampling
-from ppo_core_decode.fused_sampling import fused_sample, fused_sampling_available
+from ppo_core_decode.fused_sampling import (
+    fused_sample,
+    fused_sample_record,
+    fused_sampling_available,
+    fused_token_log_probs,
+)
 
 INTERPRET = fused_sampling.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and fused_sampling.triton is not None
@@ -134,3 +139,46 @@ def test_sample_tokens_on_cuda_matches_the_compiled_rule(temperature) -> None:
     want_tokens, want_lp = _draw(logits, noise if temperature > 0 else None, temperature, 0, 1.0)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(log_probs, want_lp, atol=1e-4, rtol=1e-5)
+
+
+def _recorded(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and log-probs ``fused_sample_record`` writes for one step, in the decoder's mode (in-kernel
+    noise when sampling)."""
+    b, device = logits.shape[0], logits.device
+    state = dict(
+        responses=torch.zeros(b, 2, dtype=torch.long, device=device),
+        response_mask=torch.zeros(b, 2, dtype=torch.bool, device=device),
+        log_probs=torch.zeros(b, 2, device=device),
+        done=torch.zeros(b, dtype=torch.bool, device=device),
+        last_tok=torch.zeros(b, dtype=torch.long, device=device),
+        last_valid=torch.zeros(b, dtype=torch.bool, device=device),
+    )
+    seed = torch.tensor(11, device=device) if temperature > 0 else None
+    step = torch.zeros((), dtype=torch.long, device=device)
+    fused_sample_record(logits, temperature, step=step, eos_token_id=None, pad_token_id=0, seed=seed, **state)
+    return state["responses"][:, 0], state["log_probs"][:, 0]
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param(d, marks=pytest.mark.gpu) if d == "cuda" else d for d in DEVICES]
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize(
+    ("vocab", "dtype"), [(97, torch.float32), (9000, torch.bfloat16), (151_936, torch.bfloat16)]
+)
+def test_token_log_probs_are_what_the_decoder_records_in_any_rows(device, temperature, vocab, dtype) -> None:
+    """``fused_token_log_probs`` of the drawn tokens: the recorded log-probs bit for bit, alone or among other rows
+    (the training side of the exact on-policy mode)."""
+    if device == "cpu" and vocab > 10_000:
+        pytest.skip("the interpreter is slow on a real vocabulary")
+    logits, _ = _case(37 if device == "cuda" else 5, vocab, vocab, device, dtype)
+    tokens, recorded = _recorded(logits, temperature)
+    got = fused_token_log_probs(logits, tokens, temperature)
+    assert got.dtype == torch.float32 and torch.equal(got, recorded)
+    rows = torch.tensor([3, 0, 2], device=device)
+    assert torch.equal(fused_token_log_probs(logits[rows], tokens[rows], temperature), recorded[rows])
+    x = logits.double().cpu() * (1.0 / temperature if temperature > 0 else 1.0)
+    oracle = x.log_softmax(-1).gather(-1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(got.double().cpu(), oracle, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tokens"):
+        fused_token_log_probs(logits, tokens[:1], temperature)
