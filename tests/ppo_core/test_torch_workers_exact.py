@@ -82,9 +82,13 @@ def test_old_and_reference_log_probs_are_the_rollout_s_bit_for_bit(ckpts, arch, 
     valid = batch["response_mask"].bool()
     assert bool((~valid).any()), "some responses should end early"
     old = actor.compute_log_prob(batch)["old_log_probs"]
+    calls = []
+    hook = actor.ref_model.register_forward_hook(lambda *args: calls.append(1))
     ref = actor.compute_ref_log_prob(batch)["ref_log_probs"]
+    hook.remove()
     assert torch.equal(old[valid], batch["rollout_log_probs"][valid])
     assert torch.equal(ref[valid], batch["rollout_log_probs"][valid])
+    assert not calls  # without entropy or gradient the model's own forward has nothing to add
 
 
 def test_long_micro_batches_run_in_chunks_of_rows_with_the_same_bits(ckpts, monkeypatch):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from ppo_core.workers.config import OptimConfig
 from ppo_core.workers.engine import ENTROPY, LOG_PROBS, VALUES, EngineBase, LossFn, OutputSpec, StepResult
 from ppo_core.workers.packing import pack_micro_batch
 from ppo_core.workers.torch.distributed import all_reduce_sum, maybe_no_sync, wrap_ddp
+from ppo_core.workers.torch.exact import ExactLogProbs
 
 __all__ = ["TorchEngine", "packs_sparsely", "response_outputs", "supports_packed_sequences"]
 
@@ -153,18 +154,21 @@ class TorchEngine(EngineBase):
             remove_padding is True or (remove_padding == "auto" and packs_sparsely(module))
         )
         self._logits_to_keep = head == "policy" and _takes_logits_to_keep(module)
-        self.exact_log_probs: Callable[[TensorDictBase, torch.Tensor], torch.Tensor] | None = None
-        """Exact mode (:mod:`~ppo_core.workers.torch.exact`): ``(micro, log_probs) -> log_probs`` with the rollout's
-        numerics' values in place of the model forward's (set by the actor worker); None: the forward's own."""
+        self.exact_log_probs: ExactLogProbs | None = None
+        """Exact mode (:mod:`~ppo_core.workers.torch.exact`, set by the actor worker): the log-probs take the
+        batch-invariant rollout's values; None: the model forward's own."""
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(value, self.data_parallel)
 
     # ----- forward / backward -------------------------------------------------------------------------------
     def _outputs(self, model: nn.Module, micro: TensorDictBase, spec: OutputSpec) -> dict[str, torch.Tensor]:
+        exact = self.exact_log_probs
+        if exact is not None and self.head == "policy" and not (spec.entropy or torch.is_grad_enabled()):
+            return {LOG_PROBS: exact.values(micro)}  # the model's forward would serve only a gradient
         outputs = self._model_outputs(model, micro, spec)
-        if self.exact_log_probs is not None and LOG_PROBS in outputs:
-            outputs[LOG_PROBS] = self.exact_log_probs(micro, outputs[LOG_PROBS])
+        if exact is not None and LOG_PROBS in outputs:
+            outputs[LOG_PROBS] = exact(micro, outputs[LOG_PROBS])
         return outputs
 
     def _model_outputs(

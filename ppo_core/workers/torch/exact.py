@@ -166,4 +166,4 @@ class ExactLogProbs:
 
     def __call__(self, micro: TensorDictBase, log_probs: torch.Tensor) -> torch.Tensor:
         """``log_probs [b, R]`` (the engine's differentiable ones) with the exact values in their place."""
-        return substitute_values(log_probs, self.values(micro).to(log_probs.device))
+        return substitute_values(log_probs, self.values(micro))
