@@ -91,6 +91,25 @@ def test_old_and_reference_log_probs_are_the_rollout_s_bit_for_bit(ckpts, arch, 
     assert not calls  # without entropy or gradient the model's own forward has nothing to add
 
 
+def test_a_custom_hf_engine_sets_the_numerics_of_the_reference_too(ckpts):
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    def unfused(module):
+        return HFRolloutEngine(module, batch_invariant=True, fuse_projections=False)
+
+    factory = functools.partial(load_causal_lm, ckpts["qwen2"])
+    actor = TorchActorWorker(factory, _worker_config(True), rollout_engine=unfused)
+    assert actor.reference.exact_log_probs.rollout._forward.fuse_projections is False
+    batch = actor.generate_sequences(_prompts(seed=4))
+    valid = batch["response_mask"].bool()
+    ref = actor.compute_ref_log_prob(batch)["ref_log_probs"]
+    assert torch.equal(ref[valid], batch["rollout_log_probs"][valid])
+    with pytest.raises(
+        ValueError, match=r"actor\.worker\.exact_log_probs=True needs .*batch_invariant=True\)"
+    ):
+        TorchActorWorker(factory, _worker_config(True), rollout_engine=HFRolloutEngine)
+
+
 def test_long_micro_batches_run_in_chunks_of_rows_with_the_same_bits(ckpts, monkeypatch):
     from ppo_core.workers.torch import exact
 

@@ -123,22 +123,21 @@ class ExactLogProbs:
                 f"on CUDA needs actor.worker.rollout.top_k=0 and actor.worker.rollout.top_p=1.0 (got "
                 f"{sampling.top_k} and {sampling.top_p}): truncated sampling has no bit-exact log-prob rule there"
             )
-        self.rollout = rollout
+        self.rollout, self.sampling = rollout, sampling
         self.temperature = float(sampling.temperature)
         self.top_k, self.top_p = int(sampling.top_k), float(sampling.top_p)
 
-    @classmethod
-    def for_module(cls, module: nn.Module, sampling: SamplingConfig) -> ExactLogProbs:
-        """Exact log-probs of another module (the frozen reference) through an engine built as the ``hf``
-        registry factory builds the rollout's (:func:`~ppo_core_decode.hf.hf_engine`), so with the same numerics.
-        """
+    def for_module(self, module: nn.Module) -> ExactLogProbs:
+        """Exact log-probs of another module of the same architecture (the frozen reference) through an engine of
+        its own with this one's numerics (batch-invariant, the same projection fusion: the same GEMM shapes)."""
         from ppo_core_decode.hf import HFRolloutEngine
 
+        fused = getattr(self.rollout._forward, "fuse_projections", True)
         try:
-            engine = HFRolloutEngine(module, batch_invariant=True)
+            engine = HFRolloutEngine(module, batch_invariant=True, fuse_projections=fused)
         except (TypeError, ValueError) as err:
             raise _unsupported(f"cannot score {type(module).__name__} exactly: {err}") from None
-        return cls(engine, sampling)
+        return ExactLogProbs(engine, self.sampling)
 
     def values(self, micro: TensorDictBase) -> torch.Tensor:
         """The exact log-probs ``[b, R]`` (fp32, no gradient) of a micro-batch's ``responses`` given its

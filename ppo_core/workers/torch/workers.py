@@ -126,7 +126,7 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
         if config.exact_log_probs:
             engine.exact_log_probs = ExactLogProbs(rollout, config.rollout)
             if reference is not None:
-                reference.exact_log_probs = ExactLogProbs.for_module(reference.module, config.rollout)
+                reference.exact_log_probs = engine.exact_log_probs.for_module(reference.module)
         super().__init__(config, engine, rollout=rollout, reference=reference)
         self.config: TorchActorConfig = config
 
