@@ -1,0 +1,45 @@
+"""``benchmarks/rollout_families.py --tiny``: the GPU benchmark's code end to end on the CPU (tiny shapes), so that
+its one GPU run cannot fail for a reason a CPU would show."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import rollout_families
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_family(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "families.json"
+    result = rollout_families.main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result
+    paths = {"llama": "fused", "qwen3": "fused", "neox": "generic"}
+    for name, path in paths.items():
+        entry = result[name]
+        assert entry["ours"]["path"] == path
+        assert entry["ours"]["new_tokens"] == entry["hf_static"]["new_tokens"] == 2 * 4
+        ours, hf = entry["ours"]["new_tokens_per_s"], entry["hf_static"]["new_tokens_per_s"]
+        assert entry["ours_over_hf_static"] == round(ours / hf, 2)
+        assert entry["ours_pct_of_bound"] == round(100 * ours / entry["bound_new_tokens_per_s"], 1)
+        assert entry["recompile_limit_hits"] == []
+        assert result["summary"][name]["ours_new_tokens_per_s"] == ours
+
+
+def test_unknown_family_is_named() -> None:
+    with pytest.raises(SystemExit, match="unknown \\['gpt2'\\]"):
+        rollout_families.main(["--tiny", "--families", "llama,gpt2"])
+
+
+def test_weight_bytes_counts_tied_embeddings_once() -> None:
+    import torch
+
+    tied = rollout_families.build("qwen3", torch.device("cpu"), torch.bfloat16, tiny=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    every = [p for _, p in tied.named_parameters(remove_duplicate=False)]
+    unique = {id(p): p for p in every}
+    assert rollout_families.weight_bytes(tied) == 2 * sum(p.numel() for p in unique.values())
+    assert rollout_families.weight_bytes(tied) < 2 * sum(p.numel() for p in every)
