@@ -34,8 +34,8 @@ capture):
 Dynamo's caches are reset between families (``transformers`` compiles ``generate``'s forward through one code
 object for every model, and dynamo keeps at most 8 graphs per code object).
 
-Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3] [--repeats 3] [--out FILE]`` (CUDA);
-``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
+Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3] [--repeats 3]
+[--out FILE]`` (CUDA); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
 """
 
 from __future__ import annotations
