@@ -16,7 +16,9 @@ Two ways to run a ``transformers`` model through :class:`~ppo_core_decode.kv_cac
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
   model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
-  kernels.
+  kernels: the generic path is the engine's reference loop (CUDA graphs, the cache's attention and the engine's
+  sampler, no per-family fusion), not a fused path; ``docs/performance.md`` ("Rollout by model family") has its
+  speed against Hugging Face's own ``generate``.
 
 Both return the logits of the last position only (the prefill does not project every prompt position onto the
 vocabulary), in the model's dtype: sampling reads them in fp32.
