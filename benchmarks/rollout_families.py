@@ -13,7 +13,9 @@ eval mode, nothing downloaded):
   norms';
 - ``neox``: the Pythia-1B shape of ``GPTNeoXForCausalLM`` (hidden 2048, 16 layers, 8 heads, GELU MLP 8192,
   vocabulary 50304, rotary on a quarter of each head, parallel residual) -> the generic path (the model's own
-  ``forward``, its attention routed through the engine's KV cache).
+  ``forward``, its attention routed through the engine's KV cache); ``neox_compiled``, an experiment, our engine
+  only: the same with the model's ``forward`` through ``torch.compile`` (``graph_breaks`` lists dynamo's reasons),
+  how much of the generic path's distance from a fused one is the model's eager element-wise kernels.
 
 Per family, ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each at temperature 1 (top-p 1, no top-k,
 no EOS: every row produces every token), the median of ``repeats`` calls after a warm-up call (compilation, graph
@@ -34,13 +36,14 @@ capture):
 Dynamo's caches are reset between families (``transformers`` compiles ``generate``'s forward through one code
 object for every model, and dynamo keeps at most 8 graphs per code object).
 
-Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3] [--repeats 3]
-[--out FILE]`` (CUDA); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
+Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3,neox_compiled]
+[--repeats 3] [--out FILE]`` (CUDA); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import statistics
@@ -119,6 +122,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# an experiment: the generic path with the model's forward through torch.compile (our attention a graph break or a
+# traced kernel, whatever dynamo makes of it): how much of the gap to a fused path the model's eager element-wise
+# kernels are
+FAMILIES["neox_compiled"] = FAMILIES["neox"]
+COMPILED_FORWARD = {"neox_compiled"}
 # --tiny: the same families shrunk to seconds on a CPU
 TINY = {
     "vocab_size": 256,
@@ -132,8 +140,9 @@ TINY_HEADS = {
     "qwen3": {"num_key_value_heads": 2, "head_dim": 16},
     "llama_as_qwen3": {"num_key_value_heads": 2, "head_dim": 16},
     "neox": {},
+    "neox_compiled": {},
 }
-NO_REFERENCE = {"llama_as_qwen3"}
+NO_REFERENCE = {"llama_as_qwen3", "neox_compiled"}
 """Families measured with our engine only (a control of another family, not a comparison with Hugging Face)."""
 WATCHED_LOGGERS = ("ppo_core", "ppo_core_decode", "torch._dynamo", "transformers.generation")
 
@@ -222,8 +231,43 @@ def _prompts(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple
     return ids, torch.ones_like(ids)
 
 
-def ours(model: torch.nn.Module, case: dict[str, int], repeats: int) -> dict[str, Any]:
-    """The Hugging Face engine with its defaults (one engine, reused across calls as a worker does)."""
+def compile_forward(model: torch.nn.Module, backend: str) -> None:
+    """Route ``model``'s calls through ``torch.compile(model.forward)`` (the experiment of ``neox_compiled``; run it
+    under :func:`_room_for_layers`)."""
+    model.forward = torch.compile(model.forward, backend=backend)
+
+
+def _room_for_layers() -> Any:
+    """Dynamo's recompile limits raised for the block: room for one graph per layer between graph breaks."""
+    return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024)
+
+
+def _graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons so far (first line of each), most frequent first, at most 8."""
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        line = str(reason).splitlines()[0][:200]
+        reasons[line] = reasons.get(line, 0) + n
+    return dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:8])
+
+
+def ours(
+    model: torch.nn.Module, case: dict[str, int], repeats: int, compile_backend: str | None = None
+) -> dict[str, Any]:
+    """The Hugging Face engine with its defaults (one engine, reused across calls as a worker does); with
+    ``compile_backend`` the model's forward compiled first (:func:`compile_forward`)."""
+    if compile_backend is None:
+        return _ours(model, case, repeats)
+    compile_forward(model, compile_backend)
+    with _room_for_layers():
+        report = _ours(model, case, repeats)
+    report["graph_breaks"] = _graph_breaks()
+    return report
+
+
+def _ours(model: torch.nn.Module, case: dict[str, int], repeats: int) -> dict[str, Any]:
     from ppo_core.rollout import SamplingConfig
     from ppo_core_decode.hf import HFRolloutEngine
 
@@ -290,7 +334,9 @@ def family(name: str, case: dict[str, int], args: argparse.Namespace, bandwidth:
     warnings = _Warnings()
     for logger_name in WATCHED_LOGGERS:
         logging.getLogger(logger_name).addHandler(warnings)
-    for method, run in (("ours", ours), ("hf_static", hf_static)):
+    backend = "eager" if args.tiny else "inductor"  # a CPU smoke does not generate C++
+    run_ours = functools.partial(ours, compile_backend=backend) if name in COMPILED_FORWARD else ours
+    for method, run in (("ours", run_ours), ("hf_static", hf_static)):
         if method in args.skip or (method == "hf_static" and name in NO_REFERENCE):
             continue
         t0 = time.perf_counter()
@@ -323,7 +369,7 @@ def family(name: str, case: dict[str, int], args: argparse.Namespace, bandwidth:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default="qwen3,llama,neox,llama_as_qwen3")
+    ap.add_argument("--families", default="qwen3,llama,neox,llama_as_qwen3,neox_compiled")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)

@@ -17,7 +17,13 @@ def test_tiny_run_reports_every_family(tmp_path, capsys: pytest.CaptureFixture) 
     out = tmp_path / "families.json"
     result = rollout_families.main(["--tiny", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result
-    paths = {"llama": "fused", "qwen3": "fused", "llama_as_qwen3": "fused", "neox": "generic"}
+    paths = {
+        "llama": "fused",
+        "qwen3": "fused",
+        "llama_as_qwen3": "fused",
+        "neox": "generic",
+        "neox_compiled": "generic",
+    }
     for name, path in paths.items():
         entry = result[name]
         assert entry["ours"]["path"] == path
@@ -27,6 +33,7 @@ def test_tiny_run_reports_every_family(tmp_path, capsys: pytest.CaptureFixture) 
         assert entry["recompile_limit_hits"] == []
         assert not [w for w in entry["warnings"] if w.startswith("ppo_core")]
         assert result["summary"][name]["ours_new_tokens_per_s"] == ours
+        assert ("graph_breaks" in entry["ours"]) == (name in rollout_families.COMPILED_FORWARD)
         if name in rollout_families.NO_REFERENCE:
             assert "hf_static" not in entry and "ours_over_hf_static" not in entry
             continue
@@ -67,3 +74,13 @@ def test_a_failing_method_and_the_warnings_are_reported(monkeypatch: pytest.Monk
     assert entry["warnings"] == ["ppo_core_decode.decoding: capturing failed"]
     assert entry["hf_static"]["error"] == "RuntimeError: no static cache"
     assert "ours_over_hf_static" not in entry and entry["ours"]["new_tokens_per_s"] == 10.0
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_experiment_leaves_dynamos_limits_as_they_were() -> None:
+    import torch
+
+    before = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
+    result = rollout_families.main(["--tiny", "--families", "neox_compiled"])
+    assert result["neox_compiled"]["ours"]["path"] == "generic"
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == before
