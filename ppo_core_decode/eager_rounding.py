@@ -27,7 +27,13 @@ import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
 
-__all__ = ["add_rms_norm_as_model", "rms_norm_as_model", "rotary_as_model", "silu_mul_as_model"]
+__all__ = [
+    "add_rms_norm_as_model",
+    "heads_rms_norm_as_model",
+    "rms_norm_as_model",
+    "rotary_as_model",
+    "silu_mul_as_model",
+]
 
 _EAGER_ROUNDING = {"emulate_precision_casts": True}
 
@@ -41,6 +47,17 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
 def rms_norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm of ``x [..., D]`` with its ``[D]`` weight (``LlamaRMSNorm``'s arithmetic)."""
+    return _norm(x, weight, eps)
+
+
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
+def heads_rms_norm_as_model(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float
+) -> torch.Tensor:
+    """The model's RMSNorm of every head of ``x [..., H + G, d]``: the first ``q_heads`` (``H``) with ``q_weight
+    [d]``, the other ``G`` with ``k_weight [d]``, so Qwen3's query and key norms (``q_norm``, ``k_norm``, one
+    epsilon) over a view of both run as one kernel; each head the same bits as its own norm."""
+    weight = torch.cat([q_weight.expand(q_heads, -1), k_weight.expand(x.shape[-2] - q_heads, -1)])
     return _norm(x, weight, eps)
 
 

@@ -18,7 +18,13 @@ from ppo_core.rollout import SamplingConfig
 
 transformers = pytest.importorskip("transformers")
 
-FUNCTIONS = ("rms_norm_as_model", "add_rms_norm_as_model", "rotary_as_model", "silu_mul_as_model")
+FUNCTIONS = (
+    "rms_norm_as_model",
+    "heads_rms_norm_as_model",
+    "add_rms_norm_as_model",
+    "rotary_as_model",
+    "silu_mul_as_model",
+)
 
 
 def _compile_on_cpu(monkeypatch: pytest.MonkeyPatch, by_shape: bool) -> None:
