@@ -14,8 +14,9 @@ eval mode, nothing downloaded):
 - ``neox``: the Pythia-1B shape of ``GPTNeoXForCausalLM`` (hidden 2048, 16 layers, 8 heads, GELU MLP 8192,
   vocabulary 50304, rotary on a quarter of each head, parallel residual) -> the generic path (the model's own
   ``forward``, its attention routed through the engine's KV cache); ``neox_compiled``, an experiment, our engine
-  only: the same with the model's ``forward`` through ``torch.compile`` (``graph_breaks`` lists dynamo's reasons),
-  how much of the generic path's distance from a fused one is the model's eager element-wise kernels.
+  only: the same with the model's ``forward`` through ``torch.compile``, the cache's attention left out of the graphs
+  (``graph_breaks`` lists dynamo's reasons): how much of the generic path's distance from a fused one is the
+  model's eager element-wise kernels.
 
 Per family, ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each at temperature 1 (top-p 1, no top-k,
 no EOS: every row produces every token), the median of ``repeats`` calls after a warm-up call (compilation, graph
@@ -232,8 +233,15 @@ def _prompts(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple
 
 
 def compile_forward(model: torch.nn.Module, backend: str) -> None:
-    """Route ``model``'s calls through ``torch.compile(model.forward)`` (the experiment of ``neox_compiled``; run it
-    under :func:`_room_for_layers`)."""
+    """Route ``model``'s calls through ``torch.compile(model.forward)`` with the engine's cached attention left out of
+    the graphs (a graph break at each layer's attention: the cache's Triton attention runs as in the generic path,
+    the model's element-wise work between attentions is compiled). Call it after building the engine (which
+    registers its attention function) and run the engine under :func:`_room_for_layers`."""
+    from transformers import AttentionInterface
+
+    from ppo_core_decode import hf
+
+    AttentionInterface.register(hf._ATTENTION_NAME, torch._dynamo.disable(hf._cached_attention))
     model.forward = torch.compile(model.forward, backend=backend)
 
 
@@ -260,19 +268,22 @@ def ours(
     ``compile_backend`` the model's forward compiled first (:func:`compile_forward`)."""
     if compile_backend is None:
         return _ours(model, case, repeats)
-    compile_forward(model, compile_backend)
     with _room_for_layers():
-        report = _ours(model, case, repeats)
+        report = _ours(model, case, repeats, after_build=lambda: compile_forward(model, compile_backend))
     report["graph_breaks"] = _graph_breaks()
     return report
 
 
-def _ours(model: torch.nn.Module, case: dict[str, int], repeats: int) -> dict[str, Any]:
+def _ours(
+    model: torch.nn.Module, case: dict[str, int], repeats: int, after_build: Any = None
+) -> dict[str, Any]:
     from ppo_core.rollout import SamplingConfig
     from ppo_core_decode.hf import HFRolloutEngine
 
     device = next(model.parameters()).device
     engine = HFRolloutEngine(model)
+    if after_build is not None:
+        after_build()
     ids, mask = _prompts(case["batch"], case["prompt"], model.config.vocab_size, device)
     cfg = SamplingConfig(max_new_tokens=case["new"], temperature=1.0)
     gen = torch.Generator(device=device).manual_seed(0)
