@@ -7,6 +7,11 @@ is not what the model computes. These functions compute what the model computes,
 cached decoding draws what the model's own forward would; on CUDA each is one compiled kernel with the explicit
 roundings kept (inductor's ``emulate_precision_casts``), on the CPU they run eagerly, bit for bit the model's.
 
+Each is compiled per shape class of its arguments (``cuda_compiled(by_shape=True)``): the norm alone sees the
+residual stream ``[B, S, D]``, the last position ``[B, D]`` and, in Qwen3, the per-head queries and keys
+``[B, S, H, d]`` (strided views into the q/k/v product), in prefills and one-token decode steps, more variants
+than dynamo compiles for one function before running it eagerly.
+
 Shapes as in :mod:`ppo_core.kernels.fused`.
 
 Example:
@@ -22,7 +27,13 @@ import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
 
-__all__ = ["add_rms_norm_as_model", "rms_norm_as_model", "rotary_as_model", "silu_mul_as_model"]
+__all__ = [
+    "add_rms_norm_as_model",
+    "heads_rms_norm_as_model",
+    "rms_norm_as_model",
+    "rotary_as_model",
+    "silu_mul_as_model",
+]
 
 _EAGER_ROUNDING = {"emulate_precision_casts": True}
 
@@ -33,13 +44,24 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed
 
 
-@cuda_compiled(options=_EAGER_ROUNDING)
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
 def rms_norm_as_model(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm of ``x [..., D]`` with its ``[D]`` weight (``LlamaRMSNorm``'s arithmetic)."""
     return _norm(x, weight, eps)
 
 
-@cuda_compiled(options=_EAGER_ROUNDING)
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
+def heads_rms_norm_as_model(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float
+) -> torch.Tensor:
+    """The model's RMSNorm of every head of ``x [..., H + G, d]``: the first ``q_heads`` (``H``) with ``q_weight
+    [d]``, the other ``G`` with ``k_weight [d]``, so Qwen3's query and key norms (``q_norm``, ``k_norm``, one
+    epsilon) over a view of both run as one kernel; each head the same bits as its own norm."""
+    weight = torch.cat([q_weight.expand(q_heads, -1), k_weight.expand(x.shape[-2] - q_heads, -1)])
+    return _norm(x, weight, eps)
+
+
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
 def add_rms_norm_as_model(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +70,7 @@ def add_rms_norm_as_model(
     return h, _norm(h, weight, eps)
 
 
-@cuda_compiled(options=_EAGER_ROUNDING)
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
 def rotary_as_model(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +84,7 @@ def rotary_as_model(
     return rotate(q), rotate(k)
 
 
-@cuda_compiled(options=_EAGER_ROUNDING)
+@cuda_compiled(options=_EAGER_ROUNDING, by_shape=True)
 def silu_mul_as_model(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with SiLU rounded to the model dtype first."""
     return F.silu(gate) * up

@@ -16,7 +16,9 @@ Two ways to run a ``transformers`` model through :class:`~ppo_core_decode.kv_cac
 - **Any other causal LM** whose attention goes through ``transformers``' attention interface: its own
   ``forward`` with a registered attention function that reads and writes the cache (``use_cache=False``: the
   model keeps no cache of its own). Correct for every such model, with the model's own (unfused) element-wise
-  kernels.
+  kernels: the generic path is the engine's reference loop (CUDA graphs, the cache's attention and the engine's
+  sampler, no per-family fusion), not a fused path; ``docs/performance.md`` ("Rollout by model family") has its
+  speed against Hugging Face's own ``generate``.
 
 Both return the logits of the last position only (the prefill does not project every prompt position onto the
 vocabulary), in the model's dtype: sampling reads them in fp32.
@@ -51,6 +53,7 @@ from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, 
 from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core_decode.eager_rounding import (
     add_rms_norm_as_model,
+    heads_rms_norm_as_model,
     rms_norm_as_model,
     rotary_as_model,
     silu_mul_as_model,
@@ -111,6 +114,26 @@ def _concatenated(
         for layer in layers
     ]
     return weight, torch.cat(biases, out=bias_out)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``q [B, S, H, d]`` and ``k [B, S, G, d]`` as one view ``[B, S, H + G, d]`` of the memory they share, where
+    ``k``'s heads follow ``q``'s with the same row strides (the ``[q; k; v]`` product split by
+    :func:`~ppo_core_decode.decoder_loop.split_qkv`); None otherwise. A size-1 dim's stride addresses nothing and
+    is not compared."""
+    if q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype or q.device != k.device:
+        return None
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return None
+    d = q.shape[3]
+    strides = (q.stride(0), q.stride(1), d, 1)
+    for t in (q, k):
+        if any(n > 1 and st != want for n, st, want in zip(t.shape, t.stride(), strides, strict=True)):
+            return None
+    same_memory = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    if not same_memory or k.storage_offset() != q.storage_offset() + q.shape[2] * d:
+        return None
+    return q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], d), strides, q.storage_offset())
 
 
 def _projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:
@@ -238,6 +261,21 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             return invariant_rms_norm(h, norm.weight, norm.variance_epsilon, delta=delta)
         return add_rms_norm_as_model(h, delta, self._norm_weight(norm), norm.variance_epsilon)
 
+    def _qk_norms(
+        self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorms of ``q [B, S, H, d]`` and ``k [B, S, G, d]``: one kernel over both where they
+        are adjacent in memory (views of the fused q/k/v product, :func:`_adjacent_heads`), else one each."""
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        both = None
+        if not self.batch_invariant and q_norm.variance_epsilon == k_norm.variance_epsilon:
+            both = _adjacent_heads(q, k)
+        if both is None:
+            return self._rms_norm(q, q_norm), self._rms_norm(k, k_norm)
+        h = q.shape[2]
+        out = heads_rms_norm_as_model(both, q_norm.weight, k_norm.weight, h, q_norm.variance_epsilon)
+        return out[:, :, :h], out[:, :, h:]
+
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fused is not None:
             return self._split_qkv(self._linear(x, *self._group(i, 0)))
@@ -312,7 +350,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         ) -> torch.Tensor:
             attn = layer.self_attn
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
-                q, k = self._rms_norm(q, attn.q_norm), self._rms_norm(k, attn.k_norm)
+                q, k = self._qk_norms(attn, q, k)
             # the rotation (and, on CUDA, the cache write with it in one kernel) in the model's rounding
             out = cache.attend_rotated(
                 i,

@@ -14,6 +14,14 @@ object, named ``<fn>__grad...``, hence its own budget of 8), and a copy that sti
 by a warning of this module's logger naming the function, the variant and dynamo's reason
 (:func:`recompile_limit_hits` lists them). Setting ``torch._dynamo.config.fail_on_recompile_limit_hit = True``
 (e.g. in a test) makes such a call raise instead.
+
+A function called on tensors of several shape classes (``by_shape=True``) also gets a copy per class: each tensor
+argument's dtype, rank, which of its dims are 1 and whether it is contiguous. The rollout engine's norms are such
+functions: one Qwen3 layer normalises the residual stream ``[B, S, D]``, the queries ``[B, S, H, d]`` and keys
+``[B, S, G, d]`` (views into the q/k/v product) and the last position ``[B, D]``, in a prefill and in one-token
+decode steps, with a batch size per generation; dynamo compiles a graph for each rank, each ``S = 1``
+specialisation, each stride pattern and each dim that first changes, more than 8 for one code object. Within a
+class a dim that changes becomes dynamic (one recompile), so a class compiles at most about rank + 1 times.
 """
 
 from __future__ import annotations
@@ -90,6 +98,24 @@ def _copy(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return out
 
 
+def _shape_class(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per tensor argument: its dtype, rank, which dims are 1 and whether it is contiguous (see ``by_shape``)."""
+    return tuple(
+        (a.dtype, a.dim(), tuple(s == 1 for s in a.shape), a.is_contiguous())
+        for a in args
+        if isinstance(a, torch.Tensor)
+    )
+
+
+def _describe_class(shapes: tuple[Any, ...]) -> list[str]:
+    """Per tensor argument of a :func:`_shape_class`: ``"bfloat16 [_, 1, _] strided"`` (``_``: a dim not 1)."""
+    parts = []
+    for dtype, _, ones, contiguous in shapes:
+        dims = ", ".join("1" if one else "_" for one in ones)
+        parts.append(f"{str(dtype).removeprefix('torch.')} [{dims}]{'' if contiguous else ' strided'}")
+    return parts
+
+
 def _on(t: torch.Tensor, device_types: tuple[str, ...]) -> bool:
     return (t.is_cuda and "cuda" in device_types) or t.device.type in device_types
 
@@ -100,6 +126,7 @@ def cuda_compiled(
     options: dict[str, Any] | None = None,
     device_types: tuple[str, ...] = ("cuda",),
     backend: str = "inductor",
+    by_shape: bool = False,
 ) -> Any:
     """Decorate ``fn`` so that calls whose first argument is a CUDA tensor run ``torch.compile(fn)`` (with the
     inductor ``options`` if given, e.g. ``{"emulate_precision_casts": True}`` to keep every explicit rounding to a
@@ -117,6 +144,8 @@ def cuda_compiled(
         options: inductor options.
         device_types: the devices of the first argument whose calls are compiled (tests add ``"cpu"``).
         backend: the ``torch.compile`` backend (tests use ``"eager"`` to count graphs without code generation).
+        by_shape: also compile a copy per shape class of the tensor arguments (dtype, rank, which dims are 1,
+            contiguity; see the module docstring), for a function called on tensors of several ranks and layouts.
 
     Example:
         >>> @cuda_compiled
@@ -126,20 +155,27 @@ def cuda_compiled(
         tensor([2., 2.])
     """
     if fn is None:
-        return lambda f: cuda_compiled(f, options=options, device_types=device_types, backend=backend)
-    variants: dict[tuple[bool, ...], Callable[..., Any]] = {}
+        return lambda f: cuda_compiled(
+            f, options=options, device_types=device_types, backend=backend, by_shape=by_shape
+        )
+    variants: dict[tuple[Any, ...], Callable[..., Any]] = {}
     broken = False
 
-    def variant(key: tuple[bool, ...], args: tuple[Any, ...]) -> Callable[..., Any]:
-        grad, *flags = key
+    def variant(key: tuple[Any, ...], args: tuple[Any, ...]) -> Callable[..., Any]:
+        grad, flags, shapes = key
         tensors = [
             n for n, a in zip(fn.__code__.co_varnames, args, strict=False) if isinstance(a, torch.Tensor)
         ]
         needing = [n for n, f in zip(tensors, flags, strict=False) if f] or ["none"]
         name = f"{fn.__name__}__grad{int(grad)}_" + "".join(str(int(f)) for f in flags)
-        _VARIANTS[name] = (
-            f"{fn.__name__} (grad mode {'on' if grad else 'off'}; requires grad: {', '.join(needing)})"
+        description = (
+            f"{fn.__name__} (grad mode {'on' if grad else 'off'}; requires grad: {', '.join(needing)}"
         )
+        if by_shape:
+            name += f"__shape{sum(k[0] == key[0] and k[1] == key[1] for k in variants)}"
+            classes = _describe_class(shapes)
+            description += "; " + ", ".join(f"{n}: {c}" for n, c in zip(tensors, classes, strict=False))
+        _VARIANTS[name] = description + ")"
         _watch()
         kwargs: dict[str, Any] = {} if backend == "inductor" else {"backend": backend}
         if options:
@@ -153,7 +189,8 @@ def cuda_compiled(
         first = args[0]
         if broken or not (isinstance(first, torch.Tensor) and _on(first, device_types)):
             return fn(*args, **kwargs)
-        key = (torch.is_grad_enabled(), *(a.requires_grad for a in args if isinstance(a, torch.Tensor)))
+        flags = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+        key = (torch.is_grad_enabled(), flags, _shape_class(args) if by_shape else None)
         compiled = variants.get(key) or variant(key, args)
         try:
             return compiled(*args, **kwargs)

@@ -12,7 +12,10 @@ Built-in names (their modules are imported only when the engine is built):
 - ``reference``: :class:`~ppo_core.rollout.engine.ModelRolloutEngine`, the simple loop of :func:`generate`
   (recomputes every step, or decodes through the model's own ``new_cache()``);
 - ``hf``: :class:`~ppo_core_decode.hf.HFRolloutEngine`, the static-KV-cache, graph-captured engine for Hugging Face
-  causal LMs;
+  causal LMs: the fused path for the ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` model types, and for any other
+  causal LM whose attention goes through ``transformers``' attention interface (GPT-NeoX, Phi, Gemma...) the
+  generic path, the model's own ``forward`` with its attention through the cache (its speed per family:
+  ``docs/performance.md``, "Rollout by model family");
 - ``megatron``: :class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine`, the same for the megatron actor's
   ``GPTModel`` (the model is the megatron actor worker's policy view);
 - ``auto``: :func:`auto_engine_name` picks one of them for the model (the megatron actor worker applies its own

@@ -126,3 +126,65 @@ def test_watched_foreign_functions_are_reported(caplog: pytest.LogCaptureFixture
             fn(torch.ones(3, dtype=dtype))
     assert recompile_limit_hits()[-1] == "foreign_kernel (a library's)"
     torch._dynamo.reset()
+
+
+def _many_shapes() -> list[torch.Tensor]:
+    """Ranks 2 to 4, sizes of 1, strided views and two dtypes: what the rollout engine's norms see."""
+    base = torch.randn(3, 5, 4, 8)
+    views = [
+        base,
+        base[:, :1],
+        base[..., :2, :],
+        base.view(15, 4, 8),
+        base.view(3, 5, 32),
+        base[:, -1:].flatten(2),
+    ]
+    views += [
+        base[:, -1].flatten(1),
+        base.view(60, 8)[:, None],
+        torch.randn(7, 6, 8),
+        torch.randn(7, 1, 2, 8),
+    ]
+    return views + [v.to(torch.bfloat16) for v in views]
+
+
+def _norm_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * weight
+
+
+def test_by_shape_compiles_each_shape_class_apart() -> None:
+    torch._dynamo.reset()
+    fn = cuda_compiled(_norm_like, device_types=("cpu",), backend="eager", by_shape=True)
+    strict = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=3)
+    with strict:
+        for x in _many_shapes():
+            weight = torch.ones(x.shape[-1], dtype=x.dtype)
+            assert torch.equal(fn(x, weight), _norm_like(x, weight))
+    torch._dynamo.reset()
+
+
+def test_without_by_shape_the_shapes_reach_the_limit() -> None:
+    torch._dynamo.reset()
+    fn = cuda_compiled(_norm_like, device_types=("cpu",), backend="eager")
+    strict = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    with strict, pytest.raises(Exception, match=r"recompile_limit|recompile limit"):
+        for x in _many_shapes():
+            fn(x, torch.ones(x.shape[-1], dtype=x.dtype))
+    torch._dynamo.reset()
+
+
+def test_a_shape_class_that_reaches_the_limit_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    torch._dynamo.reset()
+
+    def first_row(x: torch.Tensor) -> torch.Tensor:
+        return x[0] * 2
+
+    fn = cuda_compiled(first_row, device_types=("cpu",), backend="eager", by_shape=True)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__), torch.no_grad():
+        for n in range(2, 13):  # one class (rank 1, no size 1, contiguous), a size that never goes dynamic...
+            torch._dynamo.mark_static(x := torch.ones(n), 0)
+            fn(x)
+    assert any(
+        "first_row (grad mode off; requires grad: none; x: float32 [_])" in h for h in recompile_limit_hits()
+    )
+    torch._dynamo.reset()

@@ -50,6 +50,13 @@ def _hf(kind: str, seed: int = 0) -> torch.nn.Module:
         return transformers.MistralForCausalLM(
             transformers.MistralConfig(**common, sliding_window=None)
         ).eval()
+    if kind == "qwen3":  # per-head q/k norms, with weights other than ones (and unlike each other)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(-1.5, 1.5)
+        return model
     raise ValueError(kind)
 
 
@@ -623,7 +630,7 @@ def test_per_forward_values_are_shared_by_the_layers_of_one_forward_only():
     assert torch.equal(cache.per_forward("rotary", make), torch.tensor([[3]])) and len(calls) == 2
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("fuse_projections", [False, True])
 def test_bf16_fast_path_computes_what_the_models_own_forward_computes(kind, fuse_projections):
     """In bf16 the fused Llama-family path rounds as the model's own eager forward does (norm, rotation, SwiGLU),

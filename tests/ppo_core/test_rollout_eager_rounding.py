@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ppo_core_decode.eager_rounding import (
     add_rms_norm_as_model,
+    heads_rms_norm_as_model,
     rms_norm_as_model,
     rotary_as_model,
     silu_mul_as_model,
@@ -48,3 +49,26 @@ def test_rotation_and_gating_are_the_models(seed, dtype) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     gate, up = _x((3, 32), seed + 3, dtype), _x((3, 32), seed + 4, dtype)
     assert torch.equal(silu_mul_as_model(gate, up), modeling_llama.ACT2FN["silu"](gate) * up)  # LlamaMLP's
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    dtype=DTYPES,
+    heads=st.sampled_from([(1, 1), (4, 2), (3, 1), (2, 2)]),
+    tokens=st.sampled_from([1, 5]),
+)
+def test_heads_norm_is_qwen3s_q_and_k_norms(seed, dtype, heads, tokens) -> None:
+    """One call over ``[B, S, H + G, d]`` gives each query head ``q_norm``'s output and each key head ``k_norm``'s,
+    bit for bit (Qwen3's modules, weights unlike each other and unlike ones)."""
+    modeling_qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    h, g = heads
+    q_norm, k_norm = (modeling_qwen3.Qwen3RMSNorm(16, eps=1e-6).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        q_norm.weight.copy_(_x((16,), seed + 1, dtype, 1.0))
+        k_norm.weight.copy_(_x((16,), seed + 2, dtype, 1.0))
+    x = _x((3, tokens, h + g, 16), seed, dtype)
+    with torch.no_grad():
+        out = heads_rms_norm_as_model(x, q_norm.weight, k_norm.weight, h, 1e-6)
+        assert torch.equal(out[:, :, :h], q_norm(x[:, :, :h]))
+        assert torch.equal(out[:, :, h:], k_norm(x[:, :, h:]))

@@ -1,0 +1,434 @@
+"""Rollout speed per model family: the Hugging Face engine against Hugging Face's static-cache ``generate`` and the
+weight-bandwidth bound, for the Llama, Qwen3 and GPT-NeoX shapes, in one process.
+
+Prints ONE JSON object. Each family is a ``transformers`` causal LM built from its config (random weights, bf16,
+eval mode, nothing downloaded):
+
+- ``llama``: the Llama-3.2-1B shape of the other rollout benchmarks (1.24B parameters) -> the engine's fused
+  Llama-family path;
+- ``qwen3``: the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 query / 8 key-value heads of 128, SwiGLU 3072,
+  vocabulary 151936, tied embeddings; per-head RMSNorm of queries and keys) -> the fused path too;
+- ``llama_as_qwen3``: a Llama of Qwen3-0.6B's dimensions (no q/k norms), our engine only: the fused path's rate
+  on that shape, so that Qwen3's distance from its bound splits into its shape's (28 thin layers) and its q/k
+  norms';
+- ``neox``: the Pythia-1B shape of ``GPTNeoXForCausalLM`` (hidden 2048, 16 layers, 8 heads, GELU MLP 8192,
+  vocabulary 50304, rotary on a quarter of each head, parallel residual) -> the generic path (the model's own
+  ``forward``, its attention routed through the engine's KV cache); ``neox_compiled``, an experiment, our engine
+  only: the same with the model's ``forward`` through ``torch.compile``, the cache's attention left out of the graphs
+  (``graph_breaks`` lists dynamo's reasons): how much of the generic path's distance from a fused one is the
+  model's eager element-wise kernels.
+
+Per family, ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each at temperature 1 (top-p 1, no top-k,
+no EOS: every row produces every token), the median of ``repeats`` calls after a warm-up call (compilation, graph
+capture):
+
+- ``ours``: :class:`ppo_core_decode.hf.HFRolloutEngine` with its defaults (``path`` says which path ran), new
+  tokens/s over the whole call (prefill + decode) and over the decode steps alone (``decode_new_tokens_per_s``);
+- ``hf_static``: ``model.generate(..., do_sample=True, cache_implementation="static")`` (which ``transformers``
+  compiles on CUDA);
+- ``bound_new_tokens_per_s``: new tokens/s if each decode step only read every weight once (the weights' bytes over
+  a device-to-device copy's bandwidth measured in the same run), and each rate as a percentage of it
+  (``ours_pct_of_bound``, ``ours_decode_pct_of_bound``, ``hf_static_pct_of_bound``);
+- ``ours_over_hf_static``; ``recompile_limit_hits``: the engine's compiled functions that fell back to eager during
+  the family's calls (:func:`ppo_core.kernels.compiled.recompile_limit_hits`; empty when every one stayed compiled);
+  ``warnings``: what ppo-core, dynamo and ``transformers``' generation logged at WARNING meanwhile (a decode step
+  that could not be captured as a CUDA graph says so there).
+
+Dynamo's caches are reset between families (``transformers`` compiles ``generate``'s forward through one code
+object for every model, and dynamo keeps at most 8 graphs per code object).
+
+Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3,neox_compiled]
+[--repeats 3] [--out FILE]`` (CUDA); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._meta import emit
+
+# config kwargs of each family's ``transformers`` class (rotary settings left at their defaults: they do not change
+# the work of a step)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        {
+            "vocab_size": 151936,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    # Llama with Qwen3-0.6B's dimensions (no q/k norms): what the fused path gives that shape, so that Qwen3's
+    # distance from its bound splits into the shape's (thin, deep layers) and the q/k norms'
+    "llama_as_qwen3": (
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 151936,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "neox": (
+        "GPTNeoXForCausalLM",
+        {
+            "vocab_size": 50304,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 8,
+            "hidden_act": "gelu",
+            "use_parallel_residual": True,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 2048,
+        },
+    ),
+}
+# an experiment: the generic path with the model's forward through torch.compile (our attention a graph break or a
+# traced kernel, whatever dynamo makes of it): how much of the gap to a fused path the model's eager element-wise
+# kernels are
+FAMILIES["neox_compiled"] = FAMILIES["neox"]
+COMPILED_FORWARD = {"neox_compiled"}
+# --tiny: the same families shrunk to seconds on a CPU
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+TINY_HEADS = {
+    "llama": {"num_key_value_heads": 2},
+    "qwen3": {"num_key_value_heads": 2, "head_dim": 16},
+    "llama_as_qwen3": {"num_key_value_heads": 2, "head_dim": 16},
+    "neox": {},
+    "neox_compiled": {},
+}
+NO_REFERENCE = {"llama_as_qwen3", "neox_compiled"}
+"""Families measured with our engine only (a control of another family, not a comparison with Hugging Face)."""
+WATCHED_LOGGERS = ("ppo_core", "ppo_core_decode", "torch._dynamo", "transformers.generation")
+
+
+class _Warnings(logging.Handler):
+    """Collects the warnings of :data:`WATCHED_LOGGERS` during a family's calls (a graph capture that failed, a
+    compiled function that fell back to eager...), first lines only."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.messages) < 20:
+            self.messages.append(f"{record.name}: {record.getMessage().splitlines()[0][:300]}")
+
+
+def build(family: str, device: torch.device, dtype: torch.dtype, tiny: bool) -> torch.nn.Module:
+    """The family's causal LM from its config, random weights (seed 0), in eval mode with its KV cache on (for
+    ``generate``)."""
+    import transformers
+
+    cls_name, kwargs = FAMILIES[family]
+    if tiny:
+        kwargs = {**kwargs, **TINY, **TINY_HEADS[family]}
+    cls = getattr(transformers, cls_name)
+    config = cls.config_class(**kwargs, use_cache=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls(config).to(dtype=dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(call, repeats: int, device: torch.device) -> tuple[list[float], Any, float]:
+    """``repeats`` timed calls after a warm-up one; also the warm-up's seconds."""
+    t0 = time.perf_counter()
+    out = call()
+    _sync(device)
+    warmup = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = call()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, out, warmup
+
+
+def _report(times: list[float], tokens: int, warmup: float) -> dict[str, Any]:
+    med = statistics.median(times)
+    return {
+        "new_tokens": tokens,
+        "s_median": round(med, 4),
+        "s_all": [round(t, 4) for t in times],
+        "warmup_s": round(warmup, 2),
+        "new_tokens_per_s": round(tokens / med, 1),
+    }
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (bytes read + written over time)."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, each counted once (tied embeddings read once a step)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _prompts(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(batch * 1000 + prompt)
+    ids = torch.randint(8, vocab, (batch, prompt), generator=g).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def compile_forward(model: torch.nn.Module, backend: str) -> None:
+    """Route ``model``'s calls through ``torch.compile(model.forward)`` with the engine's cached attention left out of
+    the graphs (a graph break at each layer's attention: the cache's Triton attention runs as in the generic path,
+    the model's element-wise work between attentions is compiled). Call it after building the engine (which
+    registers its attention function) and run the engine under :func:`_room_for_layers`."""
+    from transformers import AttentionInterface
+
+    from ppo_core_decode import hf
+
+    AttentionInterface.register(hf._ATTENTION_NAME, torch._dynamo.disable(hf._cached_attention))
+    model.forward = torch.compile(model.forward, backend=backend)
+
+
+def _room_for_layers() -> Any:
+    """Dynamo's recompile limits raised for the block: room for one graph per layer between graph breaks."""
+    return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024)
+
+
+def _graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons so far (first line of each), most frequent first, at most 8."""
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        line = str(reason).splitlines()[0][:200]
+        reasons[line] = reasons.get(line, 0) + n
+    return dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:8])
+
+
+def ours(
+    model: torch.nn.Module, case: dict[str, int], repeats: int, compile_backend: str | None = None
+) -> dict[str, Any]:
+    """The Hugging Face engine with its defaults (one engine, reused across calls as a worker does); with
+    ``compile_backend`` the model's forward compiled first (:func:`compile_forward`)."""
+    if compile_backend is None:
+        return _ours(model, case, repeats)
+    with _room_for_layers():
+        report = _ours(model, case, repeats, after_build=lambda: compile_forward(model, compile_backend))
+    report["graph_breaks"] = _graph_breaks()
+    return report
+
+
+def _ours(
+    model: torch.nn.Module, case: dict[str, int], repeats: int, after_build: Any = None
+) -> dict[str, Any]:
+    from ppo_core.rollout import SamplingConfig
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    device = next(model.parameters()).device
+    engine = HFRolloutEngine(model)
+    if after_build is not None:
+        after_build()
+    ids, mask = _prompts(case["batch"], case["prompt"], model.config.vocab_size, device)
+    cfg = SamplingConfig(max_new_tokens=case["new"], temperature=1.0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    times, out, warmup = _timed(lambda: engine.generate(ids, mask, cfg, generator=gen), repeats, device)
+    s = engine.stats
+    report = _report(times, int(out["response_mask"].sum()), warmup)
+    report.update(
+        path="fused" if engine.fast_path else "generic",
+        prefill_s=round(s.prefill_s, 4),
+        decode_s=round(s.decode_s, 4),
+        decode_steps=s.decode_steps,
+        decode_ms_per_step=round(1e3 * s.decode_s / max(s.decode_steps, 1), 3),
+        decode_new_tokens_per_s=round(case["batch"] * s.decode_steps / max(s.decode_s, 1e-9), 1),
+        cuda_graphs=s.cuda_graphs,
+        graphs_captured=s.graphs_captured,
+    )
+    engine.release()
+    return report
+
+
+def hf_static(model: torch.nn.Module, case: dict[str, int], repeats: int) -> dict[str, Any]:
+    """``transformers``' ``generate`` with its static cache, sampling every token (no EOS)."""
+    device = next(model.parameters()).device
+    b, p, r = case["batch"], case["prompt"], case["new"]
+    ids, mask = _prompts(b, p, model.config.vocab_size, device)
+    kwargs = dict(
+        max_new_tokens=r,
+        min_new_tokens=r,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=0,
+        eos_token_id=None,
+        cache_implementation="static",
+    )
+    times, out, warmup = _timed(
+        lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs), repeats, device
+    )
+    return _report(times, b * (out.shape[1] - p), warmup)
+
+
+def family(name: str, case: dict[str, int], args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    """One family's entry (see the module docstring); a method that raises is reported as its error."""
+    from ppo_core.kernels.compiled import recompile_limit_hits
+
+    device = torch.device(args.device)
+    torch._dynamo.reset()
+    hits = len(recompile_limit_hits())
+    model = build(name, device, getattr(torch, args.dtype), args.tiny)
+    nbytes = weight_bytes(model)
+    bound = case["batch"] * bandwidth / nbytes
+    entry: dict[str, Any] = {
+        "model": type(model).__name__,
+        "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        "weight_gib": round(nbytes / 2**30, 3),
+        "bound_new_tokens_per_s": round(bound, 1),
+    }
+    warnings = _Warnings()
+    for logger_name in WATCHED_LOGGERS:
+        logging.getLogger(logger_name).addHandler(warnings)
+    backend = "eager" if args.tiny else "inductor"  # a CPU smoke does not generate C++
+    run_ours = functools.partial(ours, compile_backend=backend) if name in COMPILED_FORWARD else ours
+    for method, run in (("ours", run_ours), ("hf_static", hf_static)):
+        if method in args.skip or (method == "hf_static" and name in NO_REFERENCE):
+            continue
+        t0 = time.perf_counter()
+        try:
+            entry[method] = run(model, case, args.repeats)
+        except Exception as exc:  # reported; the other methods and families still run
+            entry[method] = {"error": f"{type(exc).__name__}: {exc}"}
+        entry[method]["wall_s"] = round(time.perf_counter() - t0, 1)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rate = {m: entry.get(m, {}).get("new_tokens_per_s") for m in ("ours", "hf_static")}
+    if rate["ours"]:
+        entry["ours_pct_of_bound"] = round(100 * rate["ours"] / bound, 1)
+        entry["ours_decode_pct_of_bound"] = round(100 * entry["ours"]["decode_new_tokens_per_s"] / bound, 1)
+    if rate["hf_static"]:
+        entry["hf_static_pct_of_bound"] = round(100 * rate["hf_static"] / bound, 1)
+    if rate["ours"] and rate["hf_static"]:
+        entry["ours_over_hf_static"] = round(rate["ours"] / rate["hf_static"], 2)
+    entry["recompile_limit_hits"] = recompile_limit_hits()[hits:]
+    for logger_name in WATCHED_LOGGERS:
+        logging.getLogger(logger_name).removeHandler(warnings)
+    entry["warnings"] = warnings.messages
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return entry
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default="qwen3,llama,neox,llama_as_qwen3,neox_compiled")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--skip", default="", help="comma-separated methods to skip (ours, hf_static)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a smoke run on the CPU: tiny shapes, B = 2, P = 8, 4 new"
+    )
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.skip = set(filter(None, args.skip.split(",")))
+    if args.tiny:
+        args.device, args.batch, args.prompt, args.new, args.repeats = "cpu", 2, 8, 4, 1
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks/rollout_families.py needs a CUDA device (or --tiny for a CPU smoke run)")
+    else:
+        args.device = "cuda"
+    unknown = set(args.families.split(",")) - set(FAMILIES)
+    if unknown:
+        raise SystemExit(f"--families: unknown {sorted(unknown)}; known: {sorted(FAMILIES)}")
+    import transformers
+
+    case = {"batch": args.batch, "prompt": args.prompt, "new": args.new}
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device, 2 * 2**30 if device.type == "cuda" else 2**24)
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": args.dtype,
+        "case": case,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+        "copy_tb_per_s": round(bandwidth / 1e12, 3),
+    }
+    for name in args.families.split(","):
+        result[name] = family(name, case, args, bandwidth)
+        if args.out:  # what has run so far, in case a later family does not finish
+            emit(result, args.out, quiet=True)
+    result["summary"] = {
+        name: {
+            key: result[name].get(key)
+            for key in ("ours_pct_of_bound", "hf_static_pct_of_bound", "ours_over_hf_static")
+        }
+        | {"ours_new_tokens_per_s": result[name].get("ours", {}).get("new_tokens_per_s")}
+        for name in args.families.split(",")
+    }
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
