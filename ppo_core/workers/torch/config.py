@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ppo_core._checks import FieldValueError
 from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
 
 __all__ = ["TorchActorConfig", "TorchCriticConfig"]
@@ -20,6 +21,15 @@ class TorchActorConfig(PPOActorConfig):
 
     device: str | None = None
     """Torch device; None picks ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rollout.engine == "megatron":
+            raise FieldValueError(
+                "rollout.engine",
+                "='megatron' samples with the megatron actor's policy: it needs the megatron workers (use auto, "
+                "hf or reference with the torch workers)",
+            )
 
 
 @dataclass(kw_only=True)
