@@ -21,12 +21,12 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from ppo_core._checks import FieldTypeError, FieldValueError, describe
+from ppo_core._config_base import _plain
 
 __all__ = ["ALIASES", "canonical_job_tree"]
 
@@ -85,7 +85,7 @@ def canonical_job_tree(tree: Mapping[str, Any], *, warn: bool = True) -> dict[st
         ValueError: an old key and its canonical key both set, to different values (naming both).
         TypeError: a section on the way is not a mapping.
     """
-    out = copy.deepcopy(dict(tree))
+    out = _plain(dict(tree))  # new plain dicts and lists (an OmegaConf mapping too): the caller's are not touched
     for old, new in ALIASES.items():
         *head, last = old.split(".")
         parent = _section(out, head, create=False)

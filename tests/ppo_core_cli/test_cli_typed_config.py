@@ -130,6 +130,13 @@ def test_the_loader_reads_old_keys_before_the_preset():
     assert job.rollout.max_new_tokens == 5 and job.rollout.n == 8
 
 
+def test_an_omegaconf_mapping_with_old_keys_gives_the_same_job():
+    omegaconf = pytest.importorskip("omegaconf")
+    tree = {"actor": {"worker": {"rollout": {"temperature": 0.4}, "ppo_epochs": 3}}, "rollout": {"n": 2}}
+    job = JobConfig.from_dict(omegaconf.OmegaConf.create(tree))
+    assert job == JobConfig.from_dict(tree) and job.rollout.temperature == 0.4 and job.rollout.n == 2
+
+
 def test_canonical_job_tree_names_a_section_that_is_no_mapping():
     with pytest.raises(TypeError, match=r"actor\.worker must be a mapping, got int 3"):
         canonical_job_tree({"actor": {"worker": 3}})
