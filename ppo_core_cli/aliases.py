@@ -85,7 +85,8 @@ def canonical_job_tree(tree: Mapping[str, Any], *, warn: bool = True) -> dict[st
         ValueError: an old key and its canonical key both set, to different values (naming both).
         TypeError: a section on the way is not a mapping.
     """
-    out = _plain(dict(tree))  # new plain dicts and lists (an OmegaConf mapping too): the caller's are not touched
+    # new plain dicts and lists (an OmegaConf mapping too): the caller's are not touched
+    out = _plain(dict(tree))
     for old, new in ALIASES.items():
         *head, last = old.split(".")
         parent = _section(out, head, create=False)

@@ -212,7 +212,8 @@ def _with_preset(tree: dict[str, Any]) -> dict[str, Any]:
         )
     for key, preset_value, value in preset_overridden(name, tree):
         logger.info("preset %s: the job's %s=%r replaces the preset's %r", name, key, value, preset_value)
-    return apply_preset(name, tree)
+    # the preset sets the trainer config's actor.worker.use_kl_loss too: the job's one key is actor.use_kl_loss
+    return canonical_job_tree(apply_preset(name, tree), warn=False)
 
 
 def _refuse_verl_config(file: str | None, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:

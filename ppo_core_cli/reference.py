@@ -1,6 +1,6 @@
 """The job's config reference, built from the config dataclasses themselves so that it cannot go stale.
 
-Every key of a :class:`~ppo_core_cli.config.JobConfig` (nested sections, the worker dicts ``actor.worker`` and
+Every key of a :class:`~ppo_core_cli.config.JobConfig` (nested sections, the worker configs ``actor.worker`` and
 ``critic.worker`` through the chosen workers' config class, the ``reward.scorers`` entries) with its type, value and
 help: the field's docstring, read from the class's source with :mod:`ast` (once per class). The actor worker's
 ``rollout`` and ``use_kl_loss`` are shown where the job sets them (``rollout``, ``actor.use_kl_loss``).

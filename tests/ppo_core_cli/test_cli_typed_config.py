@@ -120,8 +120,13 @@ def test_an_old_key_that_disagrees_with_its_canonical_key_is_refused(tree, messa
         JobConfig.from_dict(tree)
 
 
-def test_the_loader_reads_old_keys_before_the_preset():
+def test_the_loader_reads_old_keys_before_the_preset(caplog, monkeypatch):
     from ppo_core_cli.loading import load_job_config
+
+    monkeypatch.setattr(aliases, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="ppo_core_cli.aliases"):
+        job = load_job_config(None, ["preset=grpo"])  # the preset's keys are no deprecated keys of the job
+    assert caplog.records == [] and job.actor.use_kl_loss and job.actor.worker.use_kl_loss
 
     # the job's own (deprecated) key wins over the grpo preset's actor.use_kl_loss=true: a conflict, not a default
     with pytest.raises(ValueError, match=r"actor\.worker\.use_kl_loss=False \(deprecated\)"):
