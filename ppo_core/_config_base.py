@@ -17,6 +17,7 @@ annotation                      accepts (and stores)
 ``tuple[X, Y]``                 a sequence of exactly two items
 ``dict[str, X]``                mappings with ``str`` keys; ``dict[str, Any]`` values become plain dicts/lists
 a ``ConfigBase`` subclass       an instance, or a mapping given to its :meth:`ConfigBase.from_dict`
+``ConfigBase`` itself           an instance of any config class
 ``Any``                         anything
 =============================== ==================================================================================
 
@@ -132,14 +133,17 @@ def _describe_type(tp: Any) -> str:
     if tp in (bool, float, str):
         return f"a {tp.__name__}"
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe_type(arg) for arg in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):  # "a dict or a X" (not "a dict or a X or a dict")
+        parts = [part for arg in typing.get_args(tp) for part in _describe_type(arg).split(" or ")]
+        return " or ".join(dict.fromkeys(parts))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(arg) for arg in typing.get_args(tp))
     if origin in (tuple, list):
         return "a list or tuple"
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         return "a dict"
+    if tp is ConfigBase:
+        return "a config"
     if isinstance(tp, type) and issubclass(tp, ConfigBase):
         return f"a {tp.__name__} or a dict"
     return f"a {getattr(tp, '__name__', repr(tp))}"
@@ -158,6 +162,8 @@ def _compile(tp: Any, where: str) -> _Checker:
         return _check_any
     if tp in simple:
         return simple[tp]
+    if tp is ConfigBase:  # any config instance (the base itself builds nothing from a mapping)
+        return _instance_checker(ConfigBase)
     if isinstance(tp, type) and issubclass(tp, ConfigBase):
         return _config_checker(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)

@@ -1,6 +1,8 @@
 """The ``ppo-core`` command: from a Hugging Face checkpoint and a prompt dataset to a trained, exported policy.
 
-- :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides);
+- :mod:`~ppo_core_cli.config`: :class:`JobConfig` (one typed config per run; YAML + dotted overrides), its
+  ``rollout`` / ``actor`` / ``critic`` sections (:mod:`~ppo_core_cli.roles`) and deprecated keys
+  (:mod:`~ppo_core_cli.aliases`); :mod:`~ppo_core_cli.worker_kinds`: the kinds of workers a job names;
 - :mod:`~ppo_core_cli.main`: the subcommands ``make-data``, ``sft``, ``train``, ``export``, ``convert``,
   ``convert-verl``;
 - :mod:`~ppo_core_cli.verl_job`: a verl config (and verl's overrides) as a job;

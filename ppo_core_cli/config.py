@@ -5,8 +5,11 @@ A job is the trainer's :class:`~ppo_core.trainer.PPOConfig` (sections ``data``, 
 files (more fields in ``data``), the reward (``reward``), the format warm-up (``sft``), the backend and workers,
 the run directory and the export. The worker settings (``actor.worker``, ``critic.worker``) are checked against
 the chosen workers' config class (:class:`~ppo_core.workers.torch.TorchActorConfig` or
-:class:`~ppo_core.workers.megatron.MegatronActorConfig`...) when the job is built, so a typo fails before any model
-loads.
+:class:`~ppo_core.workers.megatron.MegatronActorConfig`...: :mod:`ppo_core_cli.worker_kinds`) and become instances
+of it when the job is built, so a typo fails before any model loads. Every setting has one key: the sampling sits
+in ``rollout`` with ``rollout.n``, the KL-loss switch is ``actor.use_kl_loss`` (the old keys are deprecated
+aliases: :mod:`ppo_core_cli.aliases`). The rules between sections (mini-batches and ``train_batch_size x n``, the
+reference that a KL term needs, the parallel layout and the world size) are checked when the job is built.
 
 :func:`ppo_core_cli.loading.load_job_config` builds one from a YAML file and Hydra-style ``key=value`` overrides.
 Every error names the dotted key: an unknown key lists the valid keys at that level, a value of the wrong type says
@@ -18,8 +21,8 @@ directory.
 
 Example:
     >>> job = JobConfig.from_dict({"model": {"path": "m"}, "trainer": {"total_training_steps": 5}})
-    >>> job.ppo_config().trainer.total_training_steps, job.checkpoint_dir
-    (5, 'runs/ppo/checkpoints')
+    >>> job.trainer.total_training_steps, job.checkpoint_dir, type(job.actor.worker).__name__
+    (5, 'runs/ppo/checkpoints', 'TorchActorConfig')
 """
 
 from __future__ import annotations
@@ -31,18 +34,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ppo_core._checks import FieldValueError, check_int, check_positive
+from ppo_core._checks import FieldTypeError, FieldValueError, check_int, check_positive
 from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
 from ppo_core.trainer.presets import PRESETS
-from ppo_core.workers.megatron.hf_config import MEGATRON_SHAPE_KEYS
+from ppo_core.workers.config import ModelSource, PPOActorConfig, PPOCriticConfig
+from ppo_core_cli.aliases import ALIASES, canonical_job_tree
+from ppo_core_cli.roles import JobActorConfig, JobCriticConfig, JobRolloutConfig
+from ppo_core_cli.worker_kinds import worker_kind, worker_kind_names
 
 __all__ = [
     "INIT_SHAPES",
+    "JobActorConfig",
     "JobConfig",
+    "JobCriticConfig",
     "JobDataConfig",
     "JobModelConfig",
+    "JobRolloutConfig",
     "RewardConfig",
     "SFTConfig",
     "ScorerConfig",
@@ -50,7 +59,6 @@ __all__ = [
 ]
 
 Backend = Literal["local", "monarch"]
-Workers = Literal["torch", "megatron"]
 Truncation = Literal["error", "filter", "left", "right"]
 DType = Literal["float32", "bfloat16", "float16"]
 InitShape = Literal["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"]
@@ -210,17 +218,30 @@ class SFTConfig(ConfigBase):
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
 
 
+_GIVEN = "_job_keys_given"
+"""Attribute of a job's worker config: the keys its section gave (None: built directly, every key counts)."""
+
+
 @dataclass(kw_only=True)
 class JobConfig(PPOConfig):
     """One ``ppo-core`` run: the trainer's sections plus model, reward, warm-up, backend, workers and outputs.
 
-    :meth:`ppo_config` is what the trainer receives. The worker dicts are checked here against the workers'
-    config classes; the command completes them (EOS and padding ids from the tokenizer, the megatron model shape
-    from ``model.path``) before the workers are built.
+    Built from a mapping (:meth:`from_dict`), deprecated keys are first moved onto their canonical keys
+    (:mod:`ppo_core_cli.aliases`). Once built, ``actor.worker`` and ``critic.worker`` are instances of the config
+    classes of the ``workers`` kind (:mod:`ppo_core_cli.worker_kinds`), the actor's with its sampling from
+    ``rollout`` and its ``use_kl_loss`` from ``actor.use_kl_loss``; the rules that relate sections are checked.
+    :meth:`resolved_workers` completes the worker configs from the checkpoint and the tokenizer, and
+    :meth:`ppo_config` is what the trainer receives.
     """
 
     data: JobDataConfig = field(default_factory=JobDataConfig)
     """Prompt files and loading (the :class:`DataConfig` fields plus files, lengths, template variables)."""
+    actor: JobActorConfig = field(default_factory=JobActorConfig)
+    """Actor role: ranks, KL loss and the actor worker."""
+    critic: JobCriticConfig = field(default_factory=JobCriticConfig)
+    """Critic role: whether it runs, ranks and the critic worker."""
+    rollout: JobRolloutConfig = field(default_factory=JobRolloutConfig)
+    """Responses per prompt and how they are sampled (temperature, lengths, engine...)."""
     model: JobModelConfig = field(default_factory=JobModelConfig)
     """The checkpoint the run starts from."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -233,8 +254,9 @@ class JobConfig(PPOConfig):
     read (:func:`~ppo_core_cli.loading.load_job_config`). None: no preset."""
     backend: Backend = "local"
     """``local`` (workers in this process) or ``monarch`` (one Monarch process per rank on this host)."""
-    workers: Workers = "torch"
-    """``torch`` (any Hugging Face causal LM, DDP) or ``megatron`` (Llama/Qwen2 on megatron-core; CUDA)."""
+    workers: str = "torch"
+    """The kind of workers (:mod:`ppo_core_cli.worker_kinds`): ``torch`` (any Hugging Face causal LM, DDP),
+    ``megatron`` (Llama/Qwen2 on megatron-core; CUDA), or one you registered."""
     colocate: bool = True
     """Monarch: actor and critic share each process (one proc mesh); False: one mesh per role."""
     monarch: dict[str, Any] = field(default_factory=dict)
@@ -250,20 +272,28 @@ class JobConfig(PPOConfig):
     vars: dict[str, Any] = field(default_factory=dict)
     """Your own variables for ``${vars.name}`` interpolations in the YAML (not read otherwise)."""
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None = None) -> JobConfig:  # type: ignore[override]
+        """Build the job from a mapping; deprecated keys are moved onto their canonical keys first (a warning
+        once per key; both set and different: ``ValueError`` naming both)."""
+        if data is not None and not isinstance(data, Mapping):
+            return super().from_dict(data)  # its type error
+        return super().from_dict(canonical_job_tree(data or {}))
+
     def __post_init__(self) -> None:
         check_int("torch_threads", self.torch_threads, 0)
         if self.preset is not None and self.preset not in PRESETS:
             raise FieldValueError(
                 "preset", f" {self.preset!r}; valid values: {', '.join(sorted(PRESETS))}", before="unknown "
             )
-        actor_cls, critic_cls = worker_config_classes(self.workers)
-        for role, cls in (("actor", actor_cls), ("critic", critic_cls)):
-            worker = getattr(self, role).worker
-            _check_cli_owned(role, worker, self.workers)
-            _nested(
-                f"{role}.worker",
-                lambda cls=cls, worker=worker: cls.from_dict(_checkable(worker, self.workers)),
+        if self.workers not in worker_kind_names():
+            raise FieldValueError(
+                "workers",
+                f" {self.workers!r}; valid values: {', '.join(worker_kind_names())}",
+                before="unknown ",
             )
+        self.actor = self._typed_role("actor")  # type: ignore[assignment]
+        self.critic = self._typed_role("critic")  # type: ignore[assignment]
         if self.backend == "local" and (self.actor.world_size > 1 or self.critic.world_size > 1):
             raise FieldValueError(
                 "actor.world_size",
@@ -279,19 +309,57 @@ class JobConfig(PPOConfig):
         super().__post_init__()  # the trainer's cross-section rules (mini-batches, estimator and critic...)
         self._check_worker_relations()
 
-    def _worker_configs(self) -> dict[str, ConfigBase]:
-        actor_cls, critic_cls = worker_config_classes(self.workers)
+    # ----- typed worker sections ------------------------------------------------------------------------------
+    def _typed_role(self, role: str) -> JobActorConfig | JobCriticConfig:
+        """The ``role`` section with its worker as the ``workers`` kind's config class: a dict is checked and
+        converted once (keys the run sets are refused); the actor's sampling and KL-loss switch follow the
+        canonical keys. The keys the job gave are remembered on the config (a mini-batch size left out is checked at
+        run time, :meth:`check_before_run`)."""
+        section = getattr(self, role)
+        cls = worker_kind(self.workers).config_class(role)
+        worker = section.worker
+        if isinstance(worker, Mapping):
+            for key in ("rollout", "use_kl_loss") if role == "actor" else ():
+                if key in worker:
+                    canonical = ALIASES[f"actor.worker.{key}"]
+                    raise FieldValueError(
+                        f"actor.worker.{key}",
+                        f" is read from {canonical}; set it there (JobConfig.from_dict moves it)",
+                    )
+            given: frozenset[str] | None = frozenset(worker)
+            typed = _nested(f"{role}.worker", lambda: cls.unresolved(worker))
+        elif isinstance(worker, cls):
+            given, typed = getattr(worker, _GIVEN, None), worker
+        else:
+            raise FieldTypeError(
+                f"{role}.worker",
+                f" must be a {cls.__name__} or a dict for workers={self.workers!r}, got {type(worker).__name__}",
+            )
+        if role == "actor":  # raises under the canonical keys (rollout.engine...)
+            typed = dataclasses.replace(
+                typed, rollout=self.rollout.sampling(), use_kl_loss=self.actor.use_kl_loss
+            )
+        object.__setattr__(typed, _GIVEN, given)
+        return dataclasses.replace(section, worker=typed)
+
+    def _gives(self, role: str, key: str) -> bool:
+        """Whether the job's ``role.worker`` section sets ``key`` (a worker config built directly sets all)."""
+        given = getattr(getattr(self, role).worker, _GIVEN, None)
+        return given is None or key in given
+
+    def mini_batch_sizes(self) -> dict[str, int | None]:
+        """``{role: ppo_mini_batch_size}`` of the roles that run, None where the job leaves it to the worker's
+        default (checked before a run: :meth:`check_before_run`)."""
+        sizes = self.effective_mini_batch_sizes()
         return {
-            "actor": actor_cls.from_dict(_checkable(self.actor.worker, self.workers)),
-            "critic": critic_cls.from_dict(_checkable(self.critic.worker, self.workers)),
+            role: size if self._gives(role, "ppo_mini_batch_size") else None for role, size in sizes.items()
         }
 
     def effective_mini_batch_sizes(self) -> dict[str, int]:
         """``{role: ppo_mini_batch_size}`` of the roles that run, with the workers' default where the job leaves
         the key out."""
-        configs = self._worker_configs()
         roles = ["actor", "critic"] if self.use_critic else ["actor"]
-        return {role: configs[role].ppo_mini_batch_size for role in roles}  # type: ignore[attr-defined]
+        return {role: getattr(self, role).worker.ppo_mini_batch_size for role in roles}
 
     def check_before_run(self) -> None:
         """The rules a job that is built may still break only through the workers' defaults (a job built from a
@@ -299,31 +367,57 @@ class JobConfig(PPOConfig):
         self.check_mini_batches(dict(self.effective_mini_batch_sizes()))
 
     def _check_worker_relations(self) -> None:
-        configs = self._worker_configs()
-        actor = configs["actor"]
-        if self.use_reference and not actor.use_reference:  # type: ignore[attr-defined]
+        actor = self.actor.worker
+        if self.use_reference and not actor.use_reference:
             need = "actor.use_kl_loss=true" if self.actor.use_kl_loss else "algorithm.use_kl_in_reward=true"
             raise FieldValueError(
                 "actor.worker.use_reference",
                 f"=false, but {need} needs the reference policy's log-probs (the actor worker keeps the "
                 "reference)",
             )
-        engine = actor.rollout.engine  # type: ignore[attr-defined]
-        if engine == "megatron" and self.workers != "megatron":
-            raise FieldValueError(
-                "actor.worker.rollout.engine",
-                f"='megatron' samples with the megatron actor's policy: it needs workers: megatron (workers is "
-                f"{self.workers!r}; use auto, hf or reference with it)",
+        for role, size in self.effective_mini_batch_sizes().items():
+            section = getattr(self, role)
+            dp = _nested(f"{role}.worker", lambda s=section: s.worker.data_parallel_size(s.world_size))
+            if size % dp:
+                raise FieldValueError(
+                    f"{role}.worker.ppo_mini_batch_size",
+                    f"={size} must be divisible by the data-parallel size {dp} ({role}.world_size="
+                    f"{section.world_size}; each data-parallel rank takes an equal share of a mini-batch)",
+                )
+
+    def resolved_workers(
+        self, model_dir: str, *, eos_token_id: int | None, pad_token_id: int
+    ) -> tuple[PPOActorConfig, PPOCriticConfig]:
+        """The actor's and the critic's worker configs as the workers receive them: the actor's sampling with the
+        run's EOS and padding ids (where ``rollout`` leaves them None), each completed from its checkpoint
+        (:meth:`~ppo_core.workers.config.PPOWorkerConfig.resolved`: ``model_dir`` for the actor,
+        ``model.critic_path`` or ``model_dir`` for the critic, in ``model.dtype``; the critic's value head from
+        ``model.value_head_init_std`` and ``model.init_seed``)."""
+        m = self.model
+        sampling = self.rollout.sampling(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        actor = dataclasses.replace(self.actor.worker, rollout=sampling)
+        sources = {
+            role: ModelSource(
+                checkpoint=path, dtype=m.dtype, value_head_init_std=m.value_head_init_std, seed=m.init_seed
             )
-        if self.workers == "torch":  # one data-parallel rank per process
-            for role, size in self.effective_mini_batch_sizes().items():
-                dp = getattr(self, role).world_size
-                if size % dp:
-                    raise FieldValueError(
-                        f"{role}.worker.ppo_mini_batch_size",
-                        f"={size} must be divisible by {role}.world_size={dp} (each data-parallel rank takes "
-                        "an equal share of a mini-batch)",
-                    )
+            for role, path in (("actor", model_dir), ("critic", m.critic_path or model_dir))
+        }
+        return actor.resolved(sources["actor"]), self.critic.worker.resolved(sources["critic"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain dicts that :meth:`from_dict` turns back into it: the worker sections hold the job's
+        keys only (not the keys the run sets, nor the actor's ``rollout`` and ``use_kl_loss``, which are
+        ``rollout`` and ``actor.use_kl_loss``, nor a ``ppo_mini_batch_size`` the job left to the default)."""
+        out = super().to_dict()
+        for role in ("actor", "critic"):
+            keys = getattr(self, role).worker.job_keys()
+            if role == "actor":
+                keys.pop("rollout", None)
+                keys.pop("use_kl_loss", None)
+            if not self._gives(role, "ppo_mini_batch_size"):
+                keys.pop("ppo_mini_batch_size", None)
+            out[role]["worker"] = keys
+        return out
 
     # ----- derived values -------------------------------------------------------------------------------------
     def _under_run_dir(self, path: str) -> str:
@@ -345,85 +439,35 @@ class JobConfig(PPOConfig):
         return self._under_run_dir(self.export_dir or "export")
 
     def ppo_config(
-        self, actor_worker: Mapping[str, Any] | None = None, critic_worker: Mapping[str, Any] | None = None
+        self, actor_worker: PPOActorConfig | None = None, critic_worker: PPOCriticConfig | None = None
     ) -> PPOConfig:
         """The trainer's :class:`PPOConfig`: these sections, the resolved log/checkpoint directories, and the
-        worker dicts (``actor_worker`` / ``critic_worker`` replace them when given: the completed ones); the actor's
-        gets ``use_kl_loss`` from ``actor.use_kl_loss`` when it does not set it."""
+        worker configs (``actor_worker`` / ``critic_worker`` replace them when given: the resolved ones,
+        :meth:`resolved_workers`)."""
         trainer = dataclasses.replace(
             self.trainer, default_local_dir=self.checkpoint_dir, log_dir=self.log_dir
         )
-        # the command's workers take the KL-loss switch too: actor.use_kl_loss alone turns the loss term on
-        worker = {
-            "use_kl_loss": self.actor.use_kl_loss,
-            **(self.actor.worker if actor_worker is None else actor_worker),
-        }
         actor = ActorConfig(
-            world_size=self.actor.world_size, use_kl_loss=self.actor.use_kl_loss, worker=worker
+            world_size=self.actor.world_size,
+            use_kl_loss=self.actor.use_kl_loss,
+            worker=self.actor.worker if actor_worker is None else actor_worker,
         )
         critic = CriticConfig(
             enable=self.critic.enable,
             world_size=self.critic.world_size,
-            worker=dict(self.critic.worker if critic_worker is None else critic_worker),
+            worker=self.critic.worker if critic_worker is None else critic_worker,
         )
         return PPOConfig(
             data=self.data.trainer_data(),
             actor=actor,
             critic=critic,
-            rollout=self.rollout,
+            rollout=self.rollout.trainer_rollout(),
             algorithm=self.algorithm,
             trainer=trainer,
         )
 
 
-_CLI_OWNED = {
-    "torch": (),
-    "megatron": ("hf_checkpoint", "model.dtype", *(f"model.{key}" for key in MEGATRON_SHAPE_KEYS)),
-}
-"""Worker keys the command sets itself (from ``model.path`` and ``model.dtype``): a job may not set them."""
-
-# a valid megatron shape, to check the other worker keys before the checkpoint's shape is read
-_STAND_IN_SHAPE = {
-    "num_layers": 1,
-    "hidden_size": 8,
-    "num_attention_heads": 1,
-    "ffn_hidden_size": 8,
-    "vocab_size": 8,
-}
-
-
-def _check_cli_owned(role: str, worker: Mapping[str, Any], workers: str) -> None:
-    model = worker.get("model")
-    for key in _CLI_OWNED[workers]:
-        head, _, tail = key.partition(".")
-        given = head in worker if not tail else isinstance(model, Mapping) and tail in model
-        if given:
-            source = "model.dtype" if key == "model.dtype" else "model.path's config.json"
-            raise FieldValueError(
-                f"{role}.worker.{key}", f" is set by the command from {source}; remove it from the job"
-            )
-
-
-def _checkable(worker: Mapping[str, Any], workers: str) -> dict[str, Any]:
-    """The worker dict as its config class can check it: megatron's model shape comes from the checkpoint, so
-    a stand-in shape fills the keys the job may not set."""
-    out = dict(worker)
-    model = out.get("model", {})
-    if workers == "megatron" and isinstance(
-        model, Mapping
-    ):  # a model that is no mapping: its type error shows
-        out["model"] = {**_STAND_IN_SHAPE, **model}
-    return out
-
-
-def worker_config_classes(workers: str) -> tuple[type[ConfigBase], type[ConfigBase]]:
-    """``(actor config class, critic config class)`` of ``workers`` (``torch`` or ``megatron``)."""
-    if workers == "torch":
-        from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
-
-        return TorchActorConfig, TorchCriticConfig
-    if workers == "megatron":
-        from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
-
-        return MegatronActorConfig, MegatronCriticConfig
-    raise ValueError(f"unknown workers {workers!r}; valid values: megatron, torch")
+def worker_config_classes(workers: str) -> tuple[type[PPOActorConfig], type[PPOCriticConfig]]:
+    """``(actor config class, critic config class)`` of the registered worker kind ``workers``."""
+    kind = worker_kind(workers)
+    return kind.actor_config, kind.critic_config

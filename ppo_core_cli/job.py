@@ -18,8 +18,10 @@ from typing import Any
 
 from ppo_core.trainer import BasePPOTrainer, PPOConfig
 from ppo_core.workers import WorkerSpec
+from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
 from ppo_core_cli.config import JobConfig, ScorerConfig
 from ppo_core_cli.tokens import SpecialTokens, check_vocabulary_fits, resolve_special_tokens
+from ppo_core_cli.worker_kinds import worker_kind
 
 __all__ = [
     "LocalTrainer",
@@ -271,73 +273,22 @@ def build_reward(job: JobConfig, tokenizer: Any, scorers: Mapping[str, Any] | No
     )
 
 
-def _with_defaults(section: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    return {**defaults, **section}
-
-
 def complete_workers(
     job: JobConfig, tokenizer: Any, model_dir: str, tokens: SpecialTokens | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The actor and critic worker dicts as the workers receive them.
-
-    Added where the job does not set them: the rollout's ``eos_token_id`` and ``pad_token_id`` (``tokens``, the
-    run's resolved EOS and padding; None: resolved here from ``tokenizer``): sampling and validation stop there.
-    Megatron workers also get the model shape of ``model_dir``'s config in ``model.dtype``
-    (:func:`~ppo_core.workers.megatron.hf_config.model_config_from_hf`, with the job's other ``model`` keys),
-    ``hf_checkpoint`` (the actor: ``model_dir``; the critic: ``model.critic_path`` or ``model_dir``), the whole
-    ``parallel`` layout (so that an export can read the rank files) and, for the critic, the value head's
-    initialisation (``model.value_head_init_std``, seeded by ``model.init_seed``, as the torch critic's).
-    """
-    actor = dict(job.actor.worker)
-    critic = dict(job.critic.worker)
+) -> tuple[PPOActorConfig, PPOCriticConfig]:
+    """The actor's and the critic's worker configs as the workers receive them
+    (:meth:`~ppo_core_cli.config.JobConfig.resolved_workers`): the rollout's ``eos_token_id`` and ``pad_token_id``
+    from ``tokens`` (the run's resolved EOS and padding; None: resolved here from ``tokenizer``) where ``rollout``
+    leaves them None, and what each worker kind's config reads from ``model_dir`` (e.g. the megatron model shape,
+    ``hf_checkpoint`` and the critic's value-head initialisation)."""
     tokens = tokens or special_tokens(job, tokenizer)
-    sampling = {"eos_token_id": tokens.eos_token_id, "pad_token_id": tokens.pad_token_id}
-    actor["rollout"] = _with_defaults(actor.get("rollout") or {}, sampling)
-    if job.workers == "megatron":
-        from transformers import AutoConfig
-
-        from ppo_core.workers.megatron.config import ParallelConfig
-        from ppo_core.workers.megatron.hf_config import model_config_from_hf
-
-        for worker, path in ((actor, model_dir), (critic, job.model.critic_path or model_dir)):
-            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-            extra = dict(worker.get("model") or {})
-            worker["model"] = model_config_from_hf(hf_config, dtype=job.model.dtype, **extra).to_dict()
-            worker["hf_checkpoint"] = path
-            worker["parallel"] = ParallelConfig.from_dict(worker.get("parallel") or {}).to_dict()
-        critic.setdefault("value_head_init_std", job.model.value_head_init_std)
-        critic.setdefault("value_head_seed", job.model.init_seed)
-    return actor, critic
+    return job.resolved_workers(model_dir, eos_token_id=tokens.eos_token_id, pad_token_id=tokens.pad_token_id)
 
 
 def worker_specs(job: JobConfig, ppo: PPOConfig, model_dir: str) -> dict[str, WorkerSpec]:
-    """``{"actor": spec, "critic": spec}`` (the critic only when the config uses one) for the job's workers."""
-    if job.workers == "torch":
-        from ppo_core.models.hf import load_causal_lm, load_value_model
-        from ppo_core_cli.workers import TorchActor, TorchCritic
-
-        m = job.model
-        policy = functools.partial(
-            load_causal_lm, model_dir, dtype=m.dtype, attn_implementation=m.attn_implementation
-        )
-        value = functools.partial(
-            load_value_model,
-            m.critic_path or model_dir,
-            dtype=m.dtype,
-            attn_implementation=m.attn_implementation,
-            head_init_std=m.value_head_init_std,
-            seed=m.init_seed,
-        )
-        specs = {"actor": WorkerSpec(TorchActor, (policy, ppo.actor.worker))}
-        if ppo.use_critic:
-            specs["critic"] = WorkerSpec(TorchCritic, (value, ppo.critic.worker))
-        return specs
-    from ppo_core_cli._megatron_workers import MegatronActor, MegatronCritic
-
-    specs = {"actor": WorkerSpec(MegatronActor, kwargs={"config": ppo.actor.worker})}
-    if ppo.use_critic:
-        specs["critic"] = WorkerSpec(MegatronCritic, kwargs={"config": ppo.critic.worker})
-    return specs
+    """``{"actor": spec, "critic": spec}`` (the critic only when the config uses one) for the job's workers: built
+    by the ``workers`` kind (:mod:`ppo_core_cli.worker_kinds`)."""
+    return worker_kind(job.workers).build_specs(job, ppo, model_dir)
 
 
 class LocalTrainer(BasePPOTrainer):

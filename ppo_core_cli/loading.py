@@ -29,7 +29,9 @@ from typing import Any
 from ppo_core._checks import FieldValueError
 from ppo_core._config_base import ConfigBase
 from ppo_core.trainer.presets import PRESETS, apply_preset, preset_overridden
+from ppo_core_cli.aliases import canonical_job_tree
 from ppo_core_cli.config import JobConfig, worker_config_classes
+from ppo_core_cli.worker_kinds import worker_kind_names
 
 __all__ = ["dump_job_config", "load_job_config", "package_dir", "parse_overrides"]
 
@@ -171,9 +173,11 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
         ValueError / TypeError: naming the dotted key (unknown keys, wrong types, bad values, interpolations that
             do not resolve, an unknown ``preset``) or the malformed override.
 
-    A ``preset`` (``ppo``, ``grpo``, ``rloo``: :mod:`ppo_core.trainer.presets`) fills in the algorithm's keys that
-    the file and the overrides leave out.
         FileNotFoundError: ``path`` does not exist.
+
+    A ``preset`` (``ppo``, ``grpo``, ``rloo``: :mod:`ppo_core.trainer.presets`) fills in the algorithm's keys that
+    the file and the overrides leave out. Deprecated keys (``actor.worker.rollout.*``, ``actor.worker.use_kl_loss``:
+    :mod:`ppo_core_cli.aliases`) are read as their canonical keys, with a warning.
     """
     if path is not None and not os.path.isfile(path):
         raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")
@@ -187,10 +191,13 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
         raw, resolve = _plain_yaml.read(file, pairs)
     _refuse_verl_config(file, raw, overrides)
     workers = raw.get("workers", "torch")
-    if workers not in ("torch", "megatron"):
-        raise FieldValueError("workers", f" {workers!r}; valid values: megatron, torch", before="unknown ")
+    if workers not in worker_kind_names():
+        raise FieldValueError(
+            "workers", f" {workers!r}; valid values: {', '.join(worker_kind_names())}", before="unknown "
+        )
     _check_keys(JobConfig, raw, "", workers)
-    return JobConfig.from_dict(_with_preset(resolve()))
+    # deprecated keys onto their canonical ones before the preset, so that they count as the job's own
+    return JobConfig.from_dict(_with_preset(canonical_job_tree(resolve())))
 
 
 def _with_preset(tree: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +212,8 @@ def _with_preset(tree: dict[str, Any]) -> dict[str, Any]:
         )
     for key, preset_value, value in preset_overridden(name, tree):
         logger.info("preset %s: the job's %s=%r replaces the preset's %r", name, key, value, preset_value)
-    return apply_preset(name, tree)
+    # the preset sets the trainer config's actor.worker.use_kl_loss too: the job's one key is actor.use_kl_loss
+    return canonical_job_tree(apply_preset(name, tree), warn=False)
 
 
 def _refuse_verl_config(file: str | None, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:

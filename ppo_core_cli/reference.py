@@ -1,13 +1,14 @@
 """The job's config reference, built from the config dataclasses themselves so that it cannot go stale.
 
-Every key of a :class:`~ppo_core_cli.config.JobConfig` (nested sections, the worker dicts ``actor.worker`` and
+Every key of a :class:`~ppo_core_cli.config.JobConfig` (nested sections, the worker configs ``actor.worker`` and
 ``critic.worker`` through the chosen workers' config class, the ``reward.scorers`` entries) with its type, value and
-help: the field's docstring, read from the class's source with :mod:`ast` (once per class).
+help: the field's docstring, read from the class's source with :mod:`ast` (once per class). The actor worker's
+``rollout`` and ``use_kl_loss`` are shown where the job sets them (``rollout``, ``actor.use_kl_loss``).
 
 - :func:`render_yaml`: a job as YAML with every default filled in and a ``#`` comment of help above each key
-  (``ppo-core config JOB.yaml [overrides]``, ``ppo-core config --defaults``). Keys the command fills in itself
-  (the rollout's EOS and padding ids from the tokenizer, the megatron model shape from ``model.path``) appear as
-  comments, so the output is itself a job that ``ppo-core train`` runs the same way.
+  (``ppo-core config JOB.yaml [overrides]``, ``ppo-core config --defaults``). Keys the run sets itself (the worker
+  config's ``RUN_KEYS``, e.g. the megatron model shape from ``model.path``) appear as comments, so the output is
+  itself a job that ``ppo-core train`` runs the same way.
 - :func:`render_markdown`: the reference page ``docs/config-reference.md`` (``ppo-core config --markdown``), with
   the worker keys of each kind of workers.
 """
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_core._config_base import ConfigBase
-from ppo_core_cli.config import _CLI_OWNED, JobConfig, _checkable, worker_config_classes
+from ppo_core_cli.config import JobConfig
+from ppo_core_cli.worker_kinds import worker_kind, worker_kind_names
 
 __all__ = ["ConfigKey", "config_keys", "field_help", "render_markdown", "render_yaml"]
 
@@ -36,7 +38,6 @@ REGENERATE = "ppo-core config --markdown > docs/config-reference.md"
 """The command that writes the reference page."""
 
 _WORKER_SECTIONS = ("actor.worker", "critic.worker")
-_FROM_TOKENIZER = ("rollout.eos_token_id", "rollout.pad_token_id")
 _WIDTH = 110
 
 
@@ -143,20 +144,23 @@ def _type_text(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _worker_notes(workers: str, given: Mapping[str, Any], role: str) -> dict[str, tuple[str, bool]]:
-    """``{key under the worker section: (why it is a comment, whether its value is known)}`` (``given``: the
-    job's worker dict)."""
-    notes = {key: ("set by the command from model.path's config.json", False) for key in _CLI_OWNED[workers]}
-    if "model.dtype" in notes:
-        notes["model.dtype"] = ("set by the command from model.dtype", False)
-    if role == "actor":
-        rollout = given.get("rollout") or {}
-        for key in _FROM_TOKENIZER:
-            if key.partition(".")[2] not in rollout:
-                notes[key] = ("set by the command from the tokenizer unless the job sets it", False)
-        if "use_kl_loss" not in given:
-            notes["use_kl_loss"] = ("not set: follows actor.use_kl_loss; when set it must equal it", False)
-    if "ppo_mini_batch_size" not in given:  # written out, the default would have to divide the step's rows
+_RUN_SOURCES = {
+    "model.dtype": "model.dtype",
+    "value_head_init_std": "model.value_head_init_std",
+    "value_head_seed": "model.init_seed",
+}
+_FOLLOWS = {"rollout": "rollout", "use_kl_loss": "actor.use_kl_loss"}
+"""The actor worker's keys that follow a canonical key of the job: not shown under the worker."""
+
+
+def _worker_notes(job: JobConfig, role: str) -> dict[str, tuple[str, bool]]:
+    """``{key under the worker section: (why it is a comment, whether its value is known)}``."""
+    worker = getattr(job, role).worker
+    notes = {
+        key: ("set by the run from " + _RUN_SOURCES.get(key, "model.path's config.json"), False)
+        for key in worker.RUN_KEYS
+    }
+    if not job._gives(role, "ppo_mini_batch_size"):  # written out, the default would have to divide the rows
         notes["ppo_mini_batch_size"] = (
             "not set: the worker's default; it must divide data.train_batch_size x rollout.n to run",
             True,
@@ -169,7 +173,7 @@ def _keys(
     value: ConfigBase,
     prefix: str,
     notes: Mapping[str, tuple[str, bool]],
-    workers: str | None,
+    job: JobConfig | None,
     depth: int = 0,
 ) -> Iterator[ConfigKey]:
     hints = typing.get_type_hints(cls)
@@ -179,17 +183,16 @@ def _keys(
         path, tp, v = f"{prefix}{f.name}", hints[f.name], getattr(value, f.name)
         text, doc = _type_text(tp), field_help(cls, f.name)
         relative = path.split(".", 2)[2] if path.startswith(_WORKER_SECTIONS) and path.count(".") >= 2 else ""
+        if path == "actor.worker." + f.name and f.name in _FOLLOWS:
+            continue  # shown at its canonical key
         sub = _config_class(tp)
-        if workers is not None and path in _WORKER_SECTIONS:
+        if job is not None and path in _WORKER_SECTIONS:
             role = path.partition(".")[0]
-            worker_cls = worker_config_classes(workers)[0 if role == "actor" else 1]
-            worker = worker_cls.from_dict(_checkable(v, workers))
-            yield ConfigKey(path, f.name, depth, worker_cls.__name__, None, doc, section=True)
-            notes_ = _worker_notes(workers, v, role)
-            yield from _keys(worker_cls, worker, path + ".", notes_, None, depth + 1)
+            yield ConfigKey(path, f.name, depth, type(v).__name__, None, doc, section=True)
+            yield from _keys(type(v), v, path + ".", _worker_notes(job, role), None, depth + 1)
         elif sub is not None and v is not None:
             yield ConfigKey(path, f.name, depth, sub.__name__, None, doc, section=True)
-            yield from _keys(sub, v, path + ".", notes, workers, depth + 1)
+            yield from _keys(sub, v, path + ".", notes, job, depth + 1)
         elif (
             typing.get_origin(tp) is dict
             and (item := _config_class(typing.get_args(tp)[1])) is not None
@@ -199,7 +202,7 @@ def _keys(
             yield ConfigKey(path, f.name, depth, text, None, doc, section=True)
             for name, spec in v.items():
                 yield ConfigKey(f"{path}.{name}", name, depth + 1, item.__name__, None, "", section=True)
-                yield from _keys(item, spec, f"{path}.{name}.", notes, workers, depth + 2)
+                yield from _keys(item, spec, f"{path}.{name}.", notes, job, depth + 2)
         else:
             comment, known = notes.get(relative, ("", True))
             yield ConfigKey(path, f.name, depth, text, v, doc, comment=comment, value_known=known)
@@ -208,7 +211,7 @@ def _keys(
 def config_keys(job: JobConfig) -> list[ConfigKey]:
     """Every key of ``job`` in field order, sections before their keys; the worker sections expanded through the
     job's workers' config classes (every worker default filled in)."""
-    return list(_keys(JobConfig, job, "", {}, job.workers))
+    return list(_keys(JobConfig, job, "", {}, job))
 
 
 # ----- YAML ---------------------------------------------------------------------------------------------------------
@@ -342,11 +345,13 @@ def _worker_tables(path: str, help: str) -> list[str]:
         f"`{path}`: {help} Its keys depend on `workers` and are checked against the workers' config class when the "
         "job is read:",
     ]
-    for workers in ("torch", "megatron"):
+    for workers in worker_kind_names():
         job = JobConfig.from_dict({"workers": workers})
         keys = [k for k in config_keys(job) if k.path.startswith(path + ".")]
         cls = next(k for k in config_keys(job) if k.path == path).type
-        out += ["", f"### `{path}` with `workers: {workers}` (`{cls}`)", "", *_table(keys, path + ".")]
+        about = worker_kind(workers).description
+        title = f"### `{path}` with `workers: {workers}` (`{cls}`{': ' + about if about else ''})"
+        out += ["", title, "", *_table(keys, path + ".")]
     return out
 
 

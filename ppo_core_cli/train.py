@@ -248,7 +248,11 @@ def run_train(
         )
     if result.steps > 0:
         result.export_dir = export_actor_weights(
-            weights, job.export_path, actor_worker=actor_worker, model_dir=model_dir, dtype=job.export_dtype
+            weights,
+            job.export_path,
+            actor_worker=actor_worker.to_dict(),
+            model_dir=model_dir,
+            dtype=job.export_dtype,
         )
         write_generation_ids(result.export_dir, tokens)
         shutil.rmtree(weights, ignore_errors=True)
@@ -292,7 +296,7 @@ def _write_timings(path: str, job: JobConfig, records: list, result: TrainResult
             "prompts_per_step": job.data.train_batch_size,
             "n": job.rollout.n,
             "max_prompt_length": job.data.max_prompt_length,
-            "max_new_tokens": job.actor.worker.get("rollout", {}).get("max_new_tokens"),
+            "max_new_tokens": job.rollout.max_new_tokens,
             "dtype": job.model.dtype,
             "gpus": job.actor.world_size,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

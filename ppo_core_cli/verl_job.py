@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_core.compat import VerlConversion, convert_verl
+from ppo_core_cli.aliases import canonical_job_tree
 from ppo_core_cli.config import JobConfig
 
 __all__ = ["ConvertedJob", "job_from_verl", "verl_sections", "write_job"]
@@ -76,7 +77,8 @@ def job_from_verl(
 
 
 def _job_settings(conversion: VerlConversion) -> dict[str, Any]:
-    tree = _plain(conversion.settings)
+    # the trainer's layout (sampling under actor.worker.rollout) as a job's: one rollout section
+    tree = canonical_job_tree(_plain(conversion.settings), warn=False)
     workers = "megatron" if conversion.strategy == "megatron" else "torch"
     for role in ("actor", "critic"):  # the command sets the checkpoint from model.path / model.critic_path
         tree.get(role, {}).get("worker", {}).pop("hf_checkpoint", None)

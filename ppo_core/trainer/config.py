@@ -1,14 +1,15 @@
 """``PPOConfig``: the trainer's typed configuration (data, actor, critic, rollout, algorithm, trainer sections).
 
-The sections hold what the *controller* needs. Worker-specific settings (model, optimiser, mini-batch sizes:
-e.g. :class:`ppo_core.workers.torch.TorchActorConfig`) travel in each role's free-form ``worker`` dict, which
-``init_workers()`` hands to the worker constructors. Every section round-trips with plain dicts
+The sections hold what the *controller* needs. Worker-specific settings (model, optimiser, mini-batch sizes)
+travel in each role's ``worker``: the workers' typed config (e.g. :class:`ppo_core.workers.torch.TorchActorConfig`)
+or a free-form dict of its fields, which ``init_workers()`` hands to the worker constructors. Every section round-trips with plain dicts
 (``PPOConfig.from_dict(cfg.to_dict()) == cfg``), so Hydra/OmegaConf/YAML users can feed it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ __all__ = [
     "TrainerConfig",
     "check_resident_config",
     "start_warnings",
+    "worker_setting",
 ]
 
 GROUP_ADV_ESTIMATORS: tuple[str, ...] = (
@@ -51,6 +53,14 @@ def _dotted_keys(name: str, value: object) -> tuple[str, ...]:
         if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
             raise ValueError(f"{name}[{i}] must be a dotted config key such as 'data.seed', got {key!r}")
     return tuple(value)
+
+
+def worker_setting(worker: Mapping[str, Any] | ConfigBase, key: str) -> Any:
+    """The value of ``key`` in a role's ``worker`` settings: a typed config's field or a dict's key (None when it
+    has none)."""
+    if isinstance(worker, Mapping):
+        return worker.get(key)
+    return getattr(worker, key, None)
 
 
 @dataclass(kw_only=True)
@@ -81,15 +91,16 @@ class ActorConfig(ConfigBase):
     """Ranks of the actor group (read by ``init_workers()``; also the ``n_gpus`` of throughput metrics)."""
     use_kl_loss: bool = False
     """The actor loss carries a KL term to the reference (GRPO style): the trainer computes ``ref_log_probs``.
-    The worker's loss reads its own ``worker["use_kl_loss"]``, which must agree when given."""
-    worker: dict[str, Any] = field(default_factory=dict)
-    """Free-form settings for the actor worker's constructor (e.g. a ``TorchActorConfig`` as a dict)."""
+    The worker's loss reads its own ``worker.use_kl_loss``, which must agree when given."""
+    worker: dict[str, Any] | ConfigBase = field(default_factory=dict)
+    """Settings for the actor worker's constructor: its typed config (e.g. a ``TorchActorConfig``) or a
+    free-form dict of its fields."""
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
         # The trainer must compute reference log-probs exactly when the worker's loss uses them. The flag is not
         # copied into ``worker``: custom workers' constructors need not accept it.
-        given = self.worker.get("use_kl_loss")
+        given = worker_setting(self.worker, "use_kl_loss")
         if given is not None and given != self.use_kl_loss:
             raise ValueError(
                 f"actor.worker.use_kl_loss={given!r} disagrees with actor.use_kl_loss={self.use_kl_loss!r}; "
@@ -105,8 +116,8 @@ class CriticConfig(ConfigBase):
     """Use a critic (values, critic updates); None: only when the advantage estimator is ``gae``."""
     world_size: int = 1
     """Ranks of the critic group."""
-    worker: dict[str, Any] = field(default_factory=dict)
-    """Free-form settings for the critic worker's constructor."""
+    worker: dict[str, Any] | ConfigBase = field(default_factory=dict)
+    """Settings for the critic worker's constructor: its typed config or a free-form dict of its fields."""
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
@@ -250,13 +261,13 @@ class PPOConfig(ConfigBase):
 
     def mini_batch_sizes(self) -> dict[str, int | None]:
         """``{role: ppo_mini_batch_size}`` of the roles that run (``actor``, and ``critic`` when used), as their
-        worker dicts give it (None: not given; a custom worker may have no such key)."""
+        workers' configs give it (None: not given; a custom worker may have no such key)."""
         roles = {"actor": self.actor.worker}
         if self.use_critic:
             roles["critic"] = self.critic.worker
         out: dict[str, int | None] = {}
         for role, worker in roles.items():
-            size = worker.get("ppo_mini_batch_size")
+            size = worker_setting(worker, "ppo_mini_batch_size")
             out[role] = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
         return out
 

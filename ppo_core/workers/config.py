@@ -12,17 +12,35 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from ppo_core._checks import check_int, check_positive
+from ppo_core._checks import FieldValueError, check_int, check_positive
 from ppo_core._config_base import ConfigBase
 from ppo_core.kl import KLEstimator
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.losses.aggregation import LossAggMode
 from ppo_core.rollout.sampling import SamplingConfig
 
-__all__ = ["OptimConfig", "PPOActorConfig", "PPOCriticConfig", "PPOWorkerConfig"]
+__all__ = ["ModelSource", "OptimConfig", "PPOActorConfig", "PPOCriticConfig", "PPOWorkerConfig"]
+
+W = TypeVar("W", bound="PPOWorkerConfig")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """What a run knows of a role's model before its workers are built: what :meth:`PPOWorkerConfig.resolved`
+    completes a worker config from (an engine that builds its model from the checkpoint reads its shape there)."""
+
+    checkpoint: str
+    """The Hugging Face checkpoint directory the role starts from."""
+    dtype: str = "float32"
+    """Parameter dtype of the run's models (``float32``, ``bfloat16``, ``float16``)."""
+    value_head_init_std: float = 0.0
+    """Standard deviation of a critic's new value head (0: zeros)."""
+    seed: int = 0
+    """Seed of that initialisation."""
 
 
 @dataclass(kw_only=True)
@@ -100,6 +118,54 @@ class PPOWorkerConfig(ConfigBase):
                     f"set either {rows} (rows per micro-batch) or {tokens} (tokens per micro-batch), not both; "
                     f"got {rows}={getattr(self, rows)} and {tokens}={getattr(self, tokens)}"
                 )
+
+    # ----- a run's worker config: checked when the job is read, completed once the checkpoint is known ----------
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Dotted keys that :meth:`resolved` sets from the run's :class:`ModelSource`: a job may not set them."""
+
+    @classmethod
+    def unresolved(cls: type[W], data: Mapping[str, Any] | None = None) -> W:
+        """The config of a job's worker section before the run resolves it (:meth:`resolved`): ``data`` checked
+        (types, ranges, unknown keys) with the :attr:`RUN_KEYS` refused, naming the key, and filled with
+        placeholders (:meth:`_run_placeholders`) until the run sets them."""
+        data = dict(data or {})
+        for key in cls.RUN_KEYS:
+            head, _, tail = key.partition(".")
+            inner = data.get(head)
+            if (head in data) if not tail else isinstance(inner, Mapping) and tail in inner:
+                raise FieldValueError(key, " is set by the run from the model's checkpoint; remove it")
+        for head, value in cls._run_placeholders().items():
+            inner = data.get(head, {})
+            data[head] = (
+                {**value, **inner} if isinstance(inner, Mapping) else inner
+            )  # a bad type shows its error
+        return cls.from_dict(data)
+
+    @classmethod
+    def _run_placeholders(cls) -> dict[str, Any]:
+        """``{section: keys}`` that stand in for :attr:`RUN_KEYS` until :meth:`resolved` (none here)."""
+        return {}
+
+    def resolved(self: W, source: ModelSource) -> W:
+        """This config completed for a run whose model is ``source`` (the :attr:`RUN_KEYS` set): what the worker
+        receives. Engines that load the checkpoint themselves need nothing, so this one is returned as it is."""
+        return self
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel ranks of a group of ``world_size`` ranks (here: every rank is one); each takes an equal
+        share of a mini-batch."""
+        return check_int("world_size", world_size, 1)
+
+    def job_keys(self) -> dict[str, Any]:
+        """:meth:`to_dict` without the :attr:`RUN_KEYS`: what a job's worker section writes."""
+        out = self.to_dict()
+        for key in self.RUN_KEYS:
+            head, _, tail = key.partition(".")
+            if tail:
+                out.get(head, {}).pop(tail, None)
+            else:
+                out.pop(head, None)
+        return out
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,7 @@ def test_megatron_workers_under_monarch_train_and_export(tmp_path, capsys, algo)
         "model.dtype=float32",
         "data.train_batch_size=16",
         "actor.worker.ppo_mini_batch_size=16",
-        "actor.worker.rollout.max_new_tokens=16",
+        "rollout.max_new_tokens=16",
         "trainer.total_training_steps=2",
         "trainer.save_freq=2",
         "--timings-json",

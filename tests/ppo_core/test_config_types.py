@@ -48,9 +48,12 @@ from ppo_core.workers.megatron.config import (
 )
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 from ppo_core_cli.config import (
+    JobActorConfig,
     JobConfig,
+    JobCriticConfig,
     JobDataConfig,
     JobModelConfig,
+    JobRolloutConfig,
     RewardConfig,
     ScorerConfig,
     SFTConfig,
@@ -96,6 +99,9 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     ArithmeticConfig: {},
     TinyModelConfig: {},
     JobConfig: {},
+    JobActorConfig: {},
+    JobCriticConfig: {},
+    JobRolloutConfig: {},
     JobDataConfig: {},
     JobModelConfig: {},
     RewardConfig: {},
@@ -197,8 +203,16 @@ def test_defaults_pass_and_round_trip(cls):
             "trainer.default_local_dir must be a str, got NoneType None",
         ),
         ({"trainer": {"log_dir": 5}}, TypeError, "trainer.log_dir must be a str or None, got int 5"),
-        ({"actor": {"worker": [1, 2]}}, TypeError, "actor.worker must be a dict, got list [1, 2]"),
-        ({"actor": {"worker": {1: 2}}}, TypeError, "actor.worker keys must be str, got int 1"),
+        (
+            {"actor": {"worker": [1, 2]}},
+            TypeError,
+            "actor.worker must be a dict or a config, got list [1, 2]",
+        ),
+        (
+            {"actor": {"worker": {1: 2}}},
+            TypeError,
+            "actor.worker must be a dict or a config, got dict {1: 2}",
+        ),
         ({"rollout": {"n": 0}}, ValueError, "rollout.n must be >= 1, got 0"),
         ({"data": {"val_batch_size": 0}}, ValueError, "data.val_batch_size must be >= 1, got 0"),
         ({"critic": {"enable": "yes"}}, TypeError, "critic.enable must be a bool or None, got str 'yes'"),

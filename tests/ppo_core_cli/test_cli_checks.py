@@ -69,9 +69,8 @@ def _error(capsys, *argv: str) -> str:
             "algorithm.adv_estimator='gae' needs the critic's values, but critic.enable=False",
         ),
         (
-            "actor.worker.rollout.engine=megatron",
-            "actor.worker.rollout.engine='megatron' samples with the megatron actor's policy: it needs workers: "
-            "megatron (workers is 'torch'",
+            "rollout.engine=megatron",
+            "rollout.engine='megatron' samples with the megatron actor's policy: it needs the megatron workers",
         ),
         (
             "trainer.resident_batches=true",

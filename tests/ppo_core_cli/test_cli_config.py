@@ -71,7 +71,7 @@ def test_overrides_interpolations_and_path_resolution(tmp_path):
     assert job.trainer.total_training_steps == 5 and job.trainer.seed == 3
     assert job.model.path == "/data/x/sft_model" and job.sft.files == ["/data/x/data/sft.parquet"]
     assert job.data.train_files == ["a.parquet", "b.parquet"]
-    assert job.actor.worker["optim"]["lr"] == 1e-4
+    assert job.actor.worker.optim.lr == 1e-4
     assert job.checkpoint_dir == "/tmp/r/checkpoints" and job.log_dir == "/tmp/r/logs"
     assert job.export_path == "/tmp/r/export"
     ppo = job.ppo_config()
@@ -99,7 +99,7 @@ SCALARS = {
     "algorithm.gamma": st.floats(0, 1),
     "algorithm.kl_ctrl.kl_coef": st.floats(0, 1),
     "actor.worker.optim.lr": st.floats(1e-8, 1.0),
-    "actor.worker.rollout.max_new_tokens": st.integers(1, 4096),
+    "rollout.max_new_tokens": st.integers(1, 4096),
     "critic.worker.cliprange_value": st.floats(0.01, 10),
     "reward.num_workers": st.integers(0, 8),
     "sft.steps": st.integers(1, 1000),
@@ -154,7 +154,7 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
             TypeError,
             "critic.worker.ppo_epochs must be an int, got str 'two'",
         ),
-        (["actor.worker.rollout.top_p=0"], ValueError, "actor.worker.rollout.top_p must be > 0"),
+        (["rollout.top_p=0"], ValueError, "rollout.top_p must be > 0"),
         (["backend=ray"], ValueError, "unknown backend 'ray'; valid values: local, monarch"),
         (["workers=fsdp"], ValueError, "unknown workers 'fsdp'; valid values: megatron, torch"),
         (["model.init_shape=qwen3"], ValueError, "unknown model.init_shape 'qwen3'; valid values:"),
@@ -210,8 +210,20 @@ def test_yaml_errors(tmp_path):
 
 
 def test_megatron_workers_accept_model_options_but_not_the_shape():
+    from ppo_core.workers.megatron.config import MEGATRON_SHAPE_KEYS, MegatronActorConfig
+
     job = load_job_config(None, ["workers=megatron", "actor.worker.model.attention=local", "model.path=m"])
-    assert job.actor.worker == {"model": {"attention": "local"}}
+    assert isinstance(job.actor.worker, MegatronActorConfig) and job.actor.worker.model.attention == "local"
+    written = job.to_dict()["actor"]["worker"]  # the shape is the run's (from model.path), not the job's
+    assert written["model"]["attention"] == "local" and not set(MEGATRON_SHAPE_KEYS) & set(written["model"])
+    assert "hf_checkpoint" not in written and JobConfig.from_dict(job.to_dict()) == job
+    _raises(
+        ValueError,
+        "actor.worker.model.num_layers is set by the run from the model's checkpoint",
+        None,
+        "workers=megatron",
+        "actor.worker.model.num_layers=2",
+    )
     # the torch workers would not know these keys
     _raises(ValueError, "unknown config key actor.worker.model", None, "actor.worker.model.attention=local")
 
@@ -219,8 +231,13 @@ def test_megatron_workers_accept_model_options_but_not_the_shape():
 def test_defaults_build_a_torch_ppo_job():
     job = JobConfig()
     assert (job.backend, job.workers, job.run_dir) == ("local", "torch", "runs/ppo")
-    assert job.ppo_config().use_critic  # gae by default
+    assert job.use_critic  # gae by default
     assert JobConfig.from_dict(job.to_dict()) == job
+    # the job leaves ppo_mini_batch_size to the worker's default (256), which must divide 8 x 1 to run
+    with pytest.raises(ValueError, match=r"actor\.worker\.ppo_mini_batch_size=256 does not divide"):
+        job.check_before_run()
+    with pytest.raises(ValueError, match=r"actor\.worker\.ppo_mini_batch_size=256 does not divide"):
+        job.ppo_config()  # what the trainer receives is what runs
 
 
 # ----- the command line: overrides before or after the options ---------------------------------------------------
@@ -265,7 +282,7 @@ def test_presets_fill_in_what_the_job_leaves_out(caplog):
     assert tiny.preset == "ppo" and tiny.algorithm.adv_estimator == "gae" and tiny.algorithm.use_kl_in_reward
     grpo = load_job_config(TINY, ["preset=grpo"])
     assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.rollout.n == 8
-    assert grpo.actor.use_kl_loss and grpo.actor.worker["use_kl_loss"] and not grpo.algorithm.use_kl_in_reward
+    assert grpo.actor.use_kl_loss and grpo.actor.worker.use_kl_loss and not grpo.algorithm.use_kl_in_reward
     with caplog.at_level(logging.INFO, logger="ppo_core_cli.loading"):
         mine = load_job_config(TINY, ["preset=grpo", "rollout.n=4"])
     assert mine.rollout.n == 4 and "preset grpo: the job's rollout.n=4 replaces the preset's 8" in caplog.text
@@ -278,5 +295,7 @@ def test_the_kl_loss_switch_reaches_the_worker():
     from ppo_core.workers.torch import TorchActorConfig
 
     ppo = load_job_config(TINY, ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"]).ppo_config()
-    assert ppo.use_reference and TorchActorConfig.from_dict(ppo.actor.worker).use_kl_loss
-    assert not TorchActorConfig.from_dict(load_job_config(TINY).ppo_config().actor.worker).use_kl_loss
+    assert (
+        ppo.use_reference and isinstance(ppo.actor.worker, TorchActorConfig) and ppo.actor.worker.use_kl_loss
+    )
+    assert not load_job_config(TINY).ppo_config().actor.worker.use_kl_loss

@@ -297,7 +297,7 @@ def test_train_from_a_gguf_file(tmp_path, capsys, caplog):
         "algorithm.use_kl_in_reward=false",
         "actor.worker.ppo_mini_batch_size=4",
         "actor.worker.ppo_epochs=1",
-        "actor.worker.rollout.max_new_tokens=4",
+        "rollout.max_new_tokens=4",
         "trainer.total_training_steps=1",
         "trainer.save_freq=0",
         "trainer.loggers=[jsonl]",
@@ -342,7 +342,7 @@ def test_smollm2_trains_one_step_on_the_arithmetic_task(tmp_path, capsys):
         "data.train_batch_size=2",
         "rollout.n=2",
         "actor.worker.ppo_mini_batch_size=4",
-        "actor.worker.rollout.max_new_tokens=12",
+        "rollout.max_new_tokens=12",
         "trainer.total_training_steps=1",
         "trainer.progress_bar=false",
     ]

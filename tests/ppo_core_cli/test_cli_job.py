@@ -82,19 +82,29 @@ def test_prepare_model(tiny, tokenizer_dir, tmp_path):
 
 
 def test_torch_workers_get_the_tokenizers_ids_unless_set(tiny):
+    from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
+
+    mini = {"worker": {"ppo_mini_batch_size": 8}}
     job = JobConfig.from_dict(
-        {"model": {"path": tiny}, "actor": {"worker": {"rollout": {"eos_token_id": 7}}}}
+        {"model": {"path": tiny}, "rollout": {"eos_token_id": 7}, "actor": mini, "critic": mini}
     )
     tok = load_tokenizer(job)
     actor, critic = complete_workers(job, tok, tiny)
-    assert actor["rollout"] == {"eos_token_id": 7, "pad_token_id": tok.pad_token_id}
-    assert critic == {} and job.actor.worker == {"rollout": {"eos_token_id": 7}}  # the job is not modified
+    assert isinstance(actor, TorchActorConfig) and isinstance(critic, TorchCriticConfig)
+    assert (actor.rollout.eos_token_id, actor.rollout.pad_token_id) == (7, tok.pad_token_id)
+    assert (
+        critic == job.critic.worker and job.actor.worker.rollout.eos_token_id == 7
+    )  # the job is not modified
+    assert job.rollout.pad_token_id is None
     specs = worker_specs(job, job.ppo_config(actor, critic), tiny)
     assert set(specs) == {"actor", "critic"}
     for spec in specs.values():  # process backends pickle the specs
         again = pickle.loads(pickle.dumps(spec))
         assert again.cls is spec.cls and isinstance(again.args[0], functools.partial)
-    grpo = JobConfig.from_dict({"model": {"path": tiny}, "algorithm": {"adv_estimator": "grpo"}})
+        assert again.args[1] == spec.args[1]  # the typed config travels as it is
+    grpo = JobConfig.from_dict(
+        {"model": {"path": tiny}, "algorithm": {"adv_estimator": "grpo"}, "actor": mini}
+    )
     assert set(worker_specs(grpo, grpo.ppo_config(), tiny)) == {"actor"}
 
 
@@ -106,15 +116,19 @@ def test_megatron_workers_get_the_checkpoints_shape(tiny):
         [
             f"model.path={tiny}",
             "workers=megatron",
+            "backend=monarch",
+            "actor.world_size=2",
+            "critic.world_size=2",
             "model.dtype=bfloat16",
             "actor.worker.model.attention=local",
             "actor.worker.parallel.tensor_model_parallel_size=2",
         ],
     )
     actor, critic = complete_workers(job, load_tokenizer(job), tiny)
+    assert isinstance(actor, MegatronActorConfig) and isinstance(critic, MegatronCriticConfig)
     with open(os.path.join(tiny, "config.json")) as f:
         hf = json.load(f)
-    model = MegatronActorConfig.from_dict(actor).model  # what the worker will build
+    model = actor.model  # what the worker will build
     assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.vocab_size) == (
         hf["num_hidden_layers"],
         hf["hidden_size"],
@@ -123,17 +137,16 @@ def test_megatron_workers_get_the_checkpoints_shape(tiny):
     )
     assert model.kv_heads == hf["num_key_value_heads"] and model.qkv_bias and model.tie_word_embeddings
     assert model.dtype == "bfloat16" and model.attention == "local"
-    assert actor["hf_checkpoint"] == tiny and actor["parallel"]["tensor_model_parallel_size"] == 2
-    critic_cfg = MegatronCriticConfig.from_dict(critic)
-    assert critic_cfg.hf_checkpoint == tiny and critic_cfg.model.attention == "sdpa"
-    assert critic["parallel"]["tensor_model_parallel_size"] == 1  # the whole layout, for exports
+    assert actor.hf_checkpoint == tiny and actor.parallel.tensor_model_parallel_size == 2
+    assert critic.hf_checkpoint == tiny and critic.model.attention == "sdpa"
+    assert critic.to_dict()["parallel"]["tensor_model_parallel_size"] == 1  # the whole layout, for exports
     # the critic's value head is initialised as the torch critic's (model.value_head_init_std, model.init_seed)
-    assert (critic["value_head_init_std"], critic["value_head_seed"]) == (0.0, 0)
+    assert (critic.value_head_init_std, critic.value_head_seed) == (0.0, 0)
     job = load_job_config(
         None,
         [f"model.path={tiny}", "workers=megatron", "model.value_head_init_std=0.02", "model.init_seed=5"],
     )
-    critic = MegatronCriticConfig.from_dict(complete_workers(job, load_tokenizer(job), tiny)[1])
+    critic = complete_workers(job, load_tokenizer(job), tiny)[1]
     assert (critic.value_head_init_std, critic.value_head_seed) == (0.02, 5)
 
 

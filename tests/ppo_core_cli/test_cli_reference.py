@@ -14,7 +14,7 @@ import yaml
 pytest.importorskip("omegaconf")
 
 from ppo_core._config_base import ConfigBase
-from ppo_core_cli.config import JobConfig, _checkable, worker_config_classes
+from ppo_core_cli.config import JobConfig, worker_config_classes
 from ppo_core_cli.loading import load_job_config
 from ppo_core_cli.main import main
 from ppo_core_cli.reference import REGENERATE, config_keys, field_help, render_markdown, render_yaml
@@ -58,8 +58,14 @@ def test_every_key_of_a_job_has_help_and_every_worker_key_is_listed(workers):
     paths = {k.path for k in keys}
     actor_cls, critic_cls = worker_config_classes(workers)
     for role, cls in (("actor", actor_cls), ("critic", critic_cls)):
-        flat = _flat(cls.from_dict(_checkable({}, workers)).to_dict(), f"{role}.worker.")
-        assert set(flat) <= paths
+        flat = _flat(cls.unresolved({}).to_dict(), f"{role}.worker.")
+        shown_elsewhere = {
+            k for k in flat if k.startswith(("actor.worker.rollout.", "actor.worker.use_kl_loss"))
+        }
+        assert set(flat) - shown_elsewhere <= paths
+        assert (
+            not shown_elsewhere & paths
+        )  # the actor's sampling and KL switch: at rollout.*, actor.use_kl_loss
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -73,23 +79,22 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _same_job(a: JobConfig, b: JobConfig) -> None:
-    """Equal sections, and worker dicts equal as their workers read them (the YAML spells out every default)."""
+    """Equal sections, typed worker configs included."""
     for f in dataclasses.fields(JobConfig):
-        if f.name not in ("actor", "critic"):
-            assert getattr(a, f.name) == getattr(b, f.name), f.name
-    classes = worker_config_classes(a.workers)
-    for role, cls in zip(("actor", "critic"), classes, strict=True):
-        ra, rb = getattr(a, role), getattr(b, role)
-        assert dataclasses.replace(ra, worker={}) == dataclasses.replace(rb, worker={})
-        assert cls.from_dict(_checkable(ra.worker, a.workers)) == cls.from_dict(
-            _checkable(rb.worker, b.workers)
-        )
+        assert getattr(a, f.name) == getattr(b, f.name), f.name
 
 
 _OVERRIDES = [
-    ["workers=megatron", "actor.worker.parallel.tensor_model_parallel_size=2"],
+    [
+        "workers=megatron",
+        "backend=monarch",
+        "actor.world_size=2",
+        "critic.world_size=2",
+        "actor.worker.parallel.tensor_model_parallel_size=2",
+    ],
     ["reward.scorers.x.function=math", "reward.scorers.x.kwargs={a: 1}", "trainer.seed=3"],
-    ["actor.use_kl_loss=true", "actor.worker.rollout.eos_token_id=5", "data.train_files=[a.parquet,b.jsonl]"],
+    ["actor.use_kl_loss=true", "rollout.eos_token_id=5", "data.train_files=[a.parquet,b.jsonl]"],
+    ["actor.worker.rollout.temperature=0.5", "actor.worker.use_kl_loss=true"],  # deprecated keys
 ]
 
 
@@ -110,20 +115,20 @@ def test_the_yaml_of_a_job_reads_back_as_the_same_job(tmp_path, name, overrides)
     assert all(re.fullmatch(r"# \w+: [^#]*\(.+\)", line) for line in comments), comments  # keys only, no help
 
 
-def test_the_yaml_says_which_keys_the_command_sets():
+def test_the_yaml_says_which_keys_the_run_sets():
     text = render_yaml(load_job_config(None, ["workers=megatron"]))
-    assert "# eos_token_id: (set by the command from the tokenizer unless the job sets it)" in text
-    assert "# num_layers: (set by the command from model.path's config.json)" in text
-    assert "# use_kl_loss: (not set: follows actor.use_kl_loss; when set it must equal it)" in text
+    assert "# num_layers: (set by the run from model.path's config.json)" in text
+    assert "# dtype: (set by the run from model.dtype)" in text
+    assert "# value_head_init_std: (set by the run from model.value_head_init_std)" in text
     assert (
         "# ppo_mini_batch_size: 256 (not set: the worker's default; it must divide data.train_batch_size x "
         "rollout.n to run)" in text
     )
     tree = yaml.safe_load(text)
-    assert "eos_token_id" not in tree["actor"]["worker"]["rollout"]
-    assert tree["actor"]["worker"]["rollout"]["max_new_tokens"] == 16
-    set_eos = render_yaml(load_job_config(None, ["actor.worker.rollout.eos_token_id=5"]))
-    assert yaml.safe_load(set_eos)["actor"]["worker"]["rollout"]["eos_token_id"] == 5
+    assert "rollout" not in tree["actor"]["worker"] and "use_kl_loss" not in tree["actor"]["worker"]
+    assert tree["rollout"]["max_new_tokens"] == 16 and tree["rollout"]["eos_token_id"] is None
+    set_eos = render_yaml(load_job_config(None, ["rollout.eos_token_id=5"]))
+    assert yaml.safe_load(set_eos)["rollout"]["eos_token_id"] == 5
 
 
 def test_help_comments_sit_above_their_keys():

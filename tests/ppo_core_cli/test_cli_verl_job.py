@@ -89,7 +89,8 @@ def test_the_composed_config_with_the_quick_start_overrides_is_a_job(example, ca
     )  # the critic starts from it too
     assert job.data.train_files == [f"{data}/data/train.parquet"] and job.data.max_prompt_length == 64
     assert (job.backend, job.workers, job.actor.world_size) == ("local", "torch", 1)
-    assert job.actor.worker["ppo_mini_batch_size"] == 4 and job.actor.worker["rollout"]["max_new_tokens"] == 8
+    assert job.actor.worker.ppo_mini_batch_size == 4 and job.rollout.max_new_tokens == 8
+    assert "rollout" not in settings["actor"]["worker"] and settings["rollout"]["max_new_tokens"] == 8
     assert job.trainer.loggers == ("console",)
 
 
@@ -219,7 +220,8 @@ def test_verls_megatron_strategy_gives_a_megatron_job(example):
     )
     job = converted.job
     assert (job.workers, job.backend, job.actor.world_size) == ("megatron", "monarch", 2)
-    assert job.actor.worker["parallel"]["tensor_model_parallel_size"] == 2
-    assert "hf_checkpoint" not in job.actor.worker  # the command reads the checkpoint from model.path
+    assert job.actor.worker.parallel.tensor_model_parallel_size == 2
+    assert "hf_checkpoint" not in converted.settings["actor"]["worker"]  # the run reads it from model.path
+    assert job.actor.worker.hf_checkpoint is None
     assert job.model.path == f"{data}/model"
     assert any("backend monarch" in note for note in converted.notes)

@@ -116,10 +116,10 @@ def test_workers_and_sft_get_the_resolved_tokens(tiny):
     )
     tok = load_tokenizer(job)
     actor, _ = complete_workers(job, tok, tiny)
-    assert actor["rollout"] == {
-        "eos_token_id": _id(tok, "<|endoftext|>"),
-        "pad_token_id": _id(tok, "<|im_start|>"),
-    }
+    assert (actor.rollout.eos_token_id, actor.rollout.pad_token_id) == (
+        _id(tok, "<|endoftext|>"),
+        _id(tok, "<|im_start|>"),
+    )
     pair = tokenize_sft_pair(
         tok, [{"role": "user", "content": "hi"}], "#### 8", eos_token_id=_id(tok, "<|im_start|>")
     )

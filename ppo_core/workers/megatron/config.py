@@ -14,23 +14,56 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from ppo_core._checks import check_int, check_positive
+from ppo_core._checks import FieldValueError, check_int, check_positive
 from ppo_core._config_base import ConfigBase
-from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
+from ppo_core.workers.config import ModelSource, PPOActorConfig, PPOCriticConfig
 
-__all__ = ["NORMS", "MegatronActorConfig", "MegatronCriticConfig", "MegatronModelConfig", "ParallelConfig"]
+__all__ = [
+    "MEGATRON_SHAPE_KEYS",
+    "NORMS",
+    "MegatronActorConfig",
+    "MegatronCriticConfig",
+    "MegatronModelConfig",
+    "ParallelConfig",
+]
 
 Norm = Literal["RMSNorm", "LayerNorm"]
 NORMS: tuple[str, ...] = typing.get_args(Norm)
 """Valid values of ``MegatronModelConfig.norm``."""
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+MEGATRON_SHAPE_KEYS: tuple[str, ...] = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rotary_base",
+    "norm",
+    "norm_epsilon",
+    "qkv_bias",
+    "tie_word_embeddings",
+)
+"""The :class:`MegatronModelConfig` fields :func:`~ppo_core.workers.megatron.hf_config.model_config_from_hf` reads
+from the checkpoint."""
+
+_PLACEHOLDER_SHAPE = {  # a valid shape that stands in for the checkpoint's until a run resolves the config
+    "num_layers": 1,
+    "hidden_size": 8,
+    "num_attention_heads": 1,
+    "ffn_hidden_size": 8,
+    "vocab_size": 8,
+}
 
 
 @dataclass(kw_only=True)
@@ -278,6 +311,29 @@ class _MegatronFields(ConfigBase):
     """Shard the fp32 master weights and Adam moments over the data-parallel ranks (megatron ZeRO-1)."""
 
 
+_RUN_KEYS = ("hf_checkpoint", "model.dtype", *(f"model.{key}" for key in MEGATRON_SHAPE_KEYS))
+
+
+def _resolved_fields(config: _MegatronFields, source: ModelSource) -> dict[str, Any]:
+    """The fields a run sets: the model shape of ``source.checkpoint``'s ``config.json`` in ``source.dtype`` (the
+    config's other ``model`` keys kept), and ``hf_checkpoint``."""
+    from transformers import AutoConfig
+
+    from ppo_core.workers.megatron.hf_config import model_config_from_hf
+
+    hf_config = AutoConfig.from_pretrained(source.checkpoint, local_files_only=True)
+    kept = {k: v for k, v in config.model.to_dict().items() if f"model.{k}" not in _RUN_KEYS}
+    model = model_config_from_hf(hf_config, dtype=source.dtype, **kept)
+    return {"model": model, "hf_checkpoint": source.checkpoint}
+
+
+def _check_data_parallel(config: _MegatronFields, world_size: int) -> int:
+    try:
+        return config.parallel.data_parallel_size(world_size)
+    except ValueError as err:
+        raise FieldValueError("parallel", f": {err}") from None
+
+
 @dataclass(kw_only=True)
 class MegatronActorConfig(PPOActorConfig, _MegatronFields):
     """Actor / rollout / reference on megatron-core: the PPO actor's fields plus model and layout.
@@ -285,6 +341,22 @@ class MegatronActorConfig(PPOActorConfig, _MegatronFields):
     ``ppo_mini_batch_size`` counts rows over all dp ranks; ``micro_batch_size`` rows per forward/backward
     (megatron micro-batches; with PP > 1 the local mini-batch must be a multiple of it).
     """
+
+    RUN_KEYS: ClassVar[tuple[str, ...]] = _RUN_KEYS
+    """The model shape and dtype (from the checkpoint and the run's dtype) and ``hf_checkpoint``."""
+
+    @classmethod
+    def _run_placeholders(cls) -> dict[str, Any]:
+        return {"model": _PLACEHOLDER_SHAPE}
+
+    def resolved(self, source: ModelSource) -> MegatronActorConfig:
+        """This config with the model shape of ``source.checkpoint`` in ``source.dtype`` and ``hf_checkpoint``
+        set to it."""
+        return dataclasses.replace(self, **_resolved_fields(self, source))
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """``world_size / (TP x PP x CP)``; ``ValueError`` (under ``parallel``) when it does not divide."""
+        return _check_data_parallel(self, world_size)
 
 
 @dataclass(kw_only=True)
@@ -295,6 +367,27 @@ class MegatronCriticConfig(PPOCriticConfig, _MegatronFields):
     """Standard deviation of the new value head's weight (0: zeros, every value starts at 0; its bias is 0)."""
     value_head_seed: int = 0
     """Seed of that initialisation (the torch critic draws the same head from the same seed)."""
+
+    RUN_KEYS: ClassVar[tuple[str, ...]] = (*_RUN_KEYS, "value_head_init_std", "value_head_seed")
+    """The actor's, plus the value head's initialisation (the run's ``value_head_init_std`` and seed)."""
+
+    @classmethod
+    def _run_placeholders(cls) -> dict[str, Any]:
+        return {"model": _PLACEHOLDER_SHAPE}
+
+    def resolved(self, source: ModelSource) -> MegatronCriticConfig:
+        """As :meth:`MegatronActorConfig.resolved`, and the value head initialised from ``source``
+        (``value_head_init_std``, ``seed``) as the torch critic's."""
+        return dataclasses.replace(
+            self,
+            **_resolved_fields(self, source),
+            value_head_init_std=source.value_head_init_std,
+            value_head_seed=source.seed,
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """``world_size / (TP x PP x CP)``; ``ValueError`` (under ``parallel``) when it does not divide."""
+        return _check_data_parallel(self, world_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -21,25 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.config import MEGATRON_SHAPE_KEYS, MegatronModelConfig
 
 __all__ = ["MEGATRON_SHAPE_KEYS", "hf_config_from_model", "model_config_from_hf", "rope_theta_of"]
 
-MEGATRON_SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "rotary_base",
-    "norm",
-    "norm_epsilon",
-    "qkv_bias",
-    "tie_word_embeddings",
-)
-"""The :class:`MegatronModelConfig` fields :func:`model_config_from_hf` reads from the checkpoint."""
 
 _FAMILIES = ("llama", "qwen2")
 

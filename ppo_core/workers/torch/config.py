@@ -36,6 +36,15 @@ class TorchActorConfig(PPOActorConfig):
                 "reproduces that sampler's numerics; the default sampler's differ)",
             )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rollout.engine == "megatron":
+            raise FieldValueError(
+                "rollout.engine",
+                "='megatron' samples with the megatron actor's policy: it needs the megatron workers (use auto, "
+                "hf or reference with the torch workers)",
+            )
+
 
 @dataclass(kw_only=True)
 class TorchCriticConfig(PPOCriticConfig):

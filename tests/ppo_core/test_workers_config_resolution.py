@@ -1,0 +1,76 @@
+"""A worker config in a run: checked before the checkpoint is known (``unresolved``), completed from it
+(``resolved``), the data-parallel size of a group, the keys a job writes (``job_keys``), and ``worker_setting``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppo_core.trainer.config import worker_setting
+from ppo_core.workers.config import ModelSource
+from ppo_core.workers.megatron.config import (
+    MEGATRON_SHAPE_KEYS,
+    MegatronActorConfig,
+    MegatronCriticConfig,
+)
+from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
+
+
+def test_torch_configs_need_nothing_from_the_run():
+    cfg = TorchActorConfig.unresolved({"ppo_mini_batch_size": 4})
+    assert cfg == TorchActorConfig(ppo_mini_batch_size=4) and TorchActorConfig.RUN_KEYS == ()
+    assert cfg.resolved(ModelSource(checkpoint="/m", dtype="bfloat16")) is cfg
+    assert cfg.data_parallel_size(3) == 3 and cfg.job_keys() == cfg.to_dict()
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        cfg.data_parallel_size(0)
+
+
+def test_the_torch_actor_refuses_the_megatron_rollout_engine():
+    with pytest.raises(
+        ValueError, match=r"^rollout\.engine='megatron' samples with the megatron actor's policy"
+    ):
+        TorchActorConfig.from_dict({"rollout": {"engine": "megatron"}})
+
+
+@pytest.mark.parametrize("cls", [MegatronActorConfig, MegatronCriticConfig])
+def test_megatron_configs_refuse_the_keys_the_run_sets(cls):
+    for key in cls.RUN_KEYS:
+        head, _, tail = key.partition(".")
+        data = {head: {tail: 1}} if tail else {head: 1}
+        with pytest.raises(ValueError, match=rf"^{key} is set by the run from the model's checkpoint"):
+            cls.unresolved(data)
+    cfg = cls.unresolved({"model": {"attention": "local"}, "parallel": {"tensor_model_parallel_size": 2}})
+    assert cfg.model.attention == "local" and cfg.data_parallel_size(4) == 2
+    written = cfg.job_keys()
+    assert not set(MEGATRON_SHAPE_KEYS) & set(written["model"]) and "hf_checkpoint" not in written
+    assert cls.unresolved(written) == cfg  # what a job writes reads back as the same config
+    with pytest.raises(ValueError, match=r"^parallel: world_size \(3\) must be divisible"):
+        cfg.data_parallel_size(3)
+
+
+def test_megatron_configs_take_the_shape_of_the_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    hf.save_pretrained(tmp_path)
+    source = ModelSource(checkpoint=str(tmp_path), dtype="float32", value_head_init_std=0.02, seed=7)
+    actor = MegatronActorConfig.unresolved({"model": {"attention": "local", "seed": 3}}).resolved(source)
+    m = actor.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.kv_heads) == (3, 32, 48, 96, 2)
+    assert (m.dtype, m.attention, m.seed, m.qkv_bias) == ("float32", "local", 3, True)  # the job's keys kept
+    assert actor.hf_checkpoint == str(tmp_path)
+    critic = MegatronCriticConfig.unresolved({}).resolved(source)
+    assert (critic.value_head_init_std, critic.value_head_seed, critic.model.num_layers) == (0.02, 7, 3)
+
+
+def test_worker_setting_reads_a_dict_or_a_typed_config():
+    assert worker_setting({"ppo_mini_batch_size": 4}, "ppo_mini_batch_size") == 4
+    assert worker_setting({}, "ppo_mini_batch_size") is None
+    assert worker_setting(TorchCriticConfig(ppo_mini_batch_size=8), "ppo_mini_batch_size") == 8
+    assert worker_setting(TorchCriticConfig(), "use_kl_loss") is None  # a critic has no such field
