@@ -74,3 +74,14 @@ def test_worker_setting_reads_a_dict_or_a_typed_config():
     assert worker_setting({}, "ppo_mini_batch_size") is None
     assert worker_setting(TorchCriticConfig(ppo_mini_batch_size=8), "ppo_mini_batch_size") == 8
     assert worker_setting(TorchCriticConfig(), "use_kl_loss") is None  # a critic has no such field
+
+
+def test_torch_actor_config_runs_every_check():
+    """Both of the torch actor's own checks run (one ``__post_init__``: a second definition would hide the first)."""
+    from ppo_core.workers.torch import TorchActorConfig
+
+    with pytest.raises(ValueError, match=r"^exact_log_probs=True needs the batch-invariant sampler"):
+        TorchActorConfig.from_dict({"exact_log_probs": True})
+    with pytest.raises(ValueError, match=r"^rollout\.engine='megatron'"):
+        TorchActorConfig.from_dict({"rollout": {"engine": "megatron"}})
+    assert TorchActorConfig.from_dict({"exact_log_probs": True, "rollout": {"batch_invariant": True}}).exact_log_probs
