@@ -35,9 +35,6 @@ class TorchActorConfig(PPOActorConfig):
                 "=True needs the batch-invariant sampler: set rollout.batch_invariant=True next to it (training "
                 "reproduces that sampler's numerics; the default sampler's differ)",
             )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
         if self.rollout.engine == "megatron":
             raise FieldValueError(
                 "rollout.engine",
