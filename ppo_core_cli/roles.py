@@ -2,9 +2,10 @@
 the one place of every sampling setting.
 
 - :class:`JobRolloutConfig`: the trainer's :class:`~ppo_core.trainer.RolloutConfig` (``n``, validation
-  sampling...) and the sampling of :class:`~ppo_core.rollout.sampling.SamplingConfig` (``temperature``,
-  ``max_new_tokens``, ``engine``...) in one section. The actor worker's ``rollout`` is built from it
-  (:meth:`JobRolloutConfig.sampling`); the EOS and padding ids come from the tokenizer unless set here.
+  sampling, and the sampling of :class:`~ppo_core.rollout.sampling.SamplingConfig`: ``temperature``,
+  ``max_new_tokens``, ``engine``...), one section. The actor worker's ``rollout`` is built from it
+  (:meth:`JobRolloutConfig.sampling`: the checked values copied, not checked again); the EOS and padding ids come
+  from the tokenizer unless set here.
 - :class:`JobActorConfig` / :class:`JobCriticConfig`: ``worker`` is, once the job is built, an instance of the
   config class of the job's ``workers`` kind (:mod:`ppo_core_cli.worker_kinds`), e.g.
   :class:`~ppo_core.workers.torch.TorchActorConfig`.

@@ -723,7 +723,7 @@ class CachedRolloutEngine:
         """
         if getattr(config, "batch_invariant", False) and not getattr(self, "batch_invariant", False):
             raise ValueError(
-                f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) but this "
+                f"batch_invariant=True (SamplingConfig; rollout.batch_invariant in a job or trainer config) but this "
                 f"{type(self).__name__} does not compute batch-invariantly "
                 "(HFRolloutEngine(model, batch_invariant=True) and MegatronRolloutEngine(..., batch_invariant=True) do)"
             )

@@ -102,7 +102,7 @@ def reference_generate(
     prompts, mask_BP = checked.prompts, checked.mask.long()
     if config.batch_invariant:
         raise ValueError(
-            f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) needs a "
+            f"batch_invariant=True (SamplingConfig; rollout.batch_invariant in a job or trainer config) needs a "
             f"Llama-family Hugging Face causal LM with use_cache=True; "
             f"{type(model).__name__} is sampled by the generic loop"
         )

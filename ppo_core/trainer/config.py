@@ -1,7 +1,9 @@
 """``PPOConfig``: the trainer's typed configuration (data, actor, critic, rollout, algorithm, trainer sections).
 
-The sections hold what the *controller* needs. Worker-specific settings (model, optimiser, mini-batch sizes)
-travel in each role's ``worker``: the workers' typed config (e.g. :class:`ppo_core.workers.torch.TorchActorConfig`)
+The sections hold what the *controller* needs, and ``rollout`` every rollout setting (``n`` and the sampling, which
+the config hands to the actor worker's ``rollout``; the old ``actor.worker.rollout.<key>`` is a deprecated alias,
+:mod:`~ppo_core.trainer.aliases`). Worker-specific settings (model, optimiser, mini-batch sizes) travel in each
+role's ``worker``: the workers' typed config (e.g. :class:`ppo_core.workers.torch.TorchActorConfig`)
 or a free-form dict of its fields, which ``init_workers()`` hands to the worker constructors. Every section round-trips with plain dicts
 (``PPOConfig.from_dict(cfg.to_dict()) == cfg``), so Hydra/OmegaConf/YAML users can feed it.
 """
