@@ -104,17 +104,26 @@ def _factory_config(name: str, factory: EngineFactory) -> type[RolloutEngineConf
     def build(self: RolloutEngineConfig, model: nn.Module, sampling: Any) -> Any:
         return factory(model, sampling)
 
+    def reduce(self: RolloutEngineConfig) -> tuple[Any, tuple[str]]:
+        # a class made here has no importable name: a copy (a worker process's) looks it up by its engine name
+        return _registered_default, (name,)
+
     cls = dataclasses.make_dataclass(
         f"FactoryEngineConfig_{name}",
         [],
         bases=(RolloutEngineConfig,),
-        namespace={"build": build, "factory": staticmethod(factory)},
+        namespace={"build": build, "factory": staticmethod(factory), "__reduce__": reduce},
         kw_only=True,
     )
     cls.__doc__ = (
         f"``{name}``: the engine of the registered factory {getattr(factory, '__qualname__', factory)!r}."
     )
     return cls
+
+
+def _registered_default(name: str) -> RolloutEngineConfig:
+    """The default config of the engine registered under ``name`` (how a factory-wrapped config unpickles)."""
+    return rollout_engine_config(name)()
 
 
 def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C], C]:

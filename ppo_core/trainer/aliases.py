@@ -59,6 +59,12 @@ def _move(tree: dict[str, Any], old: str, new: str, value: Any, warn: bool) -> N
     *head, last = new.split(".")
     target = _section(tree, head, create=True)
     assert target is not None
+    if isinstance(value, Mapping) and isinstance(
+        target.get(last), Mapping
+    ):  # two sections: merged key by key
+        for key, item in value.items():
+            _move(tree, f"{old}.{key}", f"{new}.{key}", item, warn)
+        return
     if last in target and target[last] != value:
         raise FieldValueError(
             old,

@@ -188,6 +188,8 @@ def test_a_factory_function_still_registers_with_a_deprecation_warning() -> None
             generate(lm, prompts, mask, cfg)
         ref = generate(lm, prompts, mask, dataclasses.replace(cfg, engine="reference", engine_config=None))
         assert builds == [2] and torch.equal(out["responses"], ref["responses"])
+        # a config naming it travels to worker processes (by the engine's name)
+        assert pickle.loads(pickle.dumps(cfg)) == cfg
     finally:
         registry._CONFIGS.pop("factory_test", None)
 

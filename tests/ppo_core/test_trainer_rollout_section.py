@@ -88,6 +88,22 @@ def test_a_conflict_names_both_keys() -> None:
     assert same.rollout.temperature == 0.5
 
 
+def test_an_old_section_merges_with_the_canonical_one_key_by_key() -> None:
+    tree = {
+        "actor": {"worker": {"rollout": {"engine": "hf", "engine_config": {"check_every": 4}}}},
+        "rollout": {"engine_config": {"kv_bucket": 32}},
+    }
+    assert aliases.canonical_tree(tree, warn=False) == {
+        "actor": {"worker": {}},
+        "rollout": {"engine": "hf", "engine_config": {"kv_bucket": 32, "check_every": 4}},
+    }
+    tree["rollout"]["engine_config"]["check_every"] = 8
+    with pytest.raises(
+        ValueError, match=r"^actor\.worker\.rollout\.engine_config\.check_every=4 \(deprecated\)"
+    ):
+        aliases.canonical_tree(tree, warn=False)
+
+
 def test_the_old_key_warns_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aliases, "_warned", set())
     tree = {"actor": {"worker": {"rollout": {"top_k": 5}}}}
