@@ -283,6 +283,8 @@ class PPOConfig(ConfigBase):
         worker = self.actor.worker
         own: Any = worker_setting(worker, "rollout")
         top = self.rollout.sampling_fields()
+        if not isinstance(worker, Mapping) and not isinstance(own, SamplingConfig):
+            return  # a custom worker config without sampling settings: nothing to hand on
         if own is not None:
             if not isinstance(own, SamplingConfig):
                 own = _nested("actor.worker.rollout", lambda: SamplingConfig.from_dict(own))
@@ -305,9 +307,9 @@ class PPOConfig(ConfigBase):
         if isinstance(worker, Mapping):
             rest = {k: v for k, v in worker.items() if k != "rollout"}
             worker = rest if top == _DEFAULT_SAMPLING else {**rest, "rollout": top.to_dict()}
-        elif hasattr(worker, "rollout"):
+        else:
             worker = copy.copy(worker)
-            worker.rollout = top
+            object.__setattr__(worker, "rollout", top)
         self.actor = copy.copy(self.actor)  # the caller's sections are not modified
         self.actor.worker = worker
 

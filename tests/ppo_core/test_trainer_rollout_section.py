@@ -5,6 +5,7 @@ actor worker samples with the section's settings."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ppo_core._config_base import ConfigBase
 from ppo_core.rollout import SamplingConfig
 from ppo_core.trainer import aliases
 from ppo_core.trainer.config import ActorConfig, PPOConfig, RolloutConfig
@@ -119,9 +121,19 @@ def test_the_old_key_warns_once(caplog: pytest.LogCaptureFixture, monkeypatch: p
     assert tree == snapshot
 
 
-def test_a_custom_worker_without_sampling_keeps_its_dict() -> None:
+def test_a_custom_worker_without_sampling_keeps_its_config() -> None:
     cfg = PPOConfig.from_dict({"actor": {"worker": {"my_key": 1}}})
     assert cfg.actor.worker == {"my_key": 1}
+
+    @dataclasses.dataclass(kw_only=True)
+    class MyWorkerConfig(ConfigBase):
+        rollout: str = "mine"
+        """Not a sampling config: left alone."""
+
+    mine = MyWorkerConfig()
+    assert (
+        PPOConfig(actor=ActorConfig(worker=mine), rollout=RolloutConfig(temperature=0.5)).actor.worker is mine
+    )
     with pytest.raises(
         ValueError, match=r"^actor\.worker\.rollout: unknown SamplingConfig field\(s\) \['bogus'\]"
     ):
