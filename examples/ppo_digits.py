@@ -168,7 +168,8 @@ def make_config(args: argparse.Namespace) -> dict:
     common = {"seed": args.seed, "ppo_epochs": 2, "ppo_mini_batch_size": rows // 2, "shuffle": True}
     return {
         "data": {"train_batch_size": prompts, "seed": args.seed},
-        "rollout": {"n": n},
+        # one rollout section: responses per prompt and the sampling (handed to the actor worker)
+        "rollout": {"n": n, "max_new_tokens": RESPONSE_LEN, "eos_token_id": EOS, "pad_token_id": PAD},
         "algorithm": {
             "adv_estimator": "gae" if ppo else "grpo",
             "gamma": 1.0,
@@ -182,7 +183,6 @@ def make_config(args: argparse.Namespace) -> dict:
             "worker": {
                 **common,
                 "optim": {"lr": args.lr, "weight_decay": 0.0, "grad_clip": 1.0},
-                "rollout": {"max_new_tokens": RESPONSE_LEN, "eos_token_id": EOS, "pad_token_id": PAD},
                 "policy_loss": {"loss_mode": "vanilla", "clip_ratio": 0.2, "loss_agg_mode": "token-mean"},
                 "entropy_coeff": args.entropy_coeff,
                 "use_kl_loss": not ppo,

@@ -342,6 +342,10 @@ class JobConfig(PPOConfig):
         object.__setattr__(typed, _GIVEN, given)
         return dataclasses.replace(section, worker=typed)
 
+    def _one_rollout_section(self) -> None:
+        """Nothing to do: the job's actor worker took its sampling from ``rollout`` when it was typed
+        (:meth:`_typed_role`)."""
+
     def _gives(self, role: str, key: str) -> bool:
         """Whether the job's ``role.worker`` section sets ``key`` (a worker config built directly sets all)."""
         given = getattr(getattr(self, role).worker, _GIVEN, None)
@@ -461,7 +465,7 @@ class JobConfig(PPOConfig):
             data=self.data.trainer_data(),
             actor=actor,
             critic=critic,
-            rollout=self.rollout.trainer_rollout(),
+            rollout=self.rollout.trainer_rollout(actor.worker.rollout),
             algorithm=self.algorithm,
             trainer=trainer,
         )

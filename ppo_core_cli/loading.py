@@ -28,6 +28,8 @@ from typing import Any
 
 from ppo_core._checks import FieldValueError
 from ppo_core._config_base import ConfigBase
+from ppo_core.rollout.engine_config import RolloutEngineConfig
+from ppo_core.rollout.registry import AUTO, rollout_engine_config, rollout_engine_names
 from ppo_core.trainer.presets import PRESETS, apply_preset, preset_overridden
 from ppo_core_cli.aliases import canonical_job_tree
 from ppo_core_cli.config import JobConfig, worker_config_classes
@@ -74,7 +76,11 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
         if path in ("actor.worker", "critic.worker"):
             actor_cls, critic_cls = worker_config_classes(workers)
             _check_keys(actor_cls if path == "actor.worker" else critic_cls, value, path + ".", workers)
-        elif (sub := _config_class(hints[key])) is not None:
+        elif (sub := _config_class(hints[key])) is RolloutEngineConfig:
+            engine = data.get("engine", AUTO)  # the named engine's settings (auto: the config's own error)
+            if isinstance(engine, str) and engine != AUTO and engine in rollout_engine_names():
+                _check_keys(rollout_engine_config(engine), value, path + ".", workers)
+        elif sub is not None:
             _check_keys(sub, value, path + ".", workers)
         elif (item := _dict_value_class(hints[key])) is not None:
             for name, spec in value.items():

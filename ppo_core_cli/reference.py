@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.rollout.registry import rollout_engine_config
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.worker_kinds import worker_kind, worker_kind_names
 
@@ -191,6 +192,7 @@ def _keys(
             yield ConfigKey(path, f.name, depth, type(v).__name__, None, doc, section=True)
             yield from _keys(type(v), v, path + ".", _worker_notes(job, role), None, depth + 1)
         elif sub is not None and v is not None:
+            sub = type(v) if isinstance(v, sub) else sub  # a subclass's keys (the named engine's settings)
             yield ConfigKey(path, f.name, depth, sub.__name__, None, doc, section=True)
             yield from _keys(sub, v, path + ".", notes, job, depth + 1)
         elif (
@@ -328,6 +330,8 @@ def render_markdown() -> str:
             out += _worker_tables(worker, next(k for k in keys if k.path == worker).help)
         if section.path == "reward":
             out += ["", *_scorer_table()]
+        if section.path == "rollout":
+            out += _engine_tables()
     out += [
         "",
         "## `monarch` keys",
@@ -352,6 +356,26 @@ def _worker_tables(path: str, help: str) -> list[str]:
         about = worker_kind(workers).description
         title = f"### `{path}` with `workers: {workers}` (`{cls}`{': ' + about if about else ''})"
         out += ["", title, "", *_table(keys, path + ".")]
+    return out
+
+
+def _engine_tables() -> list[str]:
+    """The settings of each built-in rollout engine (``rollout.engine_config`` with ``rollout.engine: NAME``)."""
+    out = [
+        "",
+        "`rollout.engine_config`: the settings of the engine `rollout.engine` names (its config class, checked when "
+        "the job is read; `auto` takes none). An engine you register brings its own class "
+        "(`ppo_core.rollout.registry`).",
+    ]
+    for name in ("reference", "hf", "megatron"):
+        workers = "megatron" if name == "megatron" else "torch"
+        job = JobConfig.from_dict({"rollout": {"engine": name}, "workers": workers})
+        keys = [k for k in config_keys(job) if k.path.startswith("rollout.engine_config.")]
+        cls = rollout_engine_config(name)
+        title = f"### `rollout.engine_config` with `engine: {name}` (`{cls.__name__}`)"
+        doc = _one_line(inspect.getdoc(cls) or "")
+        out += ["", title, "", doc]
+        out += ["", *_table(keys, "rollout.engine_config.")] if keys else []
     return out
 
 

@@ -2,9 +2,10 @@
 the one place of every sampling setting.
 
 - :class:`JobRolloutConfig`: the trainer's :class:`~ppo_core.trainer.RolloutConfig` (``n``, validation
-  sampling...) and the sampling of :class:`~ppo_core.rollout.sampling.SamplingConfig` (``temperature``,
-  ``max_new_tokens``, ``engine``...) in one section. The actor worker's ``rollout`` is built from it
-  (:meth:`JobRolloutConfig.sampling`); the EOS and padding ids come from the tokenizer unless set here.
+  sampling, and the sampling of :class:`~ppo_core.rollout.sampling.SamplingConfig`: ``temperature``,
+  ``max_new_tokens``, ``engine``...), one section. The actor worker's ``rollout`` is built from it
+  (:meth:`JobRolloutConfig.sampling`: the checked values copied, not checked again); the EOS and padding ids come
+  from the tokenizer unless set here.
 - :class:`JobActorConfig` / :class:`JobCriticConfig`: ``worker`` is, once the job is built, an instance of the
   config class of the job's ``workers`` kind (:mod:`ppo_core_cli.worker_kinds`), e.g.
   :class:`~ppo_core.workers.torch.TorchActorConfig`.
@@ -26,36 +27,39 @@ from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
 
 __all__ = ["JobActorConfig", "JobCriticConfig", "JobRolloutConfig"]
 
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
-_TRAINER_ROLLOUT_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutConfig))
-
 
 @dataclass(kw_only=True)
-class JobRolloutConfig(SamplingConfig, RolloutConfig):
-    """Responses per prompt, validation sampling and the sampling itself: every rollout setting of a job."""
+class JobRolloutConfig(RolloutConfig):
+    """Responses per prompt, validation sampling and the sampling itself: every rollout setting of a job (the
+    trainer's :class:`~ppo_core.trainer.RolloutConfig`, with the EOS and padding ids from the tokenizer by
+    default)."""
 
     eos_token_id: int | None = None
     """Token that ends a response; None: the one of ``model.eos_token`` (see :mod:`ppo_core_cli.tokens`)."""
-    pad_token_id: int | None = None
+    pad_token_id: int | None = None  # type: ignore[assignment]
     """Token written after EOS; None: the one of ``model.pad_token``."""
-
-    def __post_init__(self) -> None:
-        RolloutConfig.__post_init__(self)
-        SamplingConfig.__post_init__(self)
 
     def sampling(self, *, eos_token_id: int | None = None, pad_token_id: int | None = None) -> SamplingConfig:
         """The actor worker's sampling settings: this section's, with ``eos_token_id`` / ``pad_token_id`` (the
         run's, from the tokenizer) where the section leaves them None."""
-        values = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
-        if values["eos_token_id"] is None:
-            values["eos_token_id"] = eos_token_id
-        if values["pad_token_id"] is None:
-            values["pad_token_id"] = 0 if pad_token_id is None else pad_token_id
-        return SamplingConfig(**values)
+        # checked once, when this section was built: the values are handed on, not checked again
+        eos = eos_token_id if self.eos_token_id is None else self.eos_token_id
+        pad = (
+            self.pad_token_id
+            if self.pad_token_id is not None
+            else 0
+            if pad_token_id is None
+            else pad_token_id
+        )
+        return self.sampling_fields().with_special_tokens(eos_token_id=eos, pad_token_id=pad)
 
-    def trainer_rollout(self) -> RolloutConfig:
-        """The :class:`RolloutConfig` part (what the trainer reads)."""
-        return RolloutConfig(**{name: getattr(self, name) for name in _TRAINER_ROLLOUT_FIELDS})
+    def trainer_rollout(self, sampling: SamplingConfig | None = None) -> RolloutConfig:
+        """The trainer's :class:`RolloutConfig`: this section with the sampling of ``sampling`` (the actor worker's,
+        with the run's EOS and padding ids; None: :meth:`sampling` without them). Copied, not checked again."""
+        out = object.__new__(RolloutConfig)
+        for f in dataclasses.fields(RolloutConfig):
+            object.__setattr__(out, f.name, getattr(self, f.name))
+        return out.with_sampling(self.sampling() if sampling is None else sampling)
 
 
 @dataclass(kw_only=True)

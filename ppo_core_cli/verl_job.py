@@ -77,7 +77,7 @@ def job_from_verl(
 
 
 def _job_settings(conversion: VerlConversion) -> dict[str, Any]:
-    # the trainer's layout (sampling under actor.worker.rollout) as a job's: one rollout section
+    # the trainer's settings as a job's (the worker's use_kl_loss is actor.use_kl_loss alone)
     tree = canonical_job_tree(_plain(conversion.settings), warn=False)
     workers = "megatron" if conversion.strategy == "megatron" else "torch"
     for role in ("actor", "critic"):  # the command sets the checkpoint from model.path / model.critic_path

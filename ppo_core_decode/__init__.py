@@ -9,6 +9,8 @@ What is here (one module per concept):
 - :mod:`~ppo_core_decode.decoder_loop`: the layer loop both model forwards share (residual adds fused with the next
   norm or with the products);
 - :mod:`~ppo_core_decode.hf`: :class:`~ppo_core_decode.hf.HFRolloutEngine`, Hugging Face causal LMs;
+- :mod:`~ppo_core_decode.config`: the engines' typed settings (:class:`~ppo_core_decode.config.HFEngineConfig`, the
+  decoder's shared :class:`~ppo_core_decode.config.CachedEngineConfig`), checked once, building their engine;
 - :mod:`~ppo_core_decode.megatron`: :class:`~ppo_core_decode.megatron.MegatronDecodeForward`, megatron-core
   ``GPTModel`` s evaluated from their weights (the engine that wires it in is
   :class:`ppo_core.workers.megatron.rollout.MegatronRolloutEngine`);
@@ -24,9 +26,11 @@ What is here (one module per concept):
 Import rule: this package imports torch, triton, the model libraries (``transformers``, ``megatron.core``, inside
 the functions that need them), ppo-core's core math (``ppo_core.kernels``, ``ppo_core._checks``,
 ``ppo_core.keys``) and the leaf modules of :mod:`ppo_core.rollout` (``sampling``, ``layout``, ``prompt_checks``,
-``registry``); never ``ppo_core.workers``, ``ppo_core.trainer`` or ``ppo_core.backends``. ``ppo_core`` imports it
-only inside functions (the registry's ``hf`` factory, the CUDA sampling path) and in the megatron worker.
+``registry``, ``engine_config``); never ``ppo_core.workers``, ``ppo_core.trainer`` or ``ppo_core.backends``.
+``ppo_core`` imports it only inside functions (the registry's ``hf`` config class, the CUDA sampling path) and in
+the megatron worker.
 
 Choosing an engine is not done here: :mod:`ppo_core.rollout.registry` names the engines (``hf`` is
-:func:`~ppo_core_decode.hf.hf_engine`).
+:class:`~ppo_core_decode.config.HFEngineConfig`, the settings of :class:`~ppo_core_decode.hf.HFRolloutEngine`,
+which builds it).
 """

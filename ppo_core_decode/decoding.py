@@ -60,7 +60,7 @@ from torch import nn
 from ppo_core._checks import check_ndim, check_tensor
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id
-from ppo_core.rollout.sampling import sample_tokens
+from ppo_core.rollout.sampling import SamplingConfig, sample_tokens
 from ppo_core_decode.fused_sampling import fused_sample_record, fused_sampling_available
 from ppo_core_decode.kv_cache import KVCache
 
@@ -230,7 +230,9 @@ class StaticCacheDecoder:
         generator: torch.Generator | None = None,
         step_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> TensorDict:
-        """Sample ``max_new_tokens`` tokens for each left-padded prompt (see the module docstring for the output).
+        """Sample ``max_new_tokens`` tokens for each left-padded prompt (see the module docstring for the output):
+        the keyword form of :meth:`decode`, whose settings are checked here, once, as a
+        :class:`~ppo_core.rollout.sampling.SamplingConfig` (the same errors).
 
         Args:
             prompts: ``[B, P]`` token ids, left-padded, on the model's device (checked and right-padded ones
@@ -246,21 +248,47 @@ class StaticCacheDecoder:
             step_hook: testing/benchmark hook ``(t, logits [B, V]) -> logits`` applied before drawing token ``t``
                 (inside the graph: it must use device operations only).
         """
-        check_ndim("prompts", check_tensor("prompts", prompts), 2)
+        config = SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            engine="reference",  # no engine is built from it: it carries the settings
+        )
+        return self.decode(prompts, prompt_mask, config, generator=generator, step_hook=step_hook, names="")
+
+    @torch.no_grad()
+    def decode(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: SamplingConfig,
+        *,
+        generator: torch.Generator | None = None,
+        step_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        names: str = "config.",
+    ) -> TensorDict:
+        """:meth:`generate` with the settings of a :class:`~ppo_core.rollout.sampling.SamplingConfig` (checked when it
+        was built: ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` are read, not checked again). Checked
+        here: what depends on this call or this model, the prompts, the generator and the EOS / pad ids against the
+        vocabulary (named ``{names}eos_token_id``)."""
+        temperature, r = config.temperature, config.max_new_tokens
         if temperature > 0 and generator is None:
             raise ValueError(
                 "generator is required when temperature > 0 (ppo-core never uses the global RNG)"
             )
-        r = int(max_new_tokens)
-        if r < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        eos_token_id = check_token_id("eos_token_id", eos_token_id, self.vocab_size, optional=True)
-        pad_token_id = check_token_id("pad_token_id", pad_token_id, self.vocab_size)
+        eos_token_id = check_token_id(
+            f"{names}eos_token_id", config.eos_token_id, self.vocab_size, optional=True
+        )
+        pad_token_id = check_token_id(f"{names}pad_token_id", config.pad_token_id, self.vocab_size)
+        top_k, top_p = config.top_k, config.top_p
+        # every prompt check (and "is any prompt padded") is read in the one host sync before the prefill
+        checked = check_prompts(prompts, prompt_mask, self.vocab_size)
         device = self.spec.device
         if prompts.device != device:
             raise ValueError(f"prompts are on {prompts.device}, the model on {device}")
-        # every prompt check (and "is any prompt padded") is read in the one host sync before the prefill
-        checked = check_prompts(prompts, prompt_mask, self.vocab_size)
         prompts, mask, padded = checked.prompts, checked.mask, checked.padded
         b, p = prompts.shape
         if b == 0:
@@ -685,10 +713,9 @@ class CachedRolloutEngine:
 
         Args:
             prompts: ``[B, P]`` left-padded token ids. prompt_mask: ``[B, P]``.
-            config: a sampling config (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-                ``eos_token_id``, ``pad_token_id``).
+            config: the :class:`~ppo_core.rollout.sampling.SamplingConfig` (checked when it was built).
             generator: RNG on the model's device (required unless greedy).
-            decode_kwargs: passed to :meth:`StaticCacheDecoder.generate` (``step_hook``).
+            decode_kwargs: passed to :meth:`StaticCacheDecoder.decode` (``step_hook``).
 
         Returns:
             ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``,
@@ -696,25 +723,11 @@ class CachedRolloutEngine:
         """
         if getattr(config, "batch_invariant", False) and not getattr(self, "batch_invariant", False):
             raise ValueError(
-                f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) but this "
+                f"batch_invariant=True (SamplingConfig; rollout.batch_invariant in a job or trainer config) but this "
                 f"{type(self).__name__} does not compute batch-invariantly "
                 "(HFRolloutEngine(model, batch_invariant=True) and MegatronRolloutEngine(..., batch_invariant=True) do)"
             )
-        # named as the caller knows them here (the decoder checks them again, under its own argument names)
-        check_ndim("prompts", check_tensor("prompts", prompts), 2)
-        vocab_size = self.decoder.vocab_size
-        check_token_id("config.eos_token_id", config.eos_token_id, vocab_size, optional=True)
-        check_token_id("config.pad_token_id", config.pad_token_id, vocab_size)
+        check_ndim("prompts", check_tensor("prompts", prompts), 2)  # its width sizes the forward's context
         with self._eval_mode(), self._decoding(prompts, config):
-            return self.decoder.generate(
-                prompts,
-                prompt_mask,
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-                top_k=getattr(config, "top_k", 0),
-                top_p=config.top_p,
-                eos_token_id=config.eos_token_id,
-                pad_token_id=config.pad_token_id,
-                generator=generator,
-                **decode_kwargs,
-            )
+            # the typed config goes through: its settings were checked once, when it was built
+            return self.decoder.decode(prompts, prompt_mask, config, generator=generator, **decode_kwargs)

@@ -592,6 +592,8 @@ class HFRolloutEngine(CachedRolloutEngine):
 
 
 def hf_engine(model: nn.Module, config: Any) -> HFRolloutEngine:
-    """The registry's ``hf`` factory: :class:`HFRolloutEngine` on ``model`` with ``config.batch_invariant``
-    (every other option at its default)."""
-    return HFRolloutEngine(model, batch_invariant=bool(getattr(config, "batch_invariant", False)))
+    """Deprecated (the registry's ``hf`` entry is :class:`~ppo_core_decode.config.HFEngineConfig`): the engine of
+    ``HFEngineConfig().build(model, config)``, :class:`HFRolloutEngine` with ``config.batch_invariant``."""
+    from ppo_core_decode.config import HFEngineConfig
+
+    return HFEngineConfig().build(model, config)

@@ -700,10 +700,10 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{M}.tokenizer_path", None, ("model.tokenizer_path",), _optional_path, "`~` expanded"),
     # ----- rollout
     Rule(f"{R}.n", 1, ("rollout.n",)),
-    Rule(f"{R}.temperature", 1.0, ("actor.worker.rollout.temperature",)),
-    Rule(f"{R}.top_p", 1.0, ("actor.worker.rollout.top_p",)),
+    Rule(f"{R}.temperature", 1.0, ("rollout.temperature",)),
+    Rule(f"{R}.top_p", 1.0, ("rollout.top_p",)),
     Rule(f"{R}.top_k", -1, convert=_only(-1, 0, None, reason="top-k sampling is not implemented")),
-    Rule(f"{R}.response_length", Ref("data.max_response_length"), ("actor.worker.rollout.max_new_tokens",)),
+    Rule(f"{R}.response_length", Ref("data.max_response_length"), ("rollout.max_new_tokens",)),
     Rule(f"{R}.do_sample", True, convert=_only(True, reason="PPO trains on sampled responses")),
     Rule(f"{R}.ignore_eos", False, convert=_only(False, reason="responses end at EOS")),
     Rule(f"{R}.over_sample_rate", 0, convert=_only(0, 0.0, reason="over-sampling is not implemented")),

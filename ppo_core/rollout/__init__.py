@@ -9,12 +9,14 @@
   the bad argument; left-pads right-padded prompts) (:mod:`~ppo_core.rollout.prompt_checks`);
 - :class:`RolloutEngine`: what an actor worker calls to sample, and :class:`ModelRolloutEngine`, its in-process
   implementation over :func:`generate` (:mod:`~ppo_core.rollout.engine`);
-- :func:`register_rollout_engine`, :func:`get_rollout_engine`, :func:`rollout_engine_names`,
-  :func:`resolve_engine`, :func:`auto_engine_name`: rollout engines by name (:mod:`~ppo_core.rollout.registry`).
+- :class:`RolloutEngineConfig`: an engine's typed settings, checked once, whose ``build(model, sampling)`` returns
+  the engine (:mod:`~ppo_core.rollout.engine_config`);
+- :func:`register_rollout_engine`, :func:`rollout_engine_config`, :func:`rollout_engine_names`,
+  :func:`resolve_engine`, :func:`auto_engine_name`: engine config classes by name (:mod:`~ppo_core.rollout.registry`).
   The KV-cached, graph-captured engine itself is the package :mod:`ppo_core_decode`.
 
-Which engine runs for my model: the one ``rollout.engine`` names (``actor.worker.rollout.engine`` in a trainer
-config, ``SamplingConfig(engine=...)`` for :func:`generate`). The default ``auto`` is
+Which engine runs for my model: the one ``rollout.engine`` names (``SamplingConfig(engine=...)`` for
+:func:`generate`), with the settings of ``rollout.engine_config``. The default ``auto`` is
 :func:`auto_engine_name`: ``hf`` (:class:`~ppo_core_decode.hf.HFRolloutEngine`: static KV cache, CUDA graphs on a
 GPU, fused kernels for the Llama family, batch-invariant numerics on request) for a Hugging Face causal LM;
 ``megatron`` (:class:`~ppo_core.workers.megatron.rollout.MegatronRolloutEngine`) in the megatron actor where its
@@ -37,13 +39,20 @@ Plugging in your own engine (vLLM, SGLang, ...): write a class with
   shard, under the training engine's names; megatron names convert with
   :func:`ppo_core.workers.megatron.megatron_to_hf`).
 
-then register a factory under a name, in a module your entry point imports, and name it in the config::
+then register its config class (its settings, checked once, and ``build``) under a name, in a module your entry
+point imports, and name it in the config::
 
     @register_rollout_engine("vllm")
-    def build(model, config):  # model: the actor's policy module; config: its SamplingConfig
-        return MyVLLMEngine(model, config)
+    @dataclass(kw_only=True)
+    class VLLMEngineConfig(RolloutEngineConfig):
+        gpu_memory_utilization: float = 0.5
+        \"\"\"Fraction of the GPU's memory the engine may take.\"\"\"
 
-    # actor.worker.rollout.engine: vllm        (a config naming an unregistered engine fails when it is built)
+        def build(self, model, sampling):  # model: the actor's policy module; sampling: its SamplingConfig
+            return MyVLLMEngine(model, self, sampling)
+
+    # rollout.engine: vllm
+    # rollout.engine_config: {gpu_memory_utilization: 0.8}   (checked when the config is built)
 
 (or pass ``rollout_engine=factory``, ``factory(policy) -> RolloutEngine``, to ``TorchActorWorker`` /
 ``MegatronActorWorker``). No adapter for an external engine ships with ppo-core.
@@ -60,6 +69,7 @@ Example:
 from __future__ import annotations
 
 from ppo_core.rollout.engine import ModelRolloutEngine, RolloutEngine, WeightReceiver
+from ppo_core.rollout.engine_config import ReferenceEngineConfig, RolloutEngineConfig
 from ppo_core.rollout.generate import generate
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.registry import (
@@ -67,6 +77,7 @@ from ppo_core.rollout.registry import (
     get_rollout_engine,
     register_rollout_engine,
     resolve_engine,
+    rollout_engine_config,
     rollout_engine_names,
 )
 from ppo_core.rollout.sampling import (
@@ -81,7 +92,9 @@ from ppo_core.rollout.sampling import (
 
 __all__ = [
     "ModelRolloutEngine",
+    "ReferenceEngineConfig",
     "RolloutEngine",
+    "RolloutEngineConfig",
     "SamplingConfig",
     "WeightReceiver",
     "auto_engine_name",
@@ -91,6 +104,7 @@ __all__ = [
     "register_rollout_engine",
     "resolve_engine",
     "rollout_batch",
+    "rollout_engine_config",
     "rollout_engine_names",
     "sample_from_logits",
     "sample_tokens",

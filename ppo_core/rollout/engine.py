@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from ppo_core.rollout.generate import generate
+from ppo_core.rollout.generate import reference_generate
 from ppo_core.rollout.sampling import SamplingConfig
 
 __all__ = ["ModelRolloutEngine", "RolloutEngine", "WeightReceiver", "reference_engine"]
@@ -63,7 +63,7 @@ class WeightReceiver(Protocol):
 
 
 class ModelRolloutEngine:
-    """:func:`~ppo_core.rollout.generate.generate` on an in-process causal LM that shares its weights with the
+    """The reference loop (:func:`~ppo_core.rollout.generate.reference_generate`) on an in-process causal LM that shares its weights with the
     training engine (so it needs no ``update_weights``): recomputes every step, or decodes incrementally through
     the model's ``new_cache()`` when it has one. The model is in eval mode while sampling, then put back.
 
@@ -96,11 +96,12 @@ class ModelRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return generate(self.model, prompts, prompt_mask, config, generator=generator)
+            return reference_generate(self.model, prompts, prompt_mask, config, generator=generator)
         finally:
             self.model.train(was_training)
 
 
 def reference_engine(model: nn.Module, config: SamplingConfig) -> ModelRolloutEngine:
-    """The registry's ``reference`` factory: :class:`ModelRolloutEngine` on ``model`` (``config`` fixes nothing)."""
+    """Deprecated (the registry's ``reference`` entry is :class:`~ppo_core.rollout.engine_config.ReferenceEngineConfig`):
+    :class:`ModelRolloutEngine` on ``model`` (``config`` fixes nothing)."""
     return ModelRolloutEngine(model)

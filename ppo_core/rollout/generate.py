@@ -31,10 +31,10 @@ from torch import nn
 
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id, vocab_size_of
-from ppo_core.rollout.registry import AUTO, auto_engine_name, check_engine_name, get_rollout_engine
+from ppo_core.rollout.registry import AUTO, auto_engine_name
 from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_tokens
 
-__all__ = ["engine_for", "generate"]
+__all__ = ["engine_for", "generate", "reference_generate"]
 
 
 @torch.no_grad()
@@ -73,14 +73,28 @@ def generate(
         >>> out["input_ids"].shape, out["rollout_log_probs"].shape
         (torch.Size([2, 6]), torch.Size([2, 4]))
     """
-    if config.temperature > 0 and generator is None:
-        raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
-    name = check_engine_name(config.engine, "config.engine")
+    name = config.engine  # a registered name: checked when the config was built
     if name == AUTO:
         name = auto_engine_name(model, use_cache=config.use_cache)
     if name != "reference":
-        # the engine's decoder checks the prompts and token ids (against the vocabulary it decodes)
+        # the engine checks the generator, the prompts and the token ids (against the vocabulary it decodes)
         return engine_for(model, name, config).generate(prompts, prompt_mask, config, generator=generator)
+    return reference_generate(model, prompts, prompt_mask, config, generator=generator)
+
+
+@torch.no_grad()
+def reference_generate(
+    model: nn.Module,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: SamplingConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> TensorDict:
+    """The ``reference`` engine's loop (what :func:`generate` runs for it, whatever ``config.engine`` says): full
+    recomputation, or the model's own ``new_cache()``. Arguments, checks and output as :func:`generate`."""
+    if config.temperature > 0 and generator is None:
+        raise ValueError("generator is required when temperature > 0 (ppo-core never uses the global RNG)")
     vocab_size = vocab_size_of(model)
     checked = check_prompts(prompts, prompt_mask, vocab_size)
     check_token_id("config.eos_token_id", config.eos_token_id, vocab_size, optional=True)
@@ -88,7 +102,7 @@ def generate(
     prompts, mask_BP = checked.prompts, checked.mask.long()
     if config.batch_invariant:
         raise ValueError(
-            f"batch_invariant=True (SamplingConfig; actor.worker.rollout.batch_invariant in a trainer config) needs a "
+            f"batch_invariant=True (SamplingConfig; rollout.batch_invariant in a job or trainer config) needs a "
             f"Llama-family Hugging Face causal LM with use_cache=True; "
             f"{type(model).__name__} is sampled by the generic loop"
         )
@@ -149,8 +163,9 @@ copyreg.pickle(_EngineSlot, lambda slot: (_EngineSlot, ()))
 
 
 def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
-    """The rollout engine ``name`` for ``model``, built by its registered factory on first use and reused by every
-    later call with the same options (``batch_invariant``) while the model keeps its device and dtype.
+    """The rollout engine ``name`` for ``model``, built from its typed config on first use
+    (:meth:`~ppo_core.rollout.sampling.SamplingConfig.build_engine`) and reused by every later call with the same
+    engine settings and ``batch_invariant`` while the model keeps its device and dtype.
 
     An engine reads the model's current weights at every generation (the Hugging Face engine refreshes its
     concatenated weights and recaptures its graphs per generation unless built with ``keep_cache``), so reusing it
@@ -158,7 +173,8 @@ def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
     """
     param = next(model.parameters(), None)
     placement = (None, None) if param is None else (param.device, param.dtype)
-    key = (name, bool(config.batch_invariant), *placement)
+    settings = config.engine_settings(model, auto=name)
+    key = (name, repr(settings), bool(config.batch_invariant), *placement)
     slot = model.__dict__.get(_SLOT)
     if slot is None:
         slot = _EngineSlot()
@@ -168,6 +184,6 @@ def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
         # an engine built for other options or an old placement is dropped (one engine per model and name)
         for stale in [k for k in slot if k[0] == name]:
             del slot[stale]
-        engine = get_rollout_engine(name)(model, config)
+        engine = settings.build(model, config)
         slot[key] = engine
     return engine

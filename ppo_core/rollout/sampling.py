@@ -27,14 +27,19 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
-from ppo_core._checks import FieldValueError, check_int, check_positive, check_unit_interval
-from ppo_core._config_base import ConfigBase
+from ppo_core._checks import FieldTypeError, FieldValueError, check_int, check_positive, check_unit_interval
+from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.kernels.compiled import cuda_compiled
-from ppo_core.rollout.registry import check_engine_name
+from ppo_core.rollout.engine_config import RolloutEngineConfig
+from ppo_core.rollout.registry import AUTO, auto_engine_name, check_engine_name, rollout_engine_config
 
 __all__ = [
     "SamplingConfig",
@@ -73,10 +78,15 @@ class SamplingConfig(ConfigBase):
     decoding equals full recomputation bit for bit. Slower; an engine that cannot do it raises ``ValueError``."""
     engine: str = "auto"
     """The rollout engine, by its registered name (:mod:`~ppo_core.rollout.registry`): ``auto`` (the engine
-    :func:`~ppo_core.rollout.registry.auto_engine_name` picks for the model), ``reference`` (the simple loop),
-    ``hf`` (Hugging Face causal LMs), ``megatron`` (the megatron actor), or one you registered. An actor worker
-    builds it once and reuses it for every step; :func:`~ppo_core.rollout.generate.generate` keeps the one it built
-    for a model."""
+    :func:`~ppo_core.rollout.registry.auto_engine_name` picks for the model, with its default settings),
+    ``reference`` (the simple loop), ``hf`` (Hugging Face causal LMs), ``megatron`` (the megatron actor), or one
+    you registered. An actor worker builds it once and reuses it for every step;
+    :func:`~ppo_core.rollout.generate.generate` keeps the one it built for a model."""
+    engine_config: dict[str, Any] | RolloutEngineConfig | None = None
+    """The named engine's settings (its config class, :mod:`~ppo_core.rollout.engine_config`: ``hf`` takes
+    ``kv_bucket``, ``check_every``, ``cuda_graphs``, ``keep_cache``...; the reference ``ppo-core config
+    rollout.engine=hf`` lists them), checked when this config is built; an instance of that class once built.
+    None: the engine's defaults. Needs a named ``engine`` (not ``auto``)."""
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -89,6 +99,61 @@ class SamplingConfig(ConfigBase):
             raise FieldValueError("engine", str(err).removeprefix("engine")) from None
         if self.top_p == 0:
             raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
+        self.engine_config = self._typed_engine_config()
+
+    def _typed_engine_config(self) -> RolloutEngineConfig | None:
+        """``engine_config`` as the named engine's config class (its own checks run here, once)."""
+        given = self.engine_config
+        if self.engine == AUTO:
+            if given:  # a non-empty mapping or a config instance
+                raise FieldValueError(
+                    "engine_config",
+                    f" is set ({type(given).__name__}) but engine='auto' picks the engine per model; name the engine "
+                    "whose settings these are (engine: hf, megatron, ...)",
+                )
+            return None
+        cls = rollout_engine_config(self.engine)
+        if isinstance(given, RolloutEngineConfig):
+            if type(given) is not cls:
+                raise FieldTypeError(
+                    "engine_config",
+                    f" must be a {cls.__name__} (the settings of engine={self.engine!r}), got {type(given).__name__}",
+                )
+            return given
+        return _nested("engine_config", lambda: cls.from_dict(given or {}))
+
+    def sampling_fields(self) -> SamplingConfig:
+        """This config's :class:`SamplingConfig` fields as a plain ``SamplingConfig``: how a section that extends it
+        (the trainer's and the job's ``rollout``, which add ``n``...) hands its sampling to the actor worker. The
+        values were checked when this config was built: they are copied, not checked again."""
+        out = object.__new__(SamplingConfig)
+        for f in dataclasses.fields(SamplingConfig):
+            object.__setattr__(out, f.name, getattr(self, f.name))
+        return out
+
+    def with_special_tokens(self, *, eos_token_id: int | None, pad_token_id: int) -> SamplingConfig:
+        """A copy with the run's EOS and padding ids (the tokenizer's): their types are checked here, the other
+        settings are not checked again; an engine checks the ids against its vocabulary when it samples."""
+        out = copy.copy(self)
+        out.eos_token_id = None if eos_token_id is None else check_int("eos_token_id", eos_token_id)
+        out.pad_token_id = check_int("pad_token_id", pad_token_id)
+        return out
+
+    def engine_settings(self, model: nn.Module, *, auto: str | None = None) -> RolloutEngineConfig:
+        """The typed config of the engine that samples for ``model``: :attr:`engine_config` for a named engine,
+        else the default config of the engine ``auto`` picks (``auto``: the caller's own pick, as the megatron
+        actor makes; None: :func:`~ppo_core.rollout.registry.auto_engine_name`)."""
+        if isinstance(self.engine_config, RolloutEngineConfig):
+            return self.engine_config
+        name = self.engine
+        if name == AUTO:
+            name = auto if auto is not None else auto_engine_name(model, use_cache=self.use_cache)
+        return rollout_engine_config(name)()
+
+    def build_engine(self, model: nn.Module, *, auto: str | None = None) -> Any:
+        """The rollout engine for ``model`` (:meth:`engine_settings` ``.build(model, self)``): an actor worker calls
+        this once and reuses the engine for every step."""
+        return self.engine_settings(model, auto=auto).build(model, self)
 
 
 def logits_of(output: object) -> torch.Tensor:

@@ -1,21 +1,27 @@
 """``PPOConfig``: the trainer's typed configuration (data, actor, critic, rollout, algorithm, trainer sections).
 
-The sections hold what the *controller* needs. Worker-specific settings (model, optimiser, mini-batch sizes)
-travel in each role's ``worker``: the workers' typed config (e.g. :class:`ppo_core.workers.torch.TorchActorConfig`)
+The sections hold what the *controller* needs, and ``rollout`` every rollout setting (``n`` and the sampling, which
+the config hands to the actor worker's ``rollout``; the old ``actor.worker.rollout.<key>`` is a deprecated alias,
+:mod:`~ppo_core.trainer.aliases`). Worker-specific settings (model, optimiser, mini-batch sizes) travel in each
+role's ``worker``: the workers' typed config (e.g. :class:`ppo_core.workers.torch.TorchActorConfig`)
 or a free-form dict of its fields, which ``init_workers()`` hands to the worker constructors. Every section round-trips with plain dicts
 (``PPOConfig.from_dict(cfg.to_dict()) == cfg``), so Hydra/OmegaConf/YAML users can feed it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ppo_core._checks import FieldValueError, check_int
-from ppo_core._config_base import ConfigBase
+from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.config import AlgorithmConfig
+from ppo_core.rollout.sampling import SamplingConfig
+from ppo_core.trainer.aliases import canonical_tree
 
 __all__ = [
     "GROUP_ADV_ESTIMATORS",
@@ -124,8 +130,10 @@ class CriticConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
-class RolloutConfig(ConfigBase):
-    """Sampling as the controller drives it (temperature, top-p and lengths belong to the worker)."""
+class RolloutConfig(SamplingConfig):
+    """Every rollout setting, in one section: responses per prompt and validation sampling (what the controller
+    drives) and the sampling itself (:class:`~ppo_core.rollout.sampling.SamplingConfig`: ``temperature``,
+    ``max_new_tokens``, ``engine``...), which :class:`PPOConfig` hands to the actor worker as its ``rollout``."""
 
     n: int = 1
     """Responses sampled per training prompt (a group shares the prompt's ``uid``)."""
@@ -139,8 +147,17 @@ class RolloutConfig(ConfigBase):
     ``training/rollout_probs_diff_*`` measures while the pass runs). No ``actor/entropy`` metric then."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_int("n", self.n, 1)
         check_int("val_n", self.val_n, 1)
+
+    def with_sampling(self, sampling: SamplingConfig) -> RolloutConfig:
+        """A copy with the sampling fields of ``sampling`` (checked when it was built: copied, not checked
+        again)."""
+        out = copy.copy(self)
+        for f in dataclasses.fields(SamplingConfig):
+            setattr(out, f.name, getattr(sampling, f.name))
+        return out
 
 
 @dataclass(kw_only=True)
@@ -230,7 +247,17 @@ class PPOConfig(ConfigBase):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, validation, checkpoints, logging."""
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None = None) -> PPOConfig:  # type: ignore[override]
+        """Build the config from a mapping; the deprecated ``actor.worker.rollout.<key>`` is moved onto
+        ``rollout.<key>`` first (:mod:`~ppo_core.trainer.aliases`: a warning once per key; both set and different:
+        ``ValueError`` naming both)."""
+        if data is not None and not isinstance(data, Mapping):
+            return super().from_dict(data)  # its type error
+        return super().from_dict(canonical_tree(data or {}, strict=False))
+
     def __post_init__(self) -> None:
+        self._one_rollout_section()
         # cross-section rules, checked when the config is built (before any model loads or step runs)
         alg = self.algorithm
         if alg.adv_estimator == "gae" and self.critic.enable is False:
@@ -246,6 +273,52 @@ class PPOConfig(ConfigBase):
         self.check_mini_batches(self.mini_batch_sizes())
         if self.trainer.resident_batches:
             check_resident_config(self)
+
+    def _one_rollout_section(self) -> None:
+        """``rollout`` holds the sampling, and the actor worker samples with it: a typed worker's ``rollout`` is
+        replaced by it, a dict worker gets it as ``rollout`` where it differs from the defaults. A worker whose own
+        ``rollout`` is set while the section is left at the defaults (a config built directly in the old layout)
+        gives the section its sampling; both set and different is an error naming both keys. The values were
+        checked when their config was built: they are handed on, not checked again."""
+        worker = self.actor.worker
+        own: Any = worker_setting(worker, "rollout")
+        top = self.rollout.sampling_fields()
+        if not isinstance(worker, Mapping) and not isinstance(own, SamplingConfig):
+            return  # a custom worker config without sampling settings: nothing to hand on
+        if own is not None:
+            if not isinstance(own, SamplingConfig):
+                own = _nested("actor.worker.rollout", lambda: SamplingConfig.from_dict(own))
+            own = own.sampling_fields()
+            if top == _DEFAULT_SAMPLING:  # the section takes the worker's sampling
+                self.rollout = self.rollout.with_sampling(own)
+                top = own
+            elif own not in (_DEFAULT_SAMPLING, top):
+                changed = [
+                    f.name
+                    for f in dataclasses.fields(SamplingConfig)
+                    if getattr(own, f.name) != getattr(top, f.name)
+                ]
+                key = changed[0]
+                raise FieldValueError(
+                    f"actor.worker.rollout.{key}",
+                    f"={getattr(own, key)!r} (deprecated) and rollout.{key}={getattr(top, key)!r} are both set and "
+                    f"differ; keep only rollout.{key}",
+                )
+        if isinstance(worker, Mapping):
+            rest = {k: v for k, v in worker.items() if k != "rollout"}
+            worker = rest if top == _DEFAULT_SAMPLING else {**rest, "rollout": top.to_dict()}
+        else:
+            worker = copy.copy(worker)
+            object.__setattr__(worker, "rollout", top)
+        self.actor = copy.copy(self.actor)  # the caller's sections are not modified
+        self.actor.worker = worker
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts that :meth:`from_dict` turns back into this config (the sampling at ``rollout`` only: the
+        actor worker's ``rollout`` follows it)."""
+        out = super().to_dict()
+        out["actor"]["worker"].pop("rollout", None)
+        return out
 
     def check_mini_batches(self, sizes: dict[str, int | None]) -> None:
         """Raise ``ValueError`` naming the keys when a role's ``ppo_mini_batch_size`` (``sizes[role]``; None: not
@@ -283,6 +356,8 @@ class PPOConfig(ConfigBase):
         """Whether reference log-probs are needed (in-reward KL or KL loss)."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
+
+_DEFAULT_SAMPLING = SamplingConfig()
 
 RESIDENT_ESTIMATORS = ("grpo",)
 """The advantage estimators ``trainer.resident_batches`` serves (outcome advantages: one value per row)."""

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.trainer.aliases import canonical_tree
 
 __all__ = [
     "IGNORED_KEYS",
@@ -153,7 +154,8 @@ def check_resume_config(
 
     Args:
         saved: the config stored in the checkpoint (``trainer_state["config"]``); None for a checkpoint written
-            without one (logged as a warning, nothing compared).
+            without one (logged as a warning, nothing compared). Its deprecated keys are read as their canonical
+            ones (:mod:`~ppo_core.trainer.aliases`: ``actor.worker.rollout.<key>`` is ``rollout.<key>``).
         current: the resuming run's config (a :class:`ppo_core.trainer.PPOConfig` or its dict).
         checkpoint: the checkpoint folder, for the messages.
         allow: dotted keys the user changes on purpose (``trainer.resume_allow_changes``); a key also allows every
@@ -182,6 +184,8 @@ def check_resume_config(
             "checkpoint %s holds no config: the resumed config cannot be compared with it", checkpoint
         )
         return {}
+    # a checkpoint written before the sampling moved to ``rollout`` is read in today's layout
+    saved = canonical_tree(saved, warn=False, strict=False)
     differences = config_differences(saved, current)
     refused = {
         k: v for k, v in differences.items() if _under(k, MEANING_KEYS) and not _under(k, tuple(allow))

@@ -57,7 +57,8 @@ def test_empty_config_gives_verls_defaults():
     assert actor["seed"] == 42 and actor["kl_loss_type"] == "low_var_kl" and actor["use_reference"] is False
     loss = PolicyLossConfig.from_dict(actor["policy_loss"])
     assert (loss.eps_low, loss.eps_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)
-    assert actor["rollout"]["max_new_tokens"] == 512 and actor["rollout"]["temperature"] == 1.0
+    assert cfg.rollout.max_new_tokens == 512 and cfg.rollout.temperature == 1.0  # the one rollout section
+    assert actor["rollout"]["max_new_tokens"] == 512  # handed to the actor worker (not verl's defaults)
     assert cfg.trainer.total_epochs == 30
     assert cfg.trainer.test_freq == 0 and cfg.trainer.save_freq == 0  # verl's -1 (off)
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
@@ -113,7 +114,8 @@ def test_a_grpo_config_lands_in_place():
     assert (actor["entropy_coeff"], actor["kl_loss_coef"], actor["kl_loss_type"]) == (0.001, 0.01, "k3")
     assert actor["use_kl_loss"] is True and actor["use_reference"] is True
     assert actor["optim"]["lr"] == 3e-6 and TorchActorConfig.from_dict(actor).optim.betas == (0.9, 0.95)
-    assert actor["rollout"] == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 100}
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens) == (0.7, 0.9, 100)
+    assert actor["rollout"] == cfg.rollout.sampling_fields().to_dict()  # what the actor worker samples with
     assert (cfg.rollout.n, cfg.rollout.val_n, cfg.rollout.val_do_sample) == (5, 3, True)
     assert cfg.actor.world_size == 8
     assert (cfg.trainer.total_epochs, cfg.trainer.save_freq, cfg.trainer.test_freq) == (3, 10, 5)
@@ -276,7 +278,7 @@ critic:
     )
     cfg = ppo_config_from_verl(path)
     assert cfg.actor.worker["ppo_mini_batch_size"] == 32 and cfg.actor.worker["optim"]["lr"] == 1e-6
-    assert cfg.actor.worker["rollout"]["max_new_tokens"] == 48
+    assert cfg.rollout.max_new_tokens == 48 and cfg.actor.worker["rollout"]["max_new_tokens"] == 48
     assert cfg.critic.worker["ppo_epochs"] == 1  # an interpolation to a key left out: verl's default
     assert ppo_config_from_verl(str(path)) == cfg
     broken = tmp_path / "broken.yaml"
@@ -376,10 +378,10 @@ PASS_THROUGH = {
     # multiples of verl's default mini-batch (256 prompts), which must divide it (in verl too)
     "data.train_batch_size": ("data.train_batch_size", st.integers(1, 16).map(lambda k: 256 * k)),
     "actor_rollout_ref.rollout.n": ("rollout.n", st.integers(1, 16)),
-    "actor_rollout_ref.rollout.temperature": ("actor.worker.rollout.temperature", st.floats(0.1, 2)),
-    "actor_rollout_ref.rollout.top_p": ("actor.worker.rollout.top_p", st.floats(0.01, 1)),
+    "actor_rollout_ref.rollout.temperature": ("rollout.temperature", st.floats(0.1, 2)),
+    "actor_rollout_ref.rollout.top_p": ("rollout.top_p", st.floats(0.01, 1)),
     "actor_rollout_ref.rollout.response_length": (
-        "actor.worker.rollout.max_new_tokens",
+        "rollout.max_new_tokens",
         st.integers(1, 4096),
     ),
     "actor_rollout_ref.actor.entropy_coeff": ("actor.worker.entropy_coeff", st.floats(0, 0.1)),

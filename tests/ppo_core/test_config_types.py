@@ -29,7 +29,7 @@ from ppo_core.kernels.triton_scan import ScanLaunch
 from ppo_core.kl_control import KLConfig
 from ppo_core.losses import PolicyLossConfig
 from ppo_core.models import TinyGPTConfig
-from ppo_core.rollout import SamplingConfig
+from ppo_core.rollout import ReferenceEngineConfig, RolloutEngineConfig, SamplingConfig
 from ppo_core.rollout_correction import RolloutCorrectionConfig
 from ppo_core.trainer.config import (
     ActorConfig,
@@ -46,6 +46,7 @@ from ppo_core.workers.megatron.config import (
     MegatronModelConfig,
     ParallelConfig,
 )
+from ppo_core.workers.megatron.rollout_config import MegatronEngineConfig
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 from ppo_core_cli.config import (
     JobActorConfig,
@@ -58,6 +59,7 @@ from ppo_core_cli.config import (
     ScorerConfig,
     SFTConfig,
 )
+from ppo_core_decode.config import CachedEngineConfig, HFEngineConfig
 from ppo_core_monarch.config import MonarchConfig
 
 _MODEL = {
@@ -89,6 +91,11 @@ REQUIRED: dict[type, dict[str, typing.Any]] = {
     TorchActorConfig: {},
     TorchCriticConfig: {},
     SamplingConfig: {},
+    RolloutEngineConfig: {},
+    ReferenceEngineConfig: {},
+    CachedEngineConfig: {},
+    HFEngineConfig: {},
+    MegatronEngineConfig: {},
     MegatronModelConfig: _MODEL,
     ParallelConfig: {},
     MegatronActorConfig: {},

@@ -178,6 +178,20 @@ def test_checkpoint_without_config_is_a_warning(caplog):
     assert "old/global_step_3 holds no config" in caplog.text
 
 
+def test_a_checkpoint_of_the_old_rollout_layout_resumes_without_differences(caplog):
+    cfg = PPOConfig.from_dict({"rollout": {"n": 2, "temperature": 0.5, "max_new_tokens": 7}})
+    old = cfg.to_dict()  # as written before the sampling moved to rollout: under actor.worker.rollout
+    sampling = {
+        k: old["rollout"].pop(k)
+        for k in list(old["rollout"])
+        if k not in ("n", "val_n", "val_do_sample", "old_log_probs_from_rollout")
+    }
+    old["actor"]["worker"]["rollout"] = sampling
+    with caplog.at_level(logging.WARNING):
+        assert check_resume_config(old, cfg, checkpoint="old/global_step_3") == {}
+    assert caplog.text == ""
+
+
 # ----- the new trainer fields ------------------------------------------------------------------------------
 
 

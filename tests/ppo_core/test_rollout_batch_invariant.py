@@ -446,20 +446,18 @@ def test_megatron_cached_greedy_decoding_is_full_recomputation_bit_for_bit(cpu_m
         MegatronRolloutEngine(model, cfg, tp_size=2, batch_invariant=True)
 
 
-def test_the_megatron_worker_refuses_batch_invariance_with_tensor_parallelism():
-    from types import SimpleNamespace
+def test_the_megatron_actor_config_refuses_batch_invariance_with_tensor_parallelism():
+    from ppo_core.workers.megatron.config import MegatronActorConfig
 
-    pytest.importorskip("megatron.core")
-    from ppo_core.workers.megatron.workers import _default_rollout
-
-    engine = SimpleNamespace(
-        module=SimpleNamespace(config=SimpleNamespace()), layout=SimpleNamespace(tp_size=2, pp_size=1)
-    )
-    config = SimpleNamespace(
-        rollout=SamplingConfig(batch_invariant=True), model=SimpleNamespace(attention="sdpa")
-    )
-    with pytest.raises(ValueError, match=r"actor\.worker\.rollout\.batch_invariant"):
-        _default_rollout(engine, config, view=None)
+    # checked once, when the config is built (the worker no longer checks it again)
+    with pytest.raises(
+        ValueError,
+        match=r"^rollout\.batch_invariant=True needs parallel\.tensor_model_parallel_size=1, got 2",
+    ):
+        MegatronActorConfig.from_dict(
+            {"rollout": {"batch_invariant": True}, "parallel": {"tensor_model_parallel_size": 2}}
+        )
+    assert MegatronActorConfig.from_dict({"rollout": {"batch_invariant": True}}).rollout.batch_invariant
 
 
 @pytest.mark.parametrize("fast_path", [True, False])

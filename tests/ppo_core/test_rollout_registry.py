@@ -1,11 +1,15 @@
-"""Rollout engines by name (``ppo_core.rollout.registry``): registration, ``auto``, ``generate()`` building one engine
-per model, and the torch actor building its engine once through the registry."""
+"""Rollout engines by name (``ppo_core.rollout.registry``): engine config classes (registration, their checks with
+dotted keys, ``build``), the deprecated factory form, ``auto``, ``generate()`` building one engine per model, and
+the actors building their engine once through their config."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import pickle
+import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from tensordict import TensorDict
 from ppo_core.models import TinyGPT, TinyGPTConfig
 from ppo_core.rollout import (
     ModelRolloutEngine,
+    ReferenceEngineConfig,
+    RolloutEngineConfig,
     SamplingConfig,
     auto_engine_name,
     generate,
@@ -21,9 +27,9 @@ from ppo_core.rollout import (
     register_rollout_engine,
     registry,
     resolve_engine,
+    rollout_engine_config,
     rollout_engine_names,
 )
-from ppo_core.rollout.engine import reference_engine
 from ppo_core.workers.torch import TorchActorConfig, TorchActorWorker
 
 transformers = pytest.importorskip("transformers")
@@ -55,38 +61,55 @@ class _Counting:
 
     builds = 0
 
-    def __init__(self, model: torch.nn.Module, config: SamplingConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: SamplingConfig, label: str = "") -> None:
         type(self).builds += 1
         self.inner = ModelRolloutEngine(model)
+        self.label = label
 
     def generate(self, prompts, prompt_mask, config, *, generator):
-        return self.inner.generate(
-            prompts,
-            prompt_mask,
-            SamplingConfig(**{**config.to_dict(), "engine": "reference", "batch_invariant": False}),
-            generator=generator,
-        )
+        # the reference loop, whatever config.engine names
+        plain = dataclasses.replace(config, batch_invariant=False)
+        return self.inner.generate(prompts, prompt_mask, plain, generator=generator)
+
+
+@dataclass(kw_only=True)
+class _CountingConfig(RolloutEngineConfig):
+    """The counting engine's settings: one label, which must not be empty."""
+
+    label: str = "counted"
+    """Carried to the engine."""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            raise ValueError("label must not be empty")
+
+    def build(self, model: torch.nn.Module, sampling: SamplingConfig) -> _Counting:
+        return _Counting(model, sampling, self.label)
 
 
 @pytest.fixture
 def counting() -> str:
     _Counting.builds = 0
-    register_rollout_engine("counting_test", replace=True)(_Counting)
+    register_rollout_engine("counting_test", replace=True)(_CountingConfig)
     yield "counting_test"
-    registry._FACTORIES.pop("counting_test", None)
+    registry._CONFIGS.pop("counting_test", None)
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([[0, 3, 4], [5, 6, 7]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
 
 
-def test_builtin_names_and_factories() -> None:
+def test_builtin_names_and_config_classes() -> None:
+    from ppo_core.workers.megatron.rollout_config import MegatronEngineConfig
+    from ppo_core_decode.config import HFEngineConfig
+
     names = rollout_engine_names()
     assert {"reference", "hf", "megatron"} <= set(names) and "auto" not in names
-    assert get_rollout_engine("reference") is reference_engine
-    from ppo_core_decode.hf import hf_engine
-
-    assert get_rollout_engine("hf") is hf_engine
+    assert rollout_engine_config("reference") is ReferenceEngineConfig
+    assert rollout_engine_config("hf") is HFEngineConfig and HFEngineConfig.name == "hf"
+    assert rollout_engine_config("megatron") is MegatronEngineConfig
+    # the factory view of a name builds from the config's settings, or the engine's defaults
+    assert isinstance(get_rollout_engine("reference")(_tiny(), SamplingConfig()), ModelRolloutEngine)
 
 
 def test_registration_errors() -> None:
@@ -95,13 +118,80 @@ def test_registration_errors() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         register_rollout_engine("")
     with pytest.raises(ValueError, match="already registered"):
-        register_rollout_engine("reference")(reference_engine)
-    with pytest.raises(TypeError, match="callable"):
+        register_rollout_engine("reference")(ReferenceEngineConfig)
+    with pytest.raises(TypeError, match="RolloutEngineConfig subclass"):
         register_rollout_engine("not_callable_test")(42)  # type: ignore[arg-type]
+
+    class NotADataclass(RolloutEngineConfig):
+        pass
+
+    with pytest.raises(TypeError, match="dataclass"):
+        register_rollout_engine("not_a_dataclass_test")(NotADataclass)
     with pytest.raises(ValueError, match=r"valid names: auto, .*hf.*reference"):
-        get_rollout_engine("nope")
+        rollout_engine_config("nope")
     with pytest.raises(ValueError, match="auto_engine_name"):
-        get_rollout_engine("auto")
+        rollout_engine_config("auto")
+    assert "not_callable_test" not in rollout_engine_names()
+
+
+def test_engine_config_is_checked_once_with_dotted_keys(counting: str) -> None:
+    from ppo_core_decode.config import HFEngineConfig
+
+    with pytest.raises(ValueError, match=r"^rollout\.engine_config\.kv_bucket must be >= 1, got 0$"):
+        TorchActorConfig.from_dict({"rollout": {"engine": "hf", "engine_config": {"kv_bucket": 0}}})
+    with pytest.raises(TypeError, match=r"^rollout\.engine_config\.keep_cache must be a bool"):
+        TorchActorConfig.from_dict({"rollout": {"engine": "hf", "engine_config": {"keep_cache": "no"}}})
+    with pytest.raises(ValueError, match=r"unknown HFEngineConfig field\(s\) \['kvbucket'\]"):
+        SamplingConfig(engine="hf", engine_config={"kvbucket": 64})
+    with pytest.raises(ValueError, match=r"^engine_config: label must not be empty"):
+        SamplingConfig(engine=counting, engine_config={"label": ""})
+    with pytest.raises(ValueError, match=r"^engine_config is set .* engine='auto'"):
+        SamplingConfig(engine_config={"kv_bucket": 64})
+    with pytest.raises(TypeError, match=r"^engine_config must be a _CountingConfig .* got HFEngineConfig"):
+        SamplingConfig(engine=counting, engine_config=HFEngineConfig())
+    # once built, the settings are the engine's typed config; a mapping and the instance give the same config
+    cfg = SamplingConfig(engine="hf", engine_config={"kv_bucket": 64})
+    assert cfg.engine_config == HFEngineConfig(kv_bucket=64)
+    assert cfg == SamplingConfig(engine="hf", engine_config=HFEngineConfig(kv_bucket=64))
+    assert SamplingConfig.from_dict(cfg.to_dict()) == cfg
+    assert (
+        SamplingConfig(engine="hf").engine_config == HFEngineConfig()
+        and SamplingConfig().engine_config is None
+    )
+
+
+def test_engine_settings_reach_the_engine() -> None:
+    engine = SamplingConfig(engine="hf", engine_config={"check_every": 3, "kv_bucket": 16}).build_engine(
+        _llama()
+    )
+    assert (engine.decoder.check_every, engine.decoder.kv_bucket) == (3, 16)
+
+
+def test_a_factory_function_still_registers_with_a_deprecation_warning() -> None:
+    builds = []
+
+    def factory(model, config):
+        builds.append(config.max_new_tokens)
+        return ModelRolloutEngine(model)
+
+    try:
+        with pytest.warns(DeprecationWarning, match="RolloutEngineConfig"):
+            assert register_rollout_engine("factory_test", replace=True)(factory) is factory
+        cls = rollout_engine_config("factory_test")
+        assert issubclass(cls, RolloutEngineConfig) and not dataclasses.fields(cls)
+        lm = _tiny()
+        prompts, mask = _prompts()
+        cfg = SamplingConfig(max_new_tokens=2, temperature=0, engine="factory_test")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one warning, at registration
+            out = generate(lm, prompts, mask, cfg)
+            generate(lm, prompts, mask, cfg)
+        ref = generate(lm, prompts, mask, dataclasses.replace(cfg, engine="reference", engine_config=None))
+        assert builds == [2] and torch.equal(out["responses"], ref["responses"])
+        # a config naming it travels to worker processes (by the engine's name)
+        assert pickle.loads(pickle.dumps(cfg)) == cfg
+    finally:
+        registry._CONFIGS.pop("factory_test", None)
 
 
 def test_auto_rule() -> None:
@@ -204,13 +294,26 @@ def _actor(engine: str, model_factory=None) -> TorchActorWorker:
     )
 
 
-def test_torch_actor_builds_its_engine_once_through_the_registry(counting: str) -> None:
-    actor = _actor(counting)
-    assert isinstance(actor.rollout, _Counting) and _Counting.builds == 1
+def test_torch_actor_builds_its_engine_once_from_its_config(counting: str) -> None:
+    factory = functools.partial(
+        TinyGPT, TinyGPTConfig(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_heads=2)
+    )
+    actor = TorchActorWorker(
+        factory,
+        {
+            "rollout": {"max_new_tokens": 3, "engine": counting, "engine_config": {"label": "mine"}},
+            "ppo_mini_batch_size": 2,
+            "device": "cpu",
+        },
+    )
+    assert isinstance(actor.rollout, _Counting) and _Counting.builds == 1 and actor.rollout.label == "mine"
     prompts, mask = _prompts()
     batch = TensorDict({"input_ids": prompts, "attention_mask": mask}, batch_size=[2])
-    for _ in range(2):
+    for _ in range(3):  # steps: sample, update the weights, sample again
         assert actor.generate_sequences(batch)["responses"].shape == (2, 3)
+        with torch.no_grad():
+            for p in actor.engine.module.parameters():
+                p.add_(0.01)
     assert _Counting.builds == 1
 
 
@@ -238,7 +341,7 @@ def test_megatron_actor_picks_and_builds_its_engine_through_the_registry(countin
     from types import SimpleNamespace
 
     from ppo_core.workers.megatron import workers
-    from ppo_core.workers.megatron.rollout import megatron_engine
+    from ppo_core.workers.megatron.rollout_config import MegatronEngineConfig
 
     def setup(attention: str = "sdpa", pp: int = 1, sp: bool = False, engine: str = "auto"):
         eng = SimpleNamespace(
@@ -261,4 +364,4 @@ def test_megatron_actor_picks_and_builds_its_engine_through_the_registry(countin
     assert isinstance(workers._default_rollout(*setup(engine="reference"), view), ModelRolloutEngine)
     assert isinstance(workers._default_rollout(*setup(attention="te"), view), ModelRolloutEngine)
     with pytest.raises(TypeError, match="MegatronActorWorker"):
-        megatron_engine(view, SamplingConfig())
+        MegatronEngineConfig().build(view, SamplingConfig())

@@ -31,6 +31,14 @@ def test_the_torch_actor_refuses_the_megatron_rollout_engine():
         TorchActorConfig.from_dict({"rollout": {"engine": "megatron"}})
 
 
+def test_the_torch_actor_checks_exact_log_probs_and_the_engine_both():
+    # both checks of TorchActorConfig run (a second __post_init__ once hid the first)
+    with pytest.raises(ValueError, match=r"^exact_log_probs=True needs the batch-invariant sampler"):
+        TorchActorConfig.from_dict({"exact_log_probs": True})
+    cfg = TorchActorConfig.from_dict({"exact_log_probs": True, "rollout": {"batch_invariant": True}})
+    assert cfg.exact_log_probs and cfg.rollout.batch_invariant
+
+
 @pytest.mark.parametrize("cls", [MegatronActorConfig, MegatronCriticConfig])
 def test_megatron_configs_refuse_the_keys_the_run_sets(cls):
     for key in cls.RUN_KEYS:

@@ -17,10 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ppo_core.rollout.sampling import SamplingConfig
+from ppo_core.trainer import aliases
 from ppo_core.workers.config import ModelSource, PPOActorConfig, PPOCriticConfig
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
-from ppo_core_cli import aliases, worker_kinds
+from ppo_core_cli import worker_kinds
 from ppo_core_cli.aliases import canonical_job_tree
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.worker_kinds import WorkerKind, worker_kind
@@ -83,7 +84,7 @@ def test_the_old_rollout_keys_give_the_job_of_the_canonical_keys(values):
 def test_old_keys_warn_once_and_map_onto_the_canonical_keys(caplog, monkeypatch):
     monkeypatch.setattr(aliases, "_warned", set())
     tree = {"actor": {"worker": {"rollout": {"temperature": 0.3}, "use_kl_loss": True, "ppo_epochs": 2}}}
-    with caplog.at_level(logging.WARNING, logger="ppo_core_cli.aliases"):
+    with caplog.at_level(logging.WARNING, logger="ppo_core.trainer.aliases"):
         job = JobConfig.from_dict(tree)
         JobConfig.from_dict(tree)
     assert job.rollout.temperature == 0.3 and job.actor.use_kl_loss and job.actor.worker.ppo_epochs == 2
@@ -124,7 +125,7 @@ def test_the_loader_reads_old_keys_before_the_preset(caplog, monkeypatch):
     from ppo_core_cli.loading import load_job_config
 
     monkeypatch.setattr(aliases, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="ppo_core_cli.aliases"):
+    with caplog.at_level(logging.WARNING, logger="ppo_core.trainer.aliases"):
         job = load_job_config(None, ["preset=grpo"])  # the preset's keys are no deprecated keys of the job
     assert caplog.records == [] and job.actor.use_kl_loss and job.actor.worker.use_kl_loss
 

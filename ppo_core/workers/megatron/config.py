@@ -334,6 +334,12 @@ def _check_data_parallel(config: _MegatronFields, world_size: int) -> int:
         raise FieldValueError("parallel", f": {err}") from None
 
 
+TP_NOT_INVARIANT = (
+    "a row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
+)
+"""Why batch-invariant decoding needs tensor-parallel size 1 (the config's and the engine's errors say it)."""
+
+
 @dataclass(kw_only=True)
 class MegatronActorConfig(PPOActorConfig, _MegatronFields):
     """Actor / rollout / reference on megatron-core: the PPO actor's fields plus model and layout.
@@ -348,6 +354,15 @@ class MegatronActorConfig(PPOActorConfig, _MegatronFields):
     @classmethod
     def _run_placeholders(cls) -> dict[str, Any]:
         return {"model": _PLACEHOLDER_SHAPE}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        tp = self.parallel.tensor_model_parallel_size
+        if self.rollout.batch_invariant and tp > 1:
+            raise FieldValueError(
+                "rollout.batch_invariant",
+                f"=True needs parallel.tensor_model_parallel_size=1, got {tp}: {TP_NOT_INVARIANT}",
+            )
 
     def resolved(self, source: ModelSource) -> MegatronActorConfig:
         """This config with the model shape of ``source.checkpoint`` in ``source.dtype`` and ``hf_checkpoint``

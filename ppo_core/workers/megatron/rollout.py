@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.workers.megatron.config import MegatronModelConfig
+from ppo_core.workers.megatron.config import TP_NOT_INVARIANT, MegatronModelConfig
 from ppo_core.workers.megatron.fused import FusedNorm
 from ppo_core.workers.megatron.model import SDPACoreAttention, logits_window
 from ppo_core_decode.batch_invariant import invariant_linear, invariant_rms_norm, invariant_rows
@@ -50,12 +50,7 @@ from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core_decode.kv_cache import KVCache
 from ppo_core_decode.megatron import MegatronDecodeForward, gather_vocabulary
 
-__all__ = ["MegatronRolloutEngine", "megatron_engine", "own_forward_unsupported"]
-
-TP_NOT_INVARIANT = (
-    "a row-parallel all-reduce sums the ranks' partial products in an order that depends on the message size"
-)
-"""Why batch-invariant decoding needs tensor-parallel size 1 (the engine's and the worker's errors say it)."""
+__all__ = ["TP_NOT_INVARIANT", "MegatronRolloutEngine", "megatron_engine", "own_forward_unsupported"]
 
 
 def own_forward_unsupported(module: nn.Module, config: MegatronModelConfig) -> str | None:
@@ -294,19 +289,9 @@ def _invariant_product(
 
 
 def megatron_engine(view: nn.Module, config: Any) -> MegatronRolloutEngine:
-    """The registry's ``megatron`` factory: :class:`MegatronRolloutEngine` on the megatron actor worker's policy view
-    (its ``module``, ``model_config``, tensor-parallel group and size) with ``config.batch_invariant``."""
-    module = getattr(view, "module", None)
-    model_config = getattr(view, "model_config", None)
-    if module is None or model_config is None:
-        raise TypeError(
-            "the megatron rollout engine is built on the megatron actor worker's policy (rollout.engine: megatron "
-            f"needs MegatronActorWorker), got {type(view).__name__}"
-        )
-    return MegatronRolloutEngine(
-        module,
-        model_config,
-        tp_group=view._tp_group,
-        tp_size=view.layout.tp_size,
-        batch_invariant=bool(getattr(config, "batch_invariant", False)),
-    )
+    """Deprecated (the registry's ``megatron`` entry is
+    :class:`~ppo_core.workers.megatron.rollout_config.MegatronEngineConfig`): the engine of
+    ``MegatronEngineConfig().build(view, config)`` on the megatron actor worker's policy view."""
+    from ppo_core.workers.megatron.rollout_config import MegatronEngineConfig
+
+    return MegatronEngineConfig().build(view, config)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ppo_core.rollout.engine import RolloutEngine
-from ppo_core.rollout.registry import AUTO, build_rollout_engine
 from ppo_core.workers._common import as_config, resolve_device
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
@@ -35,7 +34,6 @@ from ppo_core.workers.megatron.parallel import (
     destroy_megatron_parallel,
     init_megatron_parallel,
 )
-from ppo_core.workers.megatron.rollout import TP_NOT_INVARIANT
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
 
 __all__ = ["MegatronActorWorker", "MegatronCriticWorker", "megatron_attention_mask", "position_ids"]
@@ -123,15 +121,7 @@ def _default_rollout(
     engine: MegatronEngine, config: MegatronActorConfig, view: _LastLogitsView
 ) -> RolloutEngine:
     """The engine ``config.rollout.engine`` names (``auto``: :func:`_auto_engine`), built once for this worker."""
-    if config.rollout.batch_invariant and engine.layout.tp_size > 1:
-        raise ValueError(
-            "actor.worker.rollout.batch_invariant=True needs tensor-parallel size 1, got "
-            f"{engine.layout.tp_size}: {TP_NOT_INVARIANT}"
-        )
-    name = config.rollout.engine
-    if name == AUTO:
-        name = _auto_engine(engine, config)
-    return build_rollout_engine(name, view, config.rollout)
+    return config.rollout.build_engine(view, auto=_auto_engine(engine, config))
 
 
 class MegatronActorWorker(PPOActorWorker):

@@ -92,7 +92,7 @@ class ExactLogProbs:
     Args:
         rollout: the batch-invariant engine (the actor's own rollout engine, or one built on the reference model
             by :meth:`for_module`).
-        sampling: the rollout's sampling settings (``actor.worker.rollout``): the temperature and truncation that
+        sampling: the rollout's sampling settings (``rollout``): the temperature and truncation that
             decide how it computed its log-probs.
 
     Raises:
@@ -105,12 +105,12 @@ class ExactLogProbs:
 
         if not sampling.batch_invariant:
             raise _unsupported(
-                "needs actor.worker.rollout.batch_invariant=True: training reproduces the batch-invariant "
+                "needs rollout.batch_invariant=True: training reproduces the batch-invariant "
                 "sampler's numerics, and the default sampler's differ"
             )
         if not isinstance(rollout, HFRolloutEngine):
             raise _unsupported(
-                f"needs the Hugging Face rollout engine (actor.worker.rollout.engine='hf' on a Llama-family "
+                f"needs the Hugging Face rollout engine (rollout.engine='hf' on a Llama-family "
                 f"transformers model), got {type(rollout).__name__}"
             )
         if not (rollout.fast_path and rollout.batch_invariant):
@@ -120,7 +120,7 @@ class ExactLogProbs:
             )
         if rollout.model.device.type == "cuda" and (sampling.top_k > 0 or sampling.top_p < 1.0):
             raise _unsupported(
-                f"on CUDA needs actor.worker.rollout.top_k=0 and actor.worker.rollout.top_p=1.0 (got "
+                f"on CUDA needs rollout.top_k=0 and rollout.top_p=1.0 (got "
                 f"{sampling.top_k} and {sampling.top_p}): truncated sampling has no bit-exact log-prob rule there"
             )
         self.rollout, self.sampling = rollout, sampling

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ppo_core.rollout.engine import RolloutEngine
-from ppo_core.rollout.registry import build_rollout_engine
 from ppo_core.workers._common import as_config
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.config import OptimConfig
@@ -121,7 +120,7 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
         rollout = (
             rollout_engine(engine.module)
             if rollout_engine is not None
-            else build_rollout_engine(config.rollout.engine, engine.module, config.rollout)
+            else config.rollout.build_engine(engine.module)
         )
         if config.exact_log_probs:
             engine.exact_log_probs = ExactLogProbs(rollout, config.rollout)
