@@ -208,6 +208,48 @@ class Worker:
         mask = batch.get(mask_key).bool()
         return per_row.apply(lambda v: broadcast_rows(v, mask, dtype), batch_size=per_row.batch_size)
 
+    def resident_response_mask(self, batch: Any) -> Any:
+        """``response_mask`` ``[rows, R]`` from ``attention_mask[:, P:]`` for a generation without one (the
+        controller's :func:`~ppo_core.trainer.steps.merge_generation` does the same on a by-value batch)."""
+        from ppo_core.trainer.steps import merge_generation
+
+        rows = batch.select(*(k for k in ("responses", "attention_mask") if k in batch))
+        return merge_generation(rows, rows).select("response_mask")
+
+    def resident_rewards(self, batch: Any, scores: Any, beta: float | None, estimator: str) -> Any:
+        """Token-level scores and rewards (the in-reward KL penalty with ``beta``) of this rank's rows, and their
+        ``[rows]`` columns (:func:`~ppo_core.workers.resident_ops.shape_rewards`)."""
+        from ppo_core.workers.resident_ops import shape_rewards
+
+        return shape_rewards(batch, scores, beta, estimator)
+
+    def resident_gae(self, batch: Any, gamma: float, lam: float, whiten: bool) -> Any:
+        """GAE advantages and returns of this rank's rows (:func:`~ppo_core.workers.resident_ops.gae_rows`)."""
+        from ppo_core.workers.resident_ops import gae_rows
+
+        return gae_rows(batch, gamma, lam, whiten)
+
+    def resident_moments(self, batch: Any, key: str, mask_key: str) -> Any:
+        """:class:`~ppo_core.masked_moments.Moments` of ``batch[key]`` over ``batch[mask_key]`` on this rank's rows."""
+        from ppo_core.masked_moments import masked_moments
+
+        return masked_moments(batch.get(key), batch.get(mask_key).bool())
+
+    def resident_whiten(self, batch: Any, key: str, mask_key: str, moments: Any) -> Any:
+        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0)."""
+        from tensordict import TensorDict
+
+        from ppo_core.masked_moments import whiten_with
+
+        out = whiten_with(batch.get(key), batch.get(mask_key).bool(), moments)
+        return TensorDict({key: out}, batch_size=batch.batch_size)
+
+    def resident_data_metric_parts(self, batch: Any, use_critic: bool) -> Any:
+        """This rank's :class:`~ppo_core.metrics.partial.DataMetricParts` of the step's batch."""
+        from ppo_core.metrics.partial import data_metric_parts
+
+        return data_metric_parts(batch, use_critic=use_critic)
+
     def resident_drop(self, ids: tuple[str, ...]) -> tuple[str, ...]:
         """Forget resident batches ``ids``; those that were held."""
         return tuple(i for i in ids if self._resident_store.drop(i))
