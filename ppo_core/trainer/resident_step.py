@@ -15,19 +15,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, is_non_tensor
 
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.batch import repeat_interleave
 from ppo_core.keys import KEYS
 from ppo_core.masked_moments import combine_moments
-from ppo_core.metrics import Timer, rollout_probs_diff_metrics
+from ppo_core.metrics import Timer
+from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer.config import check_resident_config
-from ppo_core.trainer.reward import call_reward_fn, scores_to_token_level
+from ppo_core.trainer.reward import PendingReward, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
+from ppo_core.trainer.worker_reward import WorkerReward, reward_reads
 from ppo_core.workers.base import get_registration
-from ppo_core.workers.resident_ops import ROW_KL, ROW_REWARD_SUM, ROW_SCORES, ROW_VALID
+from ppo_core.workers.resident_ops import (
+    EXTRA_PREFIX,
+    ROW_KL,
+    ROW_REWARD_SUM,
+    ROW_SCORE_SUM,
+    ROW_SCORES,
+    ROW_VALID,
+)
 from ppo_core.workers.traffic import controller_bytes_metrics
 
 if TYPE_CHECKING:
@@ -51,17 +60,18 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
     with timer("step"):
         prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
         with timer("gen"):
-            ref, _ = actor.dispatch_resident(
-                "generate_sequences", prompts.select(KEYS.input_ids, KEYS.attention_mask), step=step
-            )
+            source = _prompt_rows(trainer, batch, prompts, step)
+            ref, _ = actor.dispatch_resident("generate_sequences", source, step=step)
             if KEYS.response_mask not in ref.key_names:
                 ref, _ = actor.dispatch_resident("resident_response_mask", ref, into=ref)
-            batch = merge_generation(prompts, actor.fetch_resident(ref, ref.key_names))
         with timer("reward"):
-            reward = call_reward_fn(trainer.reward_fn, batch, step, trainer._executor)
+            if isinstance(trainer.reward_fn, WorkerReward):
+                ref, reward = _worker_reward(actor, ref, prompts, trainer.reward_fn)
+            else:
+                reward = _controller_reward(trainer, ref, prompts, step)
         with timer("old_log_prob"):
             ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
-            metrics.update(_old_log_prob_metrics(actor, ref, batch))
+            metrics.update(_old_log_prob_metrics(actor, ref))
         if cfg.use_reference:
             with timer("ref"):
                 ref = _compute_into(
@@ -71,11 +81,15 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
             with timer("values"):
                 ref = _compute_into(actor, trainer.critic_wg, "compute_values", ref, KEYS.values)
         with timer("reward_wait"):
-            scores, extra = reward.result()
-        metrics.update(reward_metrics_by_source(_data_sources(batch), scores, extra))
+            scores, extra = reward.result() if isinstance(reward, PendingReward) else reward
         with timer("adv"):
-            ref, adv_metrics = _rewards_and_advantages(trainer, ref, batch, scores)
+            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, prompts, scores)
             metrics.update(adv_metrics)
+        if (
+            scores is not None and scores.dim() == 1
+        ):  # placed at the last valid token: a row without one has none
+            scores = torch.where(valid, scores, torch.zeros((), dtype=scores.dtype))
+        metrics.update(reward_metrics_by_source(_data_sources(prompts), scores, extra))
         if cfg.use_critic:
             with timer("update_critic"):
                 critic = trainer.critic_wg
@@ -138,32 +152,89 @@ def _end_step(step: int, *groups: WorkerGroup | None) -> None:
             group.end_resident_step(step)
 
 
-def _old_log_prob_metrics(actor: WorkerGroup, ref: BatchRef, batch: TensorDictBase) -> dict[str, float]:
+def _old_log_prob_metrics(actor: WorkerGroup, ref: BatchRef) -> dict[str, float]:
     """``actor/entropy`` (the token-mean of the entropies, from per-rank moments) and, when the rollout returned
-    log-probs, the rollout-vs-old log-prob metrics (those fetch ``old_log_probs``)."""
+    log-probs, the rollout-vs-old probability metrics (from per-rank moments and maxima)."""
     metrics: dict[str, float] = {}
     if KEYS.entropies in ref.key_names:
         parts = actor.gather_resident("resident_moments", ref, KEYS.entropies, KEYS.response_mask)
         metrics["actor/entropy"] = combine_moments(parts).mean
-    if KEYS.rollout_log_probs in batch:
-        old = actor.fetch_resident(ref, [KEYS.old_log_probs])[KEYS.old_log_probs]
-        metrics.update(
-            rollout_probs_diff_metrics(batch[KEYS.rollout_log_probs], old, batch[KEYS.response_mask])
-        )
+    if KEYS.rollout_log_probs in ref.key_names:
+        metrics.update(reduce_rollout_probs_diff(actor.gather_resident("resident_probs_diff_parts", ref)))
     return metrics
 
 
+def _prompt_rows(trainer: BasePPOTrainer, batch: TensorDictBase, prompts: TensorDictBase, step: int) -> Any:
+    """What ``generate_sequences`` reads: a resident batch of the prompt rows, built by the ranks from ``[B]``
+    dataset indices (the training prompts sent once), or, when the batch did not come from the trainer's loader
+    with the default collation, the prompts by value."""
+    loader, actor = trainer.train_dataloader, trainer.actor_wg
+    if trainer.collate_fn is not None or loader.last_batch is not batch or loader.last_indices is None:
+        return prompts.select(KEYS.input_ids, KEYS.attention_mask)
+    sent = trainer.__dict__.setdefault("_resident_prompt_groups", set())
+    if actor.resident_group_id not in sent:
+        table = [torch.as_tensor(item["input_ids"], dtype=torch.long).reshape(-1) for item in loader.dataset]
+        actor.call_all("resident_set_prompts", table)
+        sent.add(actor.resident_group_id)
+    rows = int(prompts.batch_size[0])
+    index = torch.as_tensor(loader.last_indices, dtype=torch.int32).repeat_interleave(rows // len(batch))
+    width = int(batch[KEYS.input_ids].shape[1])
+    source, _ = actor.dispatch_resident(
+        "resident_prompts",
+        TensorDict({"index": index}, batch_size=[rows]),
+        width,
+        trainer.pad_token_id,
+        step=step,
+    )
+    return source
+
+
+def _worker_reward(
+    actor: WorkerGroup, ref: BatchRef, prompts: TensorDictBase, reward: WorkerReward
+) -> tuple[BatchRef, tuple[None, dict[str, list]]]:
+    """Run a :class:`WorkerReward` on the ranks holding the rows: the token-level scores stay there; ``[B]`` row
+    sums and the numeric extra infos come back (strings and None as NaN: the metrics skip them alike)."""
+    fields = prompts.select(*reward.fields) if reward.fields else None
+    ref, _ = actor.dispatch_resident("resident_reward", ref, fields, reward, into=ref)
+    wanted = [ROW_SCORE_SUM, *(k for k in ref.key_names if k.startswith(EXTRA_PREFIX))]
+    got = actor.fetch_resident(ref, wanted)
+    extra = {k[len(EXTRA_PREFIX) :]: got[k].tolist() for k in wanted[1:]}
+    return ref, (got[ROW_SCORE_SUM], extra)
+
+
+def _controller_reward(
+    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, step: int
+) -> PendingReward:
+    """Start a controller-side reward on the generation keys it declares (``reads``; every key when it declares
+    none), fetched once; its scores stay unplaced (``[B]`` or ``[B, R]``) until the ranks place them."""
+    actor, reads = trainer.actor_wg, reward_reads(trainer.reward_fn)
+    keys = ref.key_names if reads is None else reads
+    fetched = actor.fetch_resident(ref, keys)
+    batch = merge_generation(prompts, fetched) if reads is None else _with_fields(fetched, prompts)
+    width = ref.spec(KEYS.responses).shape[0]
+    return call_reward_fn(trainer.reward_fn, batch, step, trainer._executor, width=width)
+
+
+def _with_fields(fetched: TensorDictBase, prompts: TensorDictBase) -> TensorDictBase:
+    for key, value in prompts.items():
+        if is_non_tensor(value) and key not in fetched:
+            fetched.set(key, value)
+    return fetched
+
+
 def _rewards_and_advantages(
-    trainer: BasePPOTrainer, ref: BatchRef, batch: TensorDictBase, scores: torch.Tensor
-) -> tuple[BatchRef, dict[str, float]]:
-    """Scatter the scores, shape the rewards (in-reward KL) and compute the advantages at the workers."""
+    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, scores: torch.Tensor | None
+) -> tuple[BatchRef, torch.Tensor, dict[str, float]]:
+    """Scatter the scores (``[B]`` sequence scores, ``[B, R]`` token-level ones, or None: a worker-side reward kept
+    them), shape the rewards (in-reward KL) and compute the advantages at the workers; also the ``[B]`` row
+    validity (rows with a valid response token)."""
     cfg, actor = trainer.config, trainer.actor_wg
     metrics: dict[str, float] = {}
-    mask = batch[KEYS.response_mask]
-    rows = int(mask.shape[0])
-    row_scores = scores.sum(dim=-1)
-    if torch.equal(scores_to_token_level(row_scores, mask), scores):  # sequence scores: [B] is enough
-        sent = TensorDict({ROW_SCORES: row_scores}, batch_size=[rows])
+    rows = int(prompts.batch_size[0])
+    if scores is None:
+        sent = None
+    elif scores.dim() == 1:
+        sent = TensorDict({ROW_SCORES: scores}, batch_size=[rows])
     else:
         sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
     beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
@@ -171,6 +242,7 @@ def _rewards_and_advantages(
     ref, cols = actor.dispatch_resident(
         "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
     )
+    valid = cols[ROW_VALID]
     if beta is not None:
         current_kl = float(cols[ROW_KL].mean()) if rows else 0.0
         trainer.kl_ctrl.update(current_kl, n_steps=rows)
@@ -181,26 +253,29 @@ def _rewards_and_advantages(
         whole = ref.placement.dp_size == 1
         ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
         if whole:
-            return ref, metrics
+            return ref, valid, metrics
         moments = combine_moments(
             actor.gather_resident("resident_moments", ref, KEYS.advantages, KEYS.response_mask)
         )
         ref, _ = actor.dispatch_resident(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, into=ref
         )
-        return ref, metrics
-    uids = list(batch.get(KEYS.uid).tolist()) if KEYS.uid in batch else None
+        return ref, valid, metrics
+    uids = list(prompts.get(KEYS.uid).tolist()) if KEYS.uid in prompts else None
     per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
-    adv = TensorDict({KEYS.advantages: per_row, KEYS.returns: per_row}, batch_size=[rows])
+    adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
+    dtype = ref.spec(KEYS.token_level_rewards).dtype
+    # the estimator's returns are a copy of its advantages: made at the ranks
     ref, _ = actor.dispatch_resident(
         "resident_broadcast_rows",
         ref,
         adv,
         KEYS.response_mask,
-        ref.spec(KEYS.token_level_rewards).dtype,
+        dtype,
+        {KEYS.returns: KEYS.advantages},
         into=ref,
     )
-    return ref, metrics
+    return ref, valid, metrics
 
 
 def outcome_advantages(

@@ -8,6 +8,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_trainer_loop import (
     EOS,
     PAD,
@@ -23,6 +25,7 @@ from test_trainer_loop import (
 
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.trainer import BasePPOTrainer, read_metrics_jsonl
+from ppo_core.trainer.worker_reward import WorkerReward
 from ppo_core.workers import ColocatedWorker, Dispatch, WorkerSpec, get_registration, register
 from ppo_core.workers.ppo import ACTOR_UPDATE_KEYS
 from ppo_core.workers.torch import TorchActorWorker, TorchCriticWorker
@@ -145,7 +148,14 @@ VARIANTS = {
 }
 
 
-def _run(path, resident: bool, world: int, variant: str = "grpo", trainer_cls=ResidentTrainer):
+def _run(
+    path,
+    resident: bool,
+    world: int,
+    variant: str = "grpo",
+    trainer_cls=ResidentTrainer,
+    reward=reward_first_token,
+):
     RECORDS.clear()
     KEYS_SEEN.clear()
     overrides = {section: dict(values) for section, values in VARIANTS[variant].items()}
@@ -170,7 +180,7 @@ def _run(path, resident: bool, world: int, variant: str = "grpo", trainer_cls=Re
         trainer={"total_epochs": 1, "save_freq": 0, "test_freq": 0, "resident_batches": resident},
         **overrides,
     )
-    trainer = trainer_cls(cfg, train_dataset=make_dataset(6), val_dataset=[], reward_fn=reward_first_token)
+    trainer = trainer_cls(cfg, train_dataset=make_dataset(6), val_dataset=[], reward_fn=reward)
     try:
         trainer.fit()
     finally:
@@ -278,3 +288,69 @@ def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
             algorithm={"adv_estimator": "grpo", "rollout_correction": {"rollout_is": "token"}},
             trainer={"resident_batches": True},
         )
+
+
+class ReadsResponses:
+    """A controller-side reward declaring the generation keys it reads: only those are fetched."""
+
+    reads = ("responses",)
+
+    def __call__(self, batch):
+        assert set(batch.keys()) - {"uid", "ground_truth", "data_source"} == {"responses"}
+        return reward_first_token(batch)
+
+
+WORKER_REWARD = WorkerReward(reward_first_token, reads=("responses",), fields=("ground_truth",))
+
+
+@pytest.mark.parametrize(
+    ("world", "variant"),
+    [(1, "grpo"), (2, "grpo"), (2, "ppo")],
+    ids=["tinygpt-world1-grpo", "toy-world2-grpo", "toy-world2-ppo"],
+)
+def test_a_worker_side_reward_and_a_reward_reading_declared_keys_equal_the_by_value_run(
+    tmp_path, monkeypatch, world, variant
+) -> None:
+    """The same reward scored on the ranks holding the responses (``WorkerReward``: the scores stay there, ``[B]``
+    row sums come back) or on the controller from the keys it declares (only those fetched): the by-value run's
+    results; and the controller fetches no ``[B, R]`` key for a worker-side reward."""
+    from ppo_core.workers.group import WorkerGroup
+
+    fetched: list[tuple[str, ...]] = []
+    fetch = WorkerGroup.fetch_resident
+
+    def recording(self, ref, keys):
+        fetched.append(tuple(keys))
+        return fetch(self, ref, keys)
+
+    monkeypatch.setattr(WorkerGroup, "fetch_resident", recording)
+    exact = variant != "ppo" or world == 1
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant, reward=WORKER_REWARD)
+    for name, reward in (("worker", WORKER_REWARD), ("reads", ReadsResponses()), ("all", reward_first_token)):
+        fetched.clear()
+        records, metrics, _ = _run(tmp_path / name, True, world, variant, reward=reward)
+        _check_equal(by_value, records, value_metrics, metrics, exact_all=exact)
+        assert len(fetched) == 3, (name, fetched)  # one fetch a step
+        if name == "worker":
+            assert set(fetched) == {("row_score_sum",)}  # this reward returns no extra infos
+        elif name == "reads":
+            assert set(fetched) == {("responses",)}
+        else:  # a reward that declares nothing gets the whole generation
+            assert len(set(fetched)) == 1 and {"responses", "response_mask", "input_ids"} <= set(fetched[0])
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=5), min_size=1, max_size=6),
+    st.data(),
+)
+def test_prompt_rows_are_the_collated_rows(items, data) -> None:
+    """A rank rebuilds its prompt rows from dataset indices exactly as the controller's collation pads the batch."""
+    from ppo_core.trainer.data import collate_prompts
+    from ppo_core.workers.resident_ops import prompt_rows
+
+    index = data.draw(st.lists(st.integers(0, len(items) - 1), min_size=1, max_size=8))
+    table = [torch.tensor(i) for i in items]
+    batch = collate_prompts([{"input_ids": items[i]} for i in index], pad_token_id=7)
+    width = int(batch["input_ids"].shape[1])
+    ids, mask = prompt_rows(table, torch.tensor(index, dtype=torch.int32), width, 7)
+    assert torch.equal(ids, batch["input_ids"]) and torch.equal(mask, batch["attention_mask"])
