@@ -59,8 +59,8 @@ class TokenStats:
 class DataMetricParts:
     """One shard's contribution to the data metrics (see the module docstring).
 
-    ``rows``: ``[b]`` float64 columns ``score`` and ``reward`` (row sums over all positions), ``response`` and, with
-    an attention mask, ``prompt`` (lengths); ``widths``: ``(T, P or None)``; ``tokens``: :class:`TokenStats` per
+    ``rows``: ``[b]`` columns ``score`` and ``reward`` (row sums over all positions, in the keys' dtype),
+    ``response`` and, with an attention mask, ``prompt`` (int32 lengths); ``widths``: ``(T, P or None)``; ``tokens``: :class:`TokenStats` per
     token-level key; ``returns`` / ``residual``: moments of ``returns`` and ``returns - values`` (with a critic).
     """
 
@@ -94,13 +94,15 @@ def data_metric_parts(batch: TensorDictBase, use_critic: bool = True) -> DataMet
     lengths = _lengths(batch)
     mask = batch.get(KEYS.response_mask) != 0
     _check_finite(batch, token_keys, mask, lengths.response > 0)
+    # compact: the row sums in their own dtype (the metrics widen them to float64, as on the whole batch), the
+    # lengths (whole numbers) as int32
     columns = {
-        "score": batch.get(KEYS.token_level_scores).sum(-1).to(torch.float64),
-        "reward": batch.get(KEYS.token_level_rewards).sum(-1).to(torch.float64),
-        "response": lengths.response,
+        "score": batch.get(KEYS.token_level_scores).sum(-1),
+        "reward": batch.get(KEYS.token_level_rewards).sum(-1),
+        "response": lengths.response.to(torch.int32),
     }
     if lengths.prompt is not None:
-        columns["prompt"] = lengths.prompt
+        columns["prompt"] = lengths.prompt.to(torch.int32)
     rows = TensorDict(columns, batch_size=[int(batch.batch_size[0])])
     keys = [*_TOKEN_KEYS, KEYS.values] if use_critic else list(_TOKEN_KEYS)
     tokens = {key: _token_stats(batch.get(key), mask) for key in keys}
@@ -123,8 +125,8 @@ def lengths_of_parts(parts: Sequence[DataMetricParts]) -> _Lengths:
         raise ValueError("no data metric parts to reduce")
     rows = torch.cat([p.rows for p in parts], dim=0)
     width, prompt_width = parts[0].widths
-    prompt = rows.get("prompt") if "prompt" in rows else None
-    return _Lengths(rows.get("response"), width, prompt, prompt_width)
+    prompt = rows.get("prompt").to(torch.float64) if "prompt" in rows else None
+    return _Lengths(rows.get("response").to(torch.float64), width, prompt, prompt_width)
 
 
 def _token_metrics(prefix: str, stats: Sequence[TokenStats]) -> dict[str, float]:
