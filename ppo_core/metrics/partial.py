@@ -29,10 +29,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ppo_core.keys import KEYS
-from ppo_core.masked import masked_mean
 from ppo_core.masked_moments import Moments, combine_moments, masked_moments
 from ppo_core.metrics._lengths import _Lengths, _lengths
-from ppo_core.metrics.data import VF_EXPLAINED_VAR_EPS, _check_finite, _stats
+from ppo_core.metrics.data import VF_EXPLAINED_VAR_EPS, _check_finite, _length_metrics, _stats
 
 __all__ = [
     "DataMetricParts",
@@ -147,7 +146,6 @@ def reduce_data_metric_parts(parts: Sequence[DataMetricParts], use_critic: bool 
     lengths = lengths_of_parts(parts)
     rows = torch.cat([p.rows for p in parts], dim=0)
     non_aborted = lengths.response > 0
-    all_rows = torch.ones_like(non_aborted)
     metrics: dict[str, float] = {}
     metrics |= _stats("critic/score", rows.get("score"), non_aborted)
     metrics |= _stats("critic/rewards", rows.get("reward"), non_aborted)
@@ -160,14 +158,4 @@ def reduce_data_metric_parts(parts: Sequence[DataMetricParts], use_critic: bool 
         metrics["critic/vf_explained_var"] = (
             0.0 if returns.count < 2 else 1.0 - residual.var() / (returns.var() + VF_EXPLAINED_VAR_EPS)
         )
-    clipped = (lengths.response == lengths.response_width).to(torch.float64)
-    metrics |= _stats("response_length", lengths.response, all_rows)
-    metrics["response_length/clip_ratio"] = float(masked_mean(clipped, all_rows))
-    metrics |= _stats("response_length_non_aborted", lengths.response, non_aborted)
-    metrics["response_length_non_aborted/clip_ratio"] = float(masked_mean(clipped, non_aborted))
-    metrics["response/aborted_ratio"] = float(masked_mean((~non_aborted).to(torch.float64), all_rows))
-    if lengths.prompt is not None:
-        metrics |= _stats("prompt_length", lengths.prompt, all_rows)
-        prompt_clipped = (lengths.prompt == lengths.prompt_width).to(torch.float64)
-        metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
-    return metrics
+    return metrics | _length_metrics(lengths)

@@ -155,6 +155,7 @@ def _run(
     variant: str = "grpo",
     trainer_cls=ResidentTrainer,
     reward=reward_first_token,
+    collate_fn=None,
 ):
     RECORDS.clear()
     KEYS_SEEN.clear()
@@ -180,7 +181,9 @@ def _run(
         trainer={"total_epochs": 1, "save_freq": 0, "test_freq": 0, "resident_batches": resident},
         **overrides,
     )
-    trainer = trainer_cls(cfg, train_dataset=make_dataset(6), val_dataset=[], reward_fn=reward)
+    trainer = trainer_cls(
+        cfg, train_dataset=make_dataset(6), val_dataset=[], reward_fn=reward, collate_fn=collate_fn
+    )
     try:
         trainer.fit()
     finally:
@@ -354,3 +357,30 @@ def test_prompt_rows_are_the_collated_rows(items, data) -> None:
     width = int(batch["input_ids"].shape[1])
     ids, mask = prompt_rows(table, torch.tensor(index, dtype=torch.int32), width, 7)
     assert torch.equal(ids, batch["input_ids"]) and torch.equal(mask, batch["attention_mask"])
+
+
+@pytest.mark.parametrize("collate", [False, True], ids=["indices", "custom-collate-by-value"])
+def test_prompts_go_as_indices_unless_the_trainer_collates_its_own_way(
+    tmp_path, monkeypatch, collate
+) -> None:
+    """With the default collation the ranks rebuild the prompt rows from dataset indices; a trainer with its own
+    ``collate_fn`` sends them by value. Both equal the by-value run bit for bit."""
+    import functools
+
+    from ppo_core.trainer.data import collate_prompts
+    from ppo_core.workers.group import WorkerGroup
+
+    methods: list[str] = []
+    dispatch = WorkerGroup.dispatch_resident_async
+
+    def recording(self, method, *args, **kwargs):
+        methods.append(method)
+        return dispatch(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerGroup, "dispatch_resident_async", recording)
+    collate_fn = functools.partial(collate_prompts, pad_token_id=PAD) if collate else None
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, 2, collate_fn=collate_fn)
+    resident, resident_metrics, _ = _run(tmp_path / "resident", True, 2, collate_fn=collate_fn)
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True)
+    assert methods.count("resident_prompts") == (0 if collate else 3)
+    assert methods.count("generate_sequences") == 3
