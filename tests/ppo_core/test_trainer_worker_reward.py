@@ -73,3 +73,26 @@ def test_unplaced_scores_keep_their_shape_and_are_checked() -> None:
         _normalize(torch.zeros(2, 4), batch, width=3)
     with pytest.raises(ValueError, match="uids"):
         _normalize([1.0, float("nan")], batch, width=3)
+
+
+def test_the_rule_based_reward_scores_a_batch_of_the_keys_it_declares() -> None:
+    """``RuleBasedReward.reads`` is all it needs of the generation (a resident step fetches only that)."""
+    from ppo_core.rewards import RuleBasedReward
+
+    class Digits:
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return ["#### " + "".join(str(t) for t in row) for row in rows]
+
+    reward = RuleBasedReward(Digits(), timeout_s=None)
+    assert reward_reads(reward) == ("responses", "response_mask")
+    batch = TensorDict(
+        {
+            "responses": torch.tensor([[4, 2, 0], [7, 0, 0]]),
+            "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+            "data_source": NonTensorStack.from_list(["openai/gsm8k", "openai/gsm8k"]),
+            "ground_truth": NonTensorStack.from_list(["42", "8"]),
+        },
+        batch_size=[2],
+    )
+    scores, _ = reward(batch)
+    assert scores.tolist() == [1.0, 0.0]
