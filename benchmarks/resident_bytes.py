@@ -16,7 +16,7 @@ an actor whose methods return tensors of the right shapes and compute nothing, w
 Bytes are the step's ``perf/controller_bytes`` (the groups' transport counters: each rank's copy counted, tensors
 plus the pickle of the rest), averaged over ``--repeats`` steps after a first one. ``--backend local`` (default) runs
 the ranks in this process (bytes only); ``--backend monarch`` runs ``--procs`` Monarch processes a host and also
-reports the median step time; ``--hosts 2`` simulates two hosts (worker loops on 127.0.0.1, pickled over TCP as
+reports the median step time and the controller's CPU time a step (``time.process_time`` of this process); ``--hosts 2`` simulates two hosts (worker loops on 127.0.0.1, pickled over TCP as
 across a network). The target of ``docs/resident-batches.md``: at most ``64 B x rows + 1 MB`` a resident step,
 whatever ``Lr``.
 
@@ -32,6 +32,7 @@ import contextlib
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -98,7 +99,11 @@ class NullTrainer(BasePPOTrainer):
         self.actor_wg = self.group_factory()
 
     def train_step(self, batch, epoch):
+        cpu = time.process_time()
         metrics = super().train_step(batch, epoch)
+        metrics["controller_cpu_s"] = (
+            time.process_time() - cpu
+        )  # this process: the controller (and, local, the ranks)
         self.steps.append(metrics)
         return metrics
 
@@ -199,6 +204,11 @@ def main() -> None:
                     "received": int(statistics.mean(received)),
                     "bytes_per_row": round(statistics.mean(total) / args.rows, 1),
                     "first_step_bytes": int(steps[0]["perf/controller_bytes"]),
+                    "median_controller_cpu_s": (
+                        round(statistics.median(m["controller_cpu_s"] for m in measured), 4)
+                        if args.backend != "local"
+                        else None
+                    ),
                     "median_step_s": (
                         round(statistics.median(m["perf/time_per_step"] for m in measured), 4)
                         if args.backend != "local"
