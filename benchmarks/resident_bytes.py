@@ -1,27 +1,28 @@
-"""Bytes through the controller for one GRPO-shaped null-compute step, by value against resident batches, in one
-run; prints one JSON object.
+"""Bytes through the controller for real GRPO ``train_step`` calls on null-compute workers, by value against
+resident batches, in one run; prints one JSON object.
 
-Both paths make the same calls a GRPO ``train_step`` makes (no critic, no reference, outcome reward), on workers
-that compute nothing (tensors of the right shapes and dtypes):
+Both paths run ``BasePPOTrainer.train_step`` (GRPO, no critic, no reference, ``rollout.n`` responses a prompt) on
+an actor whose methods return tensors of the right shapes and compute nothing, with the reward wrapped in a
+``WorkerReward`` (it reads the response mask):
 
-- ``by_value`` (what ``BasePPOTrainer`` does today): prompts ``[B, Lp]`` go out; ``generate_sequences`` returns
-  ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``response_mask``; the whole batch goes out
-  again to ``compute_log_prob`` (``old_log_probs`` ``[B, Lr]`` back); the controller adds token-level scores,
-  rewards, advantages and returns ``[B, Lr]`` and sends the whole batch to ``update_actor``.
-- ``resident``: prompts go out as dataset indices ``[B]``; the generation stays in the workers (the response
-  lengths come back); the reward runs on the ranks holding the responses (``[B]`` scores back); log-probs are
-  added in place; GRPO outcome advantages are computed on the controller from the ``[B]`` scores and scattered
-  ``[B]``; ``update_actor`` gets the handle; the step's batches are dropped at its end.
+- ``by_value`` (the default trainer): the prompts ``[B, Lp]`` go out, the generation comes back, the whole batch
+  goes out again to ``compute_log_prob`` and ``update_actor``; the reward, the advantages and the data metrics run
+  on the controller.
+- ``resident`` (``trainer.resident_batches``): the prompts go out as ``[B]`` dataset indices (their token ids sent
+  once, at the first step, not counted below), the generation stays in the workers, the reward runs on the ranks
+  holding the responses, log-probs are added in place, GRPO's outcome advantages go out as ``[B]`` values, the data
+  metrics come back as per-rank partials.
 
-Bytes are the groups' transport counters (``WorkerGroup.traffic``: each rank's copy counted, tensors plus the
-pickle of the rest). ``--backend local`` (default) runs the ranks in this process (bytes only: nothing crosses a
-process, so its times say nothing); ``--backend monarch`` runs ``--procs`` Monarch processes on this machine and
-also reports the median step time of each path; ``--hosts 2`` simulates two hosts (worker loops on 127.0.0.1,
-pickled over TCP as across a network).
+Bytes are the step's ``perf/controller_bytes`` (the groups' transport counters: each rank's copy counted, tensors
+plus the pickle of the rest), averaged over ``--repeats`` steps after a first one. ``--backend local`` (default) runs
+the ranks in this process (bytes only); ``--backend monarch`` runs ``--procs`` Monarch processes a host and also
+reports the median step time and the controller's CPU time a step (``time.process_time`` of this process); ``--hosts 2`` simulates two hosts (worker loops on 127.0.0.1, pickled over TCP as
+across a network). The target of ``docs/resident-batches.md``: at most ``64 B x rows + 1 MB`` a resident step,
+whatever ``Lr``.
 
 Usage:
-    python benchmarks/resident_bytes.py [--rows 512] [--n 8] [--lp 1024] [--lr 1024 4096] [--procs 2]
-        [--backend local|monarch] [--hosts 1] [--repeats 3]
+    python benchmarks/resident_bytes.py [--rows 2048] [--n 8] [--lp 1024] [--lr 1024 4096] [--procs 2]
+        [--backend local|monarch] [--hosts 1] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +41,9 @@ from tensordict import TensorDict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
+from ppo_core.trainer import BasePPOTrainer, WorkerReward
 from ppo_core.workers import Dispatch, Worker, WorkerSpec, register
+from ppo_core.workers.ppo import ACTOR_UPDATE_KEYS, FORWARD_KEYS, GENERATE_KEYS
 
 # The worker class lives in this script: Monarch pickles classes of __main__ by value.
 
@@ -47,12 +51,13 @@ from ppo_core.workers import Dispatch, Worker, WorkerSpec, register
 class NullActor(Worker):
     """GRPO actor whose methods return tensors of the right shapes and compute nothing."""
 
-    def __init__(self, lp: int, lr: int, prompts: int) -> None:
+    def __init__(self, lr: int) -> None:
         super().__init__()
-        self.lp, self.lr = lp, lr
-        self.dataset = torch.randint(3, 1000, (prompts, lp))  # the prompt dataset every rank can read
+        self.lr = lr
 
-    def _generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor) -> TensorDict:
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=GENERATE_KEYS)
+    def generate_sequences(self, batch: TensorDict) -> TensorDict:
+        prompt, prompt_mask = batch["input_ids"], batch["attention_mask"]
         b = prompt.shape[0]
         responses = torch.ones(b, self.lr, dtype=torch.int64)
         mask = torch.ones(b, self.lr, dtype=torch.int64)
@@ -67,76 +72,73 @@ class NullActor(Worker):
             batch_size=[b],
         )
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate_sequences(self, batch: TensorDict) -> TensorDict:
-        return self._generate(batch["input_ids"], batch["attention_mask"])
-
-    @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate_from_index(self, batch: TensorDict) -> TensorDict:
-        prompt = self.dataset[batch["index"]]
-        out = self._generate(prompt, torch.ones_like(prompt))
-        out.set("response_length", out["response_mask"].sum(-1))
-        return out
-
-    @register(dispatch=Dispatch.DP_COMPUTE, reads=("responses", "response_mask"))
-    def reward(self, batch: TensorDict) -> TensorDict:
-        score = (batch["response_mask"].sum(-1) % 3).float()
-        return TensorDict({"score": score}, batch_size=batch.batch_size)
-
-    @register(dispatch=Dispatch.DP_COMPUTE, reads=("input_ids", "attention_mask", "responses"))
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=FORWARD_KEYS)
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        return TensorDict(
-            {"old_log_probs": torch.zeros(batch["responses"].shape)}, batch_size=batch.batch_size
-        )
+        shape = batch["responses"].shape
+        return TensorDict({"old_log_probs": torch.zeros(shape)}, batch_size=batch.batch_size)
 
-    @register(
-        dispatch=Dispatch.DP_COMPUTE_METRIC,
-        reads=("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages"),
-    )
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, reads=ACTOR_UPDATE_KEYS)
     def update_actor(self, batch: TensorDict) -> dict:
-        adv = batch["advantages"]
-        if adv.dim() == 1:  # outcome advantages arrive per row; every response token gets its row's value
-            adv = adv[:, None].expand_as(batch["old_log_probs"])
-        return {"actor/pg_loss": float((adv * batch["response_mask"]).sum())}
+        return {"actor/pg_loss": float((batch["advantages"] * batch["response_mask"]).sum())}
 
 
-def _grpo_outcome(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """``[B]`` outcome advantages: each score minus its group's mean over its group's std (groups of ``n`` rows)."""
-    g = scores.view(-1, n)
-    return ((g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-6)).reshape(-1)
+def null_reward(batch: TensorDict) -> torch.Tensor:
+    """A score from the response lengths (0, 1 or 2): something to normalise, nothing to compute."""
+    return (batch["response_mask"].sum(-1) % 3).float()
 
 
-def step_by_value(wg, rows: int, n: int, lp: int) -> None:
-    prompts = TensorDict(
-        {
-            "input_ids": torch.randint(3, 1000, (rows, lp)),
-            "attention_mask": torch.ones(rows, lp, dtype=torch.int64),
+class NullTrainer(BasePPOTrainer):
+    """The trainer on a null actor group, built by ``group_factory``; records each step's metrics."""
+
+    def __init__(self, *args, group_factory, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group_factory = group_factory
+        self.steps: list[dict] = []
+
+    def init_workers(self) -> None:
+        self.actor_wg = self.group_factory()
+
+    def train_step(self, batch, epoch):
+        cpu = time.process_time()
+        metrics = super().train_step(batch, epoch)
+        metrics["controller_cpu_s"] = (
+            time.process_time() - cpu
+        )  # this process: the controller (and, local, the ranks)
+        self.steps.append(metrics)
+        return metrics
+
+
+def run_trainer(
+    group_factory, *, rows: int, n: int, lp: int, steps: int, resident: bool, log_dir: str
+) -> list:
+    """``steps`` GRPO ``train_step`` calls; each step's metrics."""
+    prompts = rows // n
+    g = torch.Generator().manual_seed(0)
+    dataset = [{"input_ids": torch.randint(3, 1000, (lp,), generator=g).tolist()} for _ in range(prompts)]
+    cfg = {
+        "data": {"train_batch_size": prompts, "shuffle": False},
+        "rollout": {"n": n},
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+        "actor": {"use_kl_loss": False, "world_size": 1},
+        "trainer": {
+            "total_epochs": steps,
+            "total_training_steps": steps,
+            "save_freq": 0,
+            "test_freq": 0,
+            "resume_mode": "disable",
+            "default_local_dir": log_dir,
+            "loggers": [],
+            "progress_bar": False,
+            "resident_batches": resident,
         },
-        batch_size=[rows],
-    )
-    batch = wg.generate_sequences(prompts)
-    scores = (batch["response_mask"].sum(-1) % 3).float()  # the controller-side reward reads the responses
-    batch.update(wg.compute_log_prob(batch))
-    adv = _grpo_outcome(scores, n)[:, None] * batch["response_mask"]
-    token_scores = torch.zeros_like(batch["old_log_probs"])
-    for key in ("token_level_scores", "token_level_rewards"):
-        batch.set(key, token_scores)
-    batch.set("advantages", adv.float())
-    batch.set("returns", adv.float())
-    wg.update_actor(batch)
-
-
-def step_resident(wg, rows: int, n: int, step: int) -> None:
-    index = TensorDict({"index": torch.arange(rows // n).repeat_interleave(n)}, batch_size=[rows])
-    ref, _lengths = wg.dispatch_resident(
-        "generate_from_index", index, columns=("response_length",), step=step
-    )
-    ref, cols = wg.dispatch_resident("reward", ref, into=ref, columns=("score",))
-    ref, _ = wg.dispatch_resident("compute_log_prob", ref, into=ref)
-    adv = _grpo_outcome(cols["score"], n)
-    ref = wg.scatter_resident(ref, TensorDict({"advantages": adv}, batch_size=[rows]))
-    wg.update_actor(ref)
-    wg.end_resident_step(step)
+    }
+    reward = WorkerReward(null_reward, reads=("response_mask",))
+    trainer = NullTrainer(cfg, train_dataset=dataset, reward_fn=reward, group_factory=group_factory)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return trainer.steps
 
 
 @contextlib.contextmanager
@@ -155,53 +157,86 @@ def _group(backend: str, spec: WorkerSpec, procs: int, hosts: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lp", type=int, default=1024)
     ap.add_argument("--lr", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--procs", type=int, default=2, help="ranks per host")
     ap.add_argument("--hosts", type=int, default=1, help="monarch: > 1 simulates hosts (worker loops, TCP)")
     ap.add_argument("--backend", choices=("local", "monarch"), default="local")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="steps measured after a first one")
+    ap.add_argument("--paths", nargs="+", choices=("by_value", "resident"), default=["by_value", "resident"])
     ap.add_argument("--out", help="also write the JSON here (benchmarks/results/<script>.json)")
     args = ap.parse_args()
+    budget = 64 * args.rows + 1_000_000
     out = {
         "rows": args.rows,
         "n": args.n,
         "lp": args.lp,
         "procs": args.procs,
+        "hosts": args.hosts,
         "backend": args.backend,
+        "target_bytes": budget,
         "runs": [],
     }
     for lr in args.lr:
-        spec = WorkerSpec(NullActor, kwargs={"lp": args.lp, "lr": lr, "prompts": args.rows // args.n})
+        spec = WorkerSpec(NullActor, kwargs={"lr": lr})
         with _group(args.backend, spec, args.procs, args.hosts) as wg:
             result = {"lr": lr}
-            for name, step in (
-                ("by_value", lambda s: step_by_value(wg, args.rows, args.n, args.lp)),
-                ("resident", lambda s: step_resident(wg, args.rows, args.n, s)),
-            ):
-                step(0)  # warm: layouts, allocations
-                wg.traffic.take()
-                times = []
-                for s in range(1, args.repeats + 1):
-                    start = time.perf_counter()
-                    step(s)
-                    times.append(time.perf_counter() - start)
-                taken = wg.traffic.take()
-                per_step = {k: v // args.repeats for k, v in taken.items()}
+            for name in args.paths:
+                with tempfile.TemporaryDirectory() as log_dir:
+                    steps = run_trainer(
+                        lambda: _Borrowed(wg),
+                        rows=args.rows,
+                        n=args.n,
+                        lp=args.lp,
+                        steps=args.repeats + 1,
+                        resident=name == "resident",
+                        log_dir=log_dir,
+                    )
+                measured = steps[1:]  # the first step also ships the prompt table (resident) and warms up
+                sent = [m["perf/controller_bytes_sent"] for m in measured]
+                received = [m["perf/controller_bytes_received"] for m in measured]
+                total = [a + b for a, b in zip(sent, received, strict=True)]
                 result[name] = {
-                    "controller_bytes": per_step["total"],
-                    "sent": per_step["sent"],
-                    "received": per_step["received"],
-                    "bytes_per_row": round(per_step["total"] / args.rows, 1),
-                    "median_step_s": round(statistics.median(times), 4) if args.backend != "local" else None,
+                    "controller_bytes": int(statistics.mean(total)),
+                    "sent": int(statistics.mean(sent)),
+                    "received": int(statistics.mean(received)),
+                    "bytes_per_row": round(statistics.mean(total) / args.rows, 1),
+                    "first_step_bytes": int(steps[0]["perf/controller_bytes"]),
+                    "median_controller_cpu_s": (
+                        round(statistics.median(m["controller_cpu_s"] for m in measured), 4)
+                        if args.backend != "local"
+                        else None
+                    ),
+                    "median_step_s": (
+                        round(statistics.median(m["perf/time_per_step"] for m in measured), 4)
+                        if args.backend != "local"
+                        else None
+                    ),
                 }
-            result["ratio_by_value_over_resident"] = round(
-                result["by_value"]["controller_bytes"] / result["resident"]["controller_bytes"], 1
-            )
+            if "resident" in result:
+                result["resident"]["within_target"] = result["resident"]["controller_bytes"] <= budget
+            if "by_value" in result and "resident" in result:
+                result["ratio_by_value_over_resident"] = round(
+                    result["by_value"]["controller_bytes"] / result["resident"]["controller_bytes"], 1
+                )
             out["runs"].append(result)
     emit(out, args.out)
+
+
+class _Borrowed:
+    """A worker group lent to one trainer: everything forwards to it, except ``shutdown`` (the benchmark keeps
+    the group for the next path)."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str):
+        return getattr(self._group, name)
+
+    def shutdown(self) -> None:
+        """Keep the group running."""
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ __all__ = [
     "KLController",
     "apply_kl_penalty",
     "build_kl_controller",
+    "kl_penalty_rewards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,51 @@ def build_kl_controller(config: KLConfig | dict[str, Any]) -> FixedKLController 
 _APPLY_KL_KEYS = (KEYS.token_level_scores, KEYS.old_log_probs, KEYS.ref_log_probs, KEYS.response_mask)
 
 
+def kl_penalty_rewards(
+    scores: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    estimator: str = "kl",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row core of :func:`apply_kl_penalty`: ``(scores - beta * kl, row_kl)``.
+
+    Every output row depends on its own input row only, so a data-parallel rank computing it on its rows gets
+    the same bits as the whole batch would (what a resident step relies on: ``docs/resident-batches.md``).
+
+    Args:
+        scores: ``[B, T]`` floating token-level scores.
+        old_log_probs, ref_log_probs: ``[B, T]`` floating log-probs (checked by the caller: same shape).
+        mask: ``[B, T]`` bool response mask.
+        beta: the KL coefficient.
+        estimator: :func:`ppo_core.kl.kl_penalty`'s estimator.
+
+    Returns:
+        ``rewards`` ``[B, T]`` in ``scores``' dtype and ``row_kl`` ``[B]``: each row's masked mean of the penalty
+        (0 for an all-masked row); the batch's ``current_kl`` is ``row_kl.mean()``.
+
+    Raises:
+        ValueError: a non-finite penalty at a valid token.
+
+    Example:
+        >>> r, k = kl_penalty_rewards(torch.zeros(1, 2), torch.tensor([[-1.0, -1.0]]),
+        ...                           torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.1)
+        >>> r, k
+        (tensor([[-0.0500,  0.0000]]), tensor([0.2500]))
+    """
+    with torch.no_grad():
+        kld = kl_penalty(old_log_probs, ref_log_probs, estimator)
+        if bool((mask & ~torch.isfinite(kld)).any()):
+            raise ValueError(
+                f"KL penalty ({estimator!r}) is not finite at a valid token; check old_log_probs and ref_log_probs"
+            )
+        kld = torch.where(mask, kld, torch.zeros((), dtype=kld.dtype, device=kld.device))
+        rewards = scores - beta * kld.to(scores.dtype)
+        row_kl = masked_mean(kld, mask, dim=-1)
+    return rewards, row_kl
+
+
 def apply_kl_penalty(
     batch: TensorDict, kl_ctrl: KLController, estimator: str = "kl"
 ) -> tuple[TensorDict, dict[str, float]]:
@@ -244,16 +290,9 @@ def apply_kl_penalty(
                 f"{tuple(scores.shape)}; they must match"
             )
     beta = float(kl_ctrl.value)
-    with torch.no_grad():
-        kld = kl_penalty(old, ref, estimator)
-        if bool((mask & ~torch.isfinite(kld)).any()):
-            raise ValueError(
-                f"KL penalty ({estimator!r}) is not finite at a valid token; check old_log_probs and ref_log_probs"
-            )
-        kld = torch.where(mask, kld, torch.zeros((), dtype=kld.dtype, device=kld.device))
-        rewards = scores - beta * kld.to(scores.dtype)
-        n_rows = scores.shape[0]
-        current_kl = float(masked_mean(kld, mask, dim=-1).mean()) if n_rows else 0.0
+    rewards, row_kl = kl_penalty_rewards(scores, old, ref, mask, beta, estimator)
+    n_rows = scores.shape[0]
+    current_kl = float(row_kl.mean()) if n_rows else 0.0
     out = _shallow_copy(batch)
     out[KEYS.token_level_rewards] = rewards
     kl_ctrl.update(current_kl, n_steps=n_rows)

@@ -17,7 +17,7 @@ from ppo_core.batch._td import _field_values
 from ppo_core.batch.validate import validate_batch
 from ppo_core.keys import KEYS
 from ppo_core.masked import masked_mean, masked_var
-from ppo_core.metrics._lengths import _lengths
+from ppo_core.metrics._lengths import _Lengths, _lengths
 
 __all__ = ["VF_EXPLAINED_VAR_EPS", "compute_data_metrics"]
 
@@ -42,6 +42,24 @@ def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, f
         f"{prefix}/max": _extreme(values, mask, largest=True),
         f"{prefix}/min": _extreme(values, mask, largest=False),
     }
+
+
+def _length_metrics(lengths: _Lengths) -> dict[str, float]:
+    """``response_length/*``, ``response_length_non_aborted/*``, ``response/aborted_ratio`` and, with prompt
+    lengths, ``prompt_length/*`` of a batch's lengths."""
+    non_aborted = lengths.response > 0
+    all_rows = torch.ones_like(non_aborted)
+    clipped = (lengths.response == lengths.response_width).to(torch.float64)
+    metrics = _stats("response_length", lengths.response, all_rows)
+    metrics["response_length/clip_ratio"] = float(masked_mean(clipped, all_rows))
+    metrics |= _stats("response_length_non_aborted", lengths.response, non_aborted)
+    metrics["response_length_non_aborted/clip_ratio"] = float(masked_mean(clipped, non_aborted))
+    metrics["response/aborted_ratio"] = float(masked_mean((~non_aborted).to(torch.float64), all_rows))
+    if lengths.prompt is not None:
+        metrics |= _stats("prompt_length", lengths.prompt, all_rows)
+        prompt_clipped = (lengths.prompt == lengths.prompt_width).to(torch.float64)
+        metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
+    return metrics
 
 
 def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -117,7 +135,6 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
     lengths = _lengths(batch)
     mask = batch.get(KEYS.response_mask) != 0
     non_aborted = lengths.response > 0
-    all_rows = torch.ones_like(non_aborted)
     _check_finite(batch, token_keys[1:], mask, non_aborted)
 
     metrics: dict[str, float] = {}
@@ -131,16 +148,7 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
             batch.get(KEYS.returns), batch.get(KEYS.values), mask
         )
 
-    clipped = (lengths.response == lengths.response_width).to(torch.float64)
-    metrics |= _stats("response_length", lengths.response, all_rows)
-    metrics["response_length/clip_ratio"] = float(masked_mean(clipped, all_rows))
-    metrics |= _stats("response_length_non_aborted", lengths.response, non_aborted)
-    metrics["response_length_non_aborted/clip_ratio"] = float(masked_mean(clipped, non_aborted))
-    metrics["response/aborted_ratio"] = float(masked_mean((~non_aborted).to(torch.float64), all_rows))
-    if lengths.prompt is not None:
-        metrics |= _stats("prompt_length", lengths.prompt, all_rows)
-        prompt_clipped = (lengths.prompt == lengths.prompt_width).to(torch.float64)
-        metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
+    metrics |= _length_metrics(lengths)
     if KEYS.num_turns in batch:
         turns = batch.get(KEYS.num_turns)
         if is_non_tensor(turns):

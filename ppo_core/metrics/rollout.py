@@ -15,11 +15,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from ppo_core._checks import check_floating, check_mask, check_same_shape
+from ppo_core.masked_moments import Moments, combine_moments, masked_moments
 
-__all__ = ["rollout_probs_diff_metrics"]
+__all__ = ["reduce_rollout_probs_diff", "rollout_probs_diff_metrics", "rollout_probs_diff_parts"]
 
 
 def rollout_probs_diff_metrics(
@@ -40,6 +44,21 @@ def rollout_probs_diff_metrics(
     Raises:
         ValueError: shapes differ, the mask is not 0/1, or a valid position is not finite (naming the argument).
     """
+    diff = _valid_diffs(rollout_log_probs, old_log_probs, response_mask)
+    n = diff.numel()
+    if n == 0:
+        return {f"training/rollout_probs_diff_{k}": 0.0 for k in ("max", "mean", "std")}
+    return {
+        "training/rollout_probs_diff_max": float(diff.max()),
+        "training/rollout_probs_diff_mean": float(diff.mean()),
+        "training/rollout_probs_diff_std": float(diff.std()) if n > 1 else 0.0,
+    }
+
+
+def _valid_diffs(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``|exp(rollout) - exp(old)|`` in float64 at the valid tokens (1-D), checked as the metrics need."""
     check_floating("rollout_log_probs", rollout_log_probs)
     check_floating("old_log_probs", old_log_probs)
     check_same_shape(rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs)
@@ -49,11 +68,35 @@ def rollout_probs_diff_metrics(
         for name, value in (("rollout_log_probs", rollout_log_probs), ("old_log_probs", old_log_probs)):
             if not bool(torch.isfinite(value[mask]).all()):
                 raise ValueError(f"{name} is not finite at a valid (response_mask=1) position")
-    n = diff.numel()
-    if n == 0:
-        return {f"training/rollout_probs_diff_{k}": 0.0 for k in ("max", "mean", "std")}
+    return diff
+
+
+def rollout_probs_diff_parts(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[Moments, float]:
+    """One shard's part of :func:`rollout_probs_diff_metrics` (``[b, R]`` in): the :class:`Moments` of its valid
+    differences and their maximum (0.0 without one); :func:`reduce_rollout_probs_diff` combines the shards'."""
+    diff = _valid_diffs(rollout_log_probs, old_log_probs, response_mask)
+    moments = masked_moments(diff, torch.ones_like(diff, dtype=torch.bool))
+    return moments, float(diff.max()) if diff.numel() else 0.0
+
+
+def reduce_rollout_probs_diff(parts: Sequence[tuple[Moments, float]]) -> dict[str, float]:
+    """:func:`rollout_probs_diff_metrics` of the batch the ``parts`` were cut from (mean and std within 1e-12
+    relative: float64 sums in another order; the maximum exactly).
+
+    Example:
+        >>> r, o, m = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.4, 0.2]])), torch.ones(1, 2)
+        >>> whole = rollout_probs_diff_metrics(r, o, m)
+        >>> cut = reduce_rollout_probs_diff([rollout_probs_diff_parts(r[:, :1], o[:, :1], m[:, :1]),
+        ...                                  rollout_probs_diff_parts(r[:, 1:], o[:, 1:], m[:, 1:])])
+        >>> {k: round(v, 12) for k, v in cut.items()} == {k: round(v, 12) for k, v in whole.items()}
+        True
+    """
+    whole = combine_moments([p[0] for p in parts])
+    held = [p[1] for p in parts if p[0].count]
     return {
-        "training/rollout_probs_diff_max": float(diff.max()),
-        "training/rollout_probs_diff_mean": float(diff.mean()),
-        "training/rollout_probs_diff_std": float(diff.std()) if n > 1 else 0.0,
+        "training/rollout_probs_diff_max": max(held) if held else 0.0,
+        "training/rollout_probs_diff_mean": whole.mean if whole.count else 0.0,
+        "training/rollout_probs_diff_std": math.sqrt(whole.var()) if whole.count > 1 else 0.0,
     }

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from tensordict import TensorDictBase
 
-from ppo_core.metrics._lengths import _lengths
+from ppo_core.metrics._lengths import _Lengths, _lengths
 
 __all__ = [
     "ALL_TOKEN_TIMERS",
@@ -70,13 +70,17 @@ class Timer:
         return times
 
 
-def compute_timing_metrics(batch: TensorDictBase, timing: Mapping[str, float]) -> dict[str, float]:
+def compute_timing_metrics(
+    batch: TensorDictBase | None, timing: Mapping[str, float], *, lengths: _Lengths | None = None
+) -> dict[str, float]:
     """``timing_s/{name}`` for every timer and ``timing_per_token_ms/{name}`` for the known stages.
 
     Args:
         batch: the step's batch: ``response_mask`` ``[B, T]`` and, to count prompt tokens, ``attention_mask``
             ``[B, P + T]`` (without it prompt tokens count as 0).
         timing: seconds per stage name (e.g. ``Timer.times``).
+        lengths: the batch's lengths instead of ``batch`` (a resident step's,
+            :func:`~ppo_core.metrics.partial.lengths_of_parts`).
 
     Returns:
         ``timing_s/{name}`` (seconds) for all names; ``timing_per_token_ms/{name} = 1000 * t / tokens`` for names
@@ -94,7 +98,7 @@ def compute_timing_metrics(batch: TensorDictBase, timing: Mapping[str, float]) -
         100.0
     """
     seconds_by_name = {name: _seconds(timing, name) for name in timing}
-    lengths = _lengths(batch)
+    lengths = _lengths(batch) if lengths is None else lengths
     counts = {name: lengths.response_tokens for name in RESPONSE_TOKEN_TIMERS}
     counts |= {name: lengths.all_tokens for name in ALL_TOKEN_TIMERS}
     metrics = {f"timing_s/{name}": seconds for name, seconds in seconds_by_name.items()}
@@ -118,7 +122,12 @@ def _seconds(timing: Mapping[str, float], name: str) -> float:
 
 
 def compute_throughput_metrics(
-    batch: TensorDictBase, timing: Mapping[str, float], n_gpus: int, step_key: str = "step"
+    batch: TensorDictBase | None,
+    timing: Mapping[str, float],
+    n_gpus: int,
+    step_key: str = "step",
+    *,
+    lengths: _Lengths | None = None,
 ) -> dict[str, float]:
     """Tokens processed per second per GPU for the step.
 
@@ -127,6 +136,7 @@ def compute_throughput_metrics(
         timing: seconds per stage; must contain ``step_key``.
         n_gpus: number of GPUs the step ran on, ``>= 1``.
         step_key: name of the whole-step timer.
+        lengths: the batch's lengths instead of ``batch`` (see :func:`compute_timing_metrics`).
 
     Returns:
         ``perf/total_num_tokens`` (prompt + response tokens), ``perf/time_per_step`` and ``perf/throughput =
@@ -144,7 +154,7 @@ def compute_throughput_metrics(
     if step_key not in timing:
         raise KeyError(f"timing has no {step_key!r} entry; it has {sorted(timing)}")
     seconds = _seconds(timing, step_key)
-    tokens = _lengths(batch).all_tokens
+    tokens = (_lengths(batch) if lengths is None else lengths).all_tokens
     return {
         "perf/total_num_tokens": float(tokens),
         "perf/time_per_step": seconds,

@@ -151,6 +151,10 @@ class RuleBasedReward:
         reward.close()
     """
 
+    reads: tuple[str, ...] = ("responses", "response_mask")
+    """The generation keys it reads (with the prompts' ``data_source``, ``ground_truth`` and ``extra_info``): a
+    resident step fetches only these (``ppo_core.trainer.worker_reward``)."""
+
     def __init__(
         self,
         tokenizer: Any,

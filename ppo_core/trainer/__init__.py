@@ -22,6 +22,7 @@ from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError, scores_to_token_level
 from ppo_core.trainer.steps import assign_uids, compute_advantages, merge_generation
 from ppo_core.trainer.tracking import Tracker, read_metrics_jsonl, usable_loggers
+from ppo_core.trainer.worker_reward import WorkerReward
 
 __all__ = [
     "PRESETS",
@@ -37,6 +38,7 @@ __all__ = [
     "RolloutConfig",
     "Tracker",
     "TrainerConfig",
+    "WorkerReward",
     "apply_preset",
     "assign_uids",
     "collate_prompts",

@@ -204,8 +204,9 @@ class TrainerConfig(ConfigBase):
     progress_bar: bool = True
     """Show a tqdm progress bar over steps (when tqdm is installed)."""
     resident_batches: bool = False
-    """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``); GRPO without
-    critic, reference or KL only, for now. False ships the batch by value on every call."""
+    """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``): GRPO or GAE
+    with a critic, reference log-probs and the KL penalty or loss; no rollout correction yet. False ships the batch
+    by value on every call."""
 
     def __post_init__(self) -> None:
         check_int("total_epochs", self.total_epochs, 1)
@@ -359,8 +360,9 @@ class PPOConfig(ConfigBase):
 
 _DEFAULT_SAMPLING = SamplingConfig()
 
-RESIDENT_ESTIMATORS = ("grpo",)
-"""The advantage estimators ``trainer.resident_batches`` serves (outcome advantages: one value per row)."""
+RESIDENT_ESTIMATORS = ("grpo", "gae")
+"""The advantage estimators ``trainer.resident_batches`` serves: GRPO (outcome advantages, one value per row) and
+GAE (per-row scans at the workers, whitened with the batch's moments)."""
 
 
 def check_resident_config(config: PPOConfig) -> None:
@@ -371,12 +373,13 @@ def check_resident_config(config: PPOConfig) -> None:
         bad.append(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
         )
-    if config.use_critic:
-        bad.append("a critic")
-    if config.use_reference:
-        bad.append("reference log-probs (algorithm.use_kl_in_reward / actor.use_kl_loss)")
     if config.rollout.old_log_probs_from_rollout:
         bad.append("rollout.old_log_probs_from_rollout=True")
+    correction = config.algorithm.rollout_correction
+    if correction.enabled:
+        bad.append("algorithm.rollout_correction.rollout_is / rollout_rs")
+    if correction.bypass_mode:
+        bad.append("algorithm.rollout_correction.bypass_mode=True")
     if bad:
         raise ValueError(
             f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "

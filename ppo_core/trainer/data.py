@@ -99,6 +99,11 @@ class PromptDataLoader:
         self.collate_fn = collate_fn or (lambda items: collate_prompts(items, pad_token_id))
         self.epoch = 0
         self.position = 0
+        self.last_indices: np.ndarray | None = None
+        """The dataset indices of the batch yielded last (:attr:`last_batch`), in its row order (a resident step
+        sends these instead of the prompts)."""
+        self.last_batch: TensorDict | None = None
+        """The batch yielded last."""
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -117,7 +122,9 @@ class PromptDataLoader:
         order = self._order(epoch)
         while self.epoch == epoch and self.position < len(self):
             start = self.position * self.batch_size
-            batch = self.collate_fn([self.dataset[int(i)] for i in order[start : start + self.batch_size]])
+            indices = order[start : start + self.batch_size]
+            batch = self.collate_fn([self.dataset[int(i)] for i in indices])
+            self.last_indices, self.last_batch = np.asarray(indices), batch
             self.position += 1
             self._normalize()
             yield batch

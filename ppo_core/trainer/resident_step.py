@@ -1,43 +1,52 @@
-"""One GRPO training step over a resident batch (``trainer.resident_batches``): the generation stays in the actor's
-workers, log-probs are added in place, outcome advantages go out as ``[B]`` values.
+"""One PPO training step over a resident batch (``trainer.resident_batches``): the generation stays in the actor's
+workers; log-probs, reference log-probs and values are added in place; rewards, the in-reward KL penalty and GAE
+run on the ranks holding the rows; outcome advantages go out as ``[B]`` values; the data metrics come back as
+per-rank partial sums, counts, minima and maxima.
 
-What still crosses the controller (``docs/resident-batches.md``, "Not done yet"): the prompts (by value), the
-generation's keys the controller-side reward and the data metrics read (fetched once, counted), and the entropy
-metric's ``[B, R]`` entropies when the actor returns them. What no longer does: the batch sent back to
-``compute_log_prob`` and ``update_actor``, the log-probs' way back, and the ``[B, R]`` advantages (``[B]`` float64
-per-row values instead, broadcast over each row's valid tokens by the workers as the estimator does). The
-result is bit-identical to the by-value step: the same worker calls see the same rows, and the per-row
-advantages are the estimator's own.
+What still crosses the controller (``docs/resident-batches.md``): the prompts (by value), the generation's keys a
+controller-side reward reads (fetched once, counted), ``[B]`` columns (response lengths, row sums, per-row KL,
+outcome advantages) and per-rank partials (whitening moments, metric parts). Everything a worker computes from
+its own rows is bit-identical to the by-value step; what is reduced over the batch in another order (GAE's
+whitening statistics, the token-level metrics) agrees within 1e-6 relative.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, is_non_tensor
 
 from ppo_core.advantages import get_advantage_estimator
-from ppo_core.advantages._common import broadcast_rows
 from ppo_core.batch import repeat_interleave
 from ppo_core.keys import KEYS
-from ppo_core.losses import agg_loss
-from ppo_core.metrics import (
-    Timer,
-    rollout_probs_diff_metrics,
-)
+from ppo_core.masked_moments import combine_moments
+from ppo_core.metrics import Timer
+from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer.config import check_resident_config
-from ppo_core.trainer.reward import call_reward_fn
+from ppo_core.trainer.reward import PendingReward, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
+from ppo_core.trainer.worker_reward import WorkerReward, reward_reads
+from ppo_core.workers.base import get_registration
+from ppo_core.workers.resident_ops import (
+    EXTRA_PREFIX,
+    ROW_KL,
+    ROW_REWARD_SUM,
+    ROW_SCORE_SUM,
+    ROW_SCORES,
+    ROW_VALID,
+)
 from ppo_core.workers.traffic import controller_bytes_metrics
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
     from ppo_core.trainer.base import BasePPOTrainer
+    from ppo_core.workers.group import WorkerGroup
+    from ppo_core.workers.resident import BatchRef
 
-__all__ = ["check_resident_config", "resident_train_step"]
+__all__ = ["check_resident_config", "outcome_advantages", "resident_train_step"]
 
 
 def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: int) -> dict[str, float]:
@@ -51,72 +60,247 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
     with timer("step"):
         prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
         with timer("gen"):
-            ref, _ = actor.dispatch_resident(
-                "generate_sequences", prompts.select(KEYS.input_ids, KEYS.attention_mask), step=step
-            )
-            batch = merge_generation(prompts, actor.fetch_resident(ref, ref.key_names))
+            source = _prompt_rows(trainer, batch, prompts, step)
+            ref, _ = actor.dispatch_resident("generate_sequences", source, step=step)
+            if KEYS.response_mask not in ref.key_names:
+                ref, _ = actor.dispatch_resident("resident_response_mask", ref, into=ref)
         with timer("reward"):
-            reward = call_reward_fn(trainer.reward_fn, batch, step, trainer._executor)
+            if isinstance(trainer.reward_fn, WorkerReward):
+                ref, reward = _worker_reward(actor, ref, prompts, trainer.reward_fn)
+            else:
+                reward = _controller_reward(trainer, ref, prompts, step)
         with timer("old_log_prob"):
-            ref, _ = actor.dispatch_resident("compute_log_prob", ref, into=ref)
-            if KEYS.old_log_probs not in ref.key_names:
-                raise KeyError(
-                    f"compute_log_prob must return {KEYS.old_log_probs!r}; the batch holds {ref.key_names}"
+            ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
+            metrics.update(_old_log_prob_metrics(actor, ref))
+        if cfg.use_reference:
+            with timer("ref"):
+                ref = _compute_into(
+                    actor, trainer._reference_group(), "compute_ref_log_prob", ref, KEYS.ref_log_probs
                 )
-            wanted = [k for k in (KEYS.entropies,) if k in ref.key_names]
-            if KEYS.rollout_log_probs in batch:
-                wanted.append(KEYS.old_log_probs)
-            fetched = actor.fetch_resident(ref, wanted) if wanted else None
-            if fetched is not None and KEYS.entropies in fetched:
-                entropy = agg_loss(fetched[KEYS.entropies], batch[KEYS.response_mask], "token-mean")
-                metrics["actor/entropy"] = float(entropy)
-            if KEYS.rollout_log_probs in batch:
-                metrics.update(
-                    rollout_probs_diff_metrics(
-                        batch[KEYS.rollout_log_probs], fetched[KEYS.old_log_probs], batch[KEYS.response_mask]
-                    )
-                )
+        if cfg.use_critic:
+            with timer("values"):
+                ref = _compute_into(actor, trainer.critic_wg, "compute_values", ref, KEYS.values)
         with timer("reward_wait"):
-            scores, extra = reward.result()
-        metrics.update(reward_metrics_by_source(_data_sources(batch), scores, extra))
+            scores, extra = reward.result() if isinstance(reward, PendingReward) else reward
         with timer("adv"):
-            batch.set(KEYS.token_level_scores, scores.to(batch[KEYS.response_mask].device))
-            batch.set(KEYS.token_level_rewards, batch[KEYS.token_level_scores])
-            per_row = outcome_advantages(batch, cfg.algorithm)
-            rewards = batch[KEYS.token_level_rewards]
-            advantages = broadcast_rows(per_row, batch[KEYS.response_mask].bool(), rewards.dtype)
-            batch.set(KEYS.advantages, advantages)
-            batch.set(KEYS.returns, advantages.clone())
-            rows = TensorDict({KEYS.advantages: per_row}, batch_size=[per_row.shape[0]])
-            ref, _ = actor.dispatch_resident(
-                "resident_broadcast_rows", ref, rows, KEYS.response_mask, rewards.dtype, into=ref
-            )
+            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, prompts, scores)
+            metrics.update(adv_metrics)
+        if (
+            scores is not None and scores.dim() == 1
+        ):  # placed at the last valid token: a row without one has none
+            scores = torch.where(valid, scores, torch.zeros((), dtype=scores.dtype))
+        metrics.update(reward_metrics_by_source(_data_sources(prompts), scores, extra))
+        if cfg.use_critic:
+            with timer("update_critic"):
+                critic = trainer.critic_wg
+                metrics.update(critic.update_critic(_held_by(critic, "update_critic", ref, actor)))
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(actor.update_actor(ref))
-        actor.end_resident_step(step)
+        parts = actor.gather_resident("resident_data_metric_parts", ref, cfg.use_critic)
+        _end_step(step, trainer.actor_wg, trainer.ref_wg, trainer.critic_wg)
     timing = timer.reset()
-    metrics.update(step_end_metrics(batch, timing, config=cfg, step=step, epoch=epoch, groups=groups))
+    metrics.update(
+        step_end_metrics(prompts, timing, config=cfg, step=step, epoch=epoch, groups=groups, parts=parts)
+    )
     return metrics
 
 
-def outcome_advantages(batch: TensorDictBase, algorithm) -> torch.Tensor:
-    """``[B]`` float64 per-row advantages of an outcome estimator, from the rows' ``[B]`` scores.
+def _compute_into(actor: WorkerGroup, group: WorkerGroup, method: str, ref: BatchRef, key: str) -> BatchRef:
+    """``ref`` with ``group.method``'s output keys added in place (``key`` must be among them).
 
-    The estimator runs on ``[B, 1]`` rewards (each row's score) with each row's validity as its mask, which gives
-    its own per-row values; broadcasting them over the valid tokens gives its ``[B, T]`` advantages.
+    A group sharing the actor's processes and layout (the actor itself, a colocated role) computes straight into
+    the batch; another group receives the keys the method reads by a worker-to-worker reshard, and its output
+    comes back the same way.
+    """
+    if _holds(group, ref):
+        ref, _ = group.dispatch_resident(method, ref, into=ref)
+    else:
+        moved = group.reshard(ref, source=actor, keys=_reads(group, method, ref))
+        before = set(moved.key_names)
+        moved, _ = group.dispatch_resident(method, moved, into=moved)
+        new = [k for k in moved.key_names if k not in before]
+        back = actor.reshard(moved, source=group, keys=new)
+        ref, _ = actor.dispatch_resident("resident_update", ref, back, into=ref)
+    if key not in ref.key_names:
+        raise KeyError(f"{method} must return {key!r}; the batch holds {list(ref.key_names)}")
+    return ref
+
+
+def _holds(group: WorkerGroup, ref: BatchRef) -> bool:
+    return group.resident_group_id == ref.placement.group and group.layout == ref.placement.layout
+
+
+def _held_by(group: WorkerGroup, method: str, ref: BatchRef, source: WorkerGroup) -> BatchRef:
+    """``ref`` as ``group`` reads it for ``method``: itself, or a reshard of the keys the method reads."""
+    return ref if _holds(group, ref) else group.reshard(ref, source=source, keys=_reads(group, method, ref))
+
+
+def _reads(group: WorkerGroup, method: str, ref: BatchRef) -> tuple[str, ...]:
+    """The keys of ``ref`` that ``group``'s ``method`` declares it reads (every key when it declares none)."""
+    reg = get_registration(getattr(group.worker_cls, method, None))
+    if reg is None or reg.reads is None:
+        return ref.key_names
+    return tuple(k for k in ref.key_names if k in (*reg.reads, *reg.may_read))
+
+
+def _end_step(step: int, *groups: WorkerGroup | None) -> None:
+    seen = set()
+    for group in groups:
+        if group is not None and group.resident_group_id not in seen:
+            seen.add(group.resident_group_id)
+            group.end_resident_step(step)
+
+
+def _old_log_prob_metrics(actor: WorkerGroup, ref: BatchRef) -> dict[str, float]:
+    """``actor/entropy`` (the token-mean of the entropies, from per-rank moments) and, when the rollout returned
+    log-probs, the rollout-vs-old probability metrics (from per-rank moments and maxima)."""
+    metrics: dict[str, float] = {}
+    if KEYS.entropies in ref.key_names:
+        parts = actor.gather_resident("resident_moments", ref, KEYS.entropies, KEYS.response_mask)
+        metrics["actor/entropy"] = combine_moments(parts).mean
+    if KEYS.rollout_log_probs in ref.key_names:
+        metrics.update(reduce_rollout_probs_diff(actor.gather_resident("resident_probs_diff_parts", ref)))
+    return metrics
+
+
+def _prompt_rows(trainer: BasePPOTrainer, batch: TensorDictBase, prompts: TensorDictBase, step: int) -> Any:
+    """What ``generate_sequences`` reads: a resident batch of the prompt rows, built by the ranks from ``[B]``
+    dataset indices (the training prompts sent once), or, when the batch did not come from the trainer's loader
+    with the default collation, the prompts by value."""
+    loader, actor = trainer.train_dataloader, trainer.actor_wg
+    if trainer.collate_fn is not None or loader.last_batch is not batch or loader.last_indices is None:
+        return prompts.select(KEYS.input_ids, KEYS.attention_mask)
+    sent = trainer.__dict__.setdefault("_resident_prompt_groups", set())
+    if actor.resident_group_id not in sent:
+        table = [torch.as_tensor(item["input_ids"], dtype=torch.long).reshape(-1) for item in loader.dataset]
+        actor.call_all("resident_set_prompts", table)
+        sent.add(actor.resident_group_id)
+    rows = int(prompts.batch_size[0])
+    index = torch.as_tensor(loader.last_indices, dtype=torch.int32).repeat_interleave(rows // len(batch))
+    width = int(batch[KEYS.input_ids].shape[1])
+    source, _ = actor.dispatch_resident(
+        "resident_prompts",
+        TensorDict({"index": index}, batch_size=[rows]),
+        width,
+        trainer.pad_token_id,
+        step=step,
+    )
+    return source
+
+
+def _worker_reward(
+    actor: WorkerGroup, ref: BatchRef, prompts: TensorDictBase, reward: WorkerReward
+) -> tuple[BatchRef, tuple[None, dict[str, list]]]:
+    """Run a :class:`WorkerReward` on the ranks holding the rows: the token-level scores stay there; ``[B]`` row
+    sums and the numeric extra infos come back (strings and None as NaN: the metrics skip them alike)."""
+    fields = prompts.select(*reward.fields) if reward.fields else None
+    ref, _ = actor.dispatch_resident("resident_reward", ref, fields, reward, into=ref)
+    wanted = [ROW_SCORE_SUM, *(k for k in ref.key_names if k.startswith(EXTRA_PREFIX))]
+    got = actor.fetch_resident(ref, wanted)
+    extra = {k[len(EXTRA_PREFIX) :]: got[k].tolist() for k in wanted[1:]}
+    return ref, (got[ROW_SCORE_SUM], extra)
+
+
+def _controller_reward(
+    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, step: int
+) -> PendingReward:
+    """Start a controller-side reward on the generation keys it declares (``reads``; every key when it declares
+    none), fetched once; its scores stay unplaced (``[B]`` or ``[B, R]``) until the ranks place them."""
+    actor, reads = trainer.actor_wg, reward_reads(trainer.reward_fn)
+    keys = ref.key_names if reads is None else reads
+    fetched = actor.fetch_resident(ref, keys)
+    batch = merge_generation(prompts, fetched) if reads is None else _with_fields(fetched, prompts)
+    width = ref.spec(KEYS.responses).shape[0]
+    return call_reward_fn(trainer.reward_fn, batch, step, trainer._executor, width=width)
+
+
+def _with_fields(fetched: TensorDictBase, prompts: TensorDictBase) -> TensorDictBase:
+    for key, value in prompts.items():
+        if is_non_tensor(value) and key not in fetched:
+            fetched.set(key, value)
+    return fetched
+
+
+def _rewards_and_advantages(
+    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, scores: torch.Tensor | None
+) -> tuple[BatchRef, torch.Tensor, dict[str, float]]:
+    """Scatter the scores (``[B]`` sequence scores, ``[B, R]`` token-level ones, or None: a worker-side reward kept
+    them), shape the rewards (in-reward KL) and compute the advantages at the workers; also the ``[B]`` row
+    validity (rows with a valid response token)."""
+    cfg, actor = trainer.config, trainer.actor_wg
+    metrics: dict[str, float] = {}
+    rows = int(prompts.batch_size[0])
+    if scores is None:
+        sent = None
+    elif scores.dim() == 1:
+        sent = TensorDict({ROW_SCORES: scores}, batch_size=[rows])
+    else:
+        sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
+    beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
+    columns = (ROW_REWARD_SUM, ROW_VALID) + ((ROW_KL,) if beta is not None else ())
+    ref, cols = actor.dispatch_resident(
+        "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
+    )
+    valid = cols[ROW_VALID]
+    if beta is not None:
+        current_kl = float(cols[ROW_KL].mean()) if rows else 0.0
+        trainer.kl_ctrl.update(current_kl, n_steps=rows)
+        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    if cfg.algorithm.adv_estimator == "gae":
+        alg = cfg.algorithm
+        # one dp rank holds every row: it whitens them as the by-value step does (the same bits)
+        whole = ref.placement.dp_size == 1
+        ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
+        if whole:
+            return ref, valid, metrics
+        moments = combine_moments(
+            actor.gather_resident("resident_moments", ref, KEYS.advantages, KEYS.response_mask)
+        )
+        ref, _ = actor.dispatch_resident(
+            "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, into=ref
+        )
+        return ref, valid, metrics
+    uids = list(prompts.get(KEYS.uid).tolist()) if KEYS.uid in prompts else None
+    per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
+    adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
+    dtype = ref.spec(KEYS.token_level_rewards).dtype
+    # the estimator's returns are a copy of its advantages: made at the ranks
+    ref, _ = actor.dispatch_resident(
+        "resident_broadcast_rows",
+        ref,
+        adv,
+        KEYS.response_mask,
+        dtype,
+        {KEYS.returns: KEYS.advantages},
+        into=ref,
+    )
+    return ref, valid, metrics
+
+
+def outcome_advantages(
+    row_rewards: torch.Tensor, valid: torch.Tensor, uids: list[Any] | None, algorithm: Any
+) -> torch.Tensor:
+    """``[B]`` float64 per-row advantages of an outcome estimator (``algorithm.adv_estimator``), from ``[B]``
+    float64 row sums of the rewards and ``[B]`` bool row validity (a row with a valid token).
+
+    The estimator runs on ``[B, 1]`` rewards with each row's validity as its mask, which gives its own per-row
+    values; broadcasting them over the valid tokens gives its ``[B, T]`` advantages.
     """
     fn = get_advantage_estimator(algorithm.adv_estimator)
-    scores = batch[KEYS.token_level_rewards].to(torch.float64).sum(dim=-1, keepdim=True)
-    valid = batch[KEYS.response_mask].bool().any(dim=-1, keepdim=True)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "norm_by_std": algorithm.norm_adv_by_std_in_grpo,
+        "epsilon": algorithm.adv_std_epsilon,
         "gamma": algorithm.gamma,
         "lam": algorithm.lam,
     }
-    if KEYS.uid in batch:
-        kwargs["index"] = list(batch.get(KEYS.uid).tolist())
-    advantages, _ = fn(token_level_rewards=scores, response_mask=valid, **kwargs)
+    if uids is not None:
+        kwargs["index"] = uids
+    advantages, _ = fn(
+        token_level_rewards=row_rewards.to(torch.float64).unsqueeze(-1),
+        response_mask=valid.bool().unsqueeze(-1),
+        **kwargs,
+    )
     return advantages[:, 0]
 
 

@@ -115,15 +115,29 @@ def scores_to_token_level(
     return out
 
 
-def _normalize(result: Any, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, list]]:
+def _normalize(
+    result: Any, batch: TensorDictBase, width: int | None = None
+) -> tuple[torch.Tensor, dict[str, list]]:
+    """``(scores, extra_infos)``: token-level ``[B, R]`` scores (``width`` None: placed with the batch's response
+    mask), or, with ``width`` = R, the scores as returned (``[B]`` or ``[B, R]`` float32, checked, not placed: a
+    resident step places them at the ranks holding the mask)."""
     extra: Mapping[str, Sequence] | None = None
     if isinstance(result, tuple):
         if len(result) != 2:
             raise ValueError(f"a tuple result must be (scores, extra_infos), got {len(result)} items")
         result, extra = result
     uids = list(batch.get("uid").tolist()) if "uid" in batch else None
-    token_scores = scores_to_token_level(result, batch["response_mask"], uids)
     size = int(batch.batch_size[0])
+    if width is None:
+        token_scores = scores_to_token_level(result, batch["response_mask"], uids)
+    else:
+        token_scores = torch.as_tensor(result, dtype=torch.float32)
+        if token_scores.shape not in ((size, width), (size,)):
+            raise ValueError(
+                f"reward scores must have shape [B]={size} or [B, R]=({size}, {width}), got "
+                f"{tuple(token_scores.shape)}"
+            )
+        _check_finite_scores(token_scores, uids)
     infos: dict[str, list] = {}
     for key, values in (extra or {}).items():
         values = list(values.tolist() if hasattr(values, "tolist") else values)
@@ -147,8 +161,9 @@ class PendingReward:
         value: Any,
         executor: concurrent.futures.Executor,
         reward_fn: str | None = None,
+        width: int | None = None,
     ) -> None:
-        self.step, self.batch, self.reward_fn = step, batch, reward_fn
+        self.step, self.batch, self.reward_fn, self.width = step, batch, reward_fn, width
         if inspect.isawaitable(value):
             # a coroutine runs on its own event loop in a worker thread, concurrently with the controller
             value = executor.submit(asyncio.run, _await(value))
@@ -160,7 +175,7 @@ class PendingReward:
             value = (
                 self._value.result() if isinstance(self._value, concurrent.futures.Future) else self._value
             )
-            return _normalize(value, self.batch)
+            return _normalize(value, self.batch, self.width)
         except Exception as exc:
             raise RewardFunctionError(
                 self.step, self.batch, f"{type(exc).__name__}: {exc}", self.reward_fn
@@ -168,12 +183,17 @@ class PendingReward:
 
 
 def call_reward_fn(
-    reward_fn: RewardFn, batch: TensorDictBase, step: int, executor: concurrent.futures.Executor
+    reward_fn: RewardFn,
+    batch: TensorDictBase,
+    step: int,
+    executor: concurrent.futures.Executor,
+    width: int | None = None,
 ) -> PendingReward:
-    """Call ``reward_fn(batch)`` and wrap what it returns (value, Future or awaitable) in a :class:`PendingReward`."""
+    """Call ``reward_fn(batch)`` and wrap what it returns (value, Future or awaitable) in a :class:`PendingReward`
+    (``width``: the response width R; the scores are then checked but not placed, see :func:`_normalize`)."""
     name = callable_name(reward_fn)
     try:
         value = reward_fn(batch)
     except Exception as exc:
         raise RewardFunctionError(step, batch, f"{type(exc).__name__}: {exc}", name) from exc
-    return PendingReward(step, batch, value, executor, name)
+    return PendingReward(step, batch, value, executor, name, width)

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from tensordict import NonTensorStack, TensorDictBase, is_non_tensor
 
 from ppo_core.advantages import get_advantage_estimator
-from ppo_core.batch._td import _shallow_copy
+from ppo_core.batch._td import _field_values, _shallow_copy
 from ppo_core.config import AlgorithmConfig
 from ppo_core.keys import KEYS
 from ppo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from ppo_core.metrics.partial import DataMetricParts, lengths_of_parts, reduce_data_metric_parts
 from ppo_core.workers.traffic import controller_bytes_metrics
 
 if TYPE_CHECKING:
@@ -136,13 +137,14 @@ def compute_advantages(batch: TensorDictBase, algorithm: AlgorithmConfig) -> Ten
 
 
 def step_end_metrics(
-    batch: TensorDictBase,
+    batch: TensorDictBase | None,
     timing: dict[str, float],
     *,
     config: PPOConfig,
     step: int,
     epoch: int,
     groups: Sequence[Any],
+    parts: Sequence[DataMetricParts] | None = None,
 ) -> dict[str, float]:
     """The metrics every training step ends with (the by-value and the resident step alike): ``training/global_step``
     and ``training/epoch``, the batch's data metrics, the stage timings and throughput of ``timing`` (``{stage:
@@ -154,10 +156,32 @@ def step_end_metrics(
         config: the run's config (whether a critic runs, the actor's world size for throughput).
         step: the global step; epoch: the epoch.
         groups: the worker groups whose traffic counters the step started (``controller_bytes_metrics``).
+        parts: instead of ``batch``, the data-parallel ranks' :class:`~ppo_core.metrics.partial.DataMetricParts`
+            in dp order (a resident step); ``batch`` may then be None or hold the prompts' fields only.
     """
     metrics = {"training/global_step": float(step), "training/epoch": float(epoch)}
-    metrics.update(compute_data_metrics(batch, use_critic=config.use_critic))
-    metrics.update(compute_timing_metrics(batch, timing))
-    metrics.update(compute_throughput_metrics(batch, timing, n_gpus=config.actor.world_size))
+    n_gpus = config.actor.world_size
+    if parts is None:
+        metrics.update(compute_data_metrics(batch, use_critic=config.use_critic))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughput_metrics(batch, timing, n_gpus=n_gpus))
+    else:
+        lengths = lengths_of_parts(parts)
+        metrics.update(reduce_data_metric_parts(parts, use_critic=config.use_critic))
+        if batch is not None and KEYS.num_turns in batch:
+            metrics.update(_num_turns_metrics(batch))
+        metrics.update(compute_timing_metrics(None, timing, lengths=lengths))
+        metrics.update(compute_throughput_metrics(None, timing, n_gpus=n_gpus, lengths=lengths))
     metrics.update(controller_bytes_metrics(*groups))
     return metrics
+
+
+def _num_turns_metrics(batch: TensorDictBase) -> dict[str, float]:
+    """``num_turns/{min,max,mean}`` of a batch's ``__num_turns__`` field, as the data metrics give them."""
+    import torch
+
+    from ppo_core.metrics.data import _stats
+
+    turns = torch.tensor([float(t) for t in _field_values(batch, KEYS.num_turns)], dtype=torch.float64)
+    stats = _stats("num_turns", turns, torch.ones_like(turns, dtype=torch.bool))
+    return {k: stats[k] for k in ("num_turns/min", "num_turns/max", "num_turns/mean")}

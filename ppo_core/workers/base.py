@@ -200,13 +200,96 @@ class Worker:
         """The rows ``new`` brings to a resident batch (the caller keeps them into it with ``Keep(update=True)``)."""
         return new
 
-    def resident_broadcast_rows(self, batch: Any, per_row: Any, mask_key: str, dtype: Any) -> Any:
+    def resident_broadcast_rows(
+        self, batch: Any, per_row: Any, mask_key: str, dtype: Any, copies: dict | None = None
+    ) -> Any:
         """``[rows, T]`` columns from ``[rows]`` ones: each of ``per_row``'s columns over the row's valid tokens
-        (``batch[mask_key]``), zero elsewhere, as the outcome advantage estimators broadcast them."""
+        (``batch[mask_key]``), zero elsewhere, as the outcome advantage estimators broadcast them; ``copies``
+        ``{new: key}`` adds clones of broadcast columns under other names (GRPO's returns)."""
         from ppo_core.advantages._common import broadcast_rows
 
         mask = batch.get(mask_key).bool()
-        return per_row.apply(lambda v: broadcast_rows(v, mask, dtype), batch_size=per_row.batch_size)
+        out = per_row.apply(lambda v: broadcast_rows(v, mask, dtype), batch_size=per_row.batch_size)
+        for new, key in (copies or {}).items():
+            out.set(new, out.get(key).clone())
+        return out
+
+    def resident_response_mask(self, batch: Any) -> Any:
+        """``response_mask`` ``[rows, R]`` from ``attention_mask[:, P:]`` for a generation without one (the
+        controller's :func:`~ppo_core.trainer.steps.merge_generation` does the same on a by-value batch)."""
+        from ppo_core.trainer.steps import merge_generation
+
+        rows = batch.select(*(k for k in ("responses", "attention_mask") if k in batch))
+        return merge_generation(rows, rows).select("response_mask")
+
+    def resident_set_prompts(self, prompts: list) -> None:
+        """Keep the training prompts' ``input_ids`` (one 1-D tensor per dataset item) for :meth:`resident_prompts`:
+        sent once, then each step's prompts arrive as dataset indices."""
+        self.__dict__["_resident_prompts"] = list(prompts)
+
+    def resident_prompts(self, index: Any, width: int, pad_token_id: int) -> Any:
+        """``input_ids`` / ``attention_mask`` ``[rows, width]`` of this rank's prompt rows, left-padded to the step's
+        ``width`` as :func:`~ppo_core.trainer.data.collate_prompts` pads the whole batch (``index``: ``[rows]``
+        dataset indices, each prompt already repeated ``rollout.n`` times)."""
+        from tensordict import TensorDict
+
+        from ppo_core.workers.resident_ops import prompt_rows
+
+        table = self.__dict__.get("_resident_prompts")
+        if table is None:
+            raise RuntimeError(f"rank {self._rank} has no prompt table: resident_set_prompts was not called")
+        ids, mask = prompt_rows(table, index.get("index"), width, pad_token_id)
+        return TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=index.batch_size)
+
+    def resident_reward(self, batch: Any, fields: Any, reward: Any) -> Any:
+        """Run a :class:`~ppo_core.trainer.worker_reward.WorkerReward` on this rank's rows: their token-level
+        scores, row score sums and numeric extra infos (:func:`~ppo_core.workers.resident_ops.score_rows`)."""
+        from ppo_core.workers.resident_ops import score_rows
+
+        return score_rows(batch, fields, reward)
+
+    def resident_rewards(self, batch: Any, scores: Any, beta: float | None, estimator: str) -> Any:
+        """Token-level scores and rewards (the in-reward KL penalty with ``beta``) of this rank's rows, and their
+        ``[rows]`` columns (:func:`~ppo_core.workers.resident_ops.shape_rewards`)."""
+        from ppo_core.workers.resident_ops import shape_rewards
+
+        return shape_rewards(batch, scores, beta, estimator)
+
+    def resident_gae(self, batch: Any, gamma: float, lam: float, whiten: bool) -> Any:
+        """GAE advantages and returns of this rank's rows (:func:`~ppo_core.workers.resident_ops.gae_rows`)."""
+        from ppo_core.workers.resident_ops import gae_rows
+
+        return gae_rows(batch, gamma, lam, whiten)
+
+    def resident_moments(self, batch: Any, key: str, mask_key: str) -> Any:
+        """:class:`~ppo_core.masked_moments.Moments` of ``batch[key]`` over ``batch[mask_key]`` on this rank's rows."""
+        from ppo_core.masked_moments import masked_moments
+
+        return masked_moments(batch.get(key), batch.get(mask_key).bool())
+
+    def resident_whiten(self, batch: Any, key: str, mask_key: str, moments: Any) -> Any:
+        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0)."""
+        from tensordict import TensorDict
+
+        from ppo_core.masked_moments import whiten_with
+
+        out = whiten_with(batch.get(key), batch.get(mask_key).bool(), moments)
+        return TensorDict({key: out}, batch_size=batch.batch_size)
+
+    def resident_probs_diff_parts(self, batch: Any) -> Any:
+        """This rank's part of the rollout-vs-old probability metrics
+        (:func:`~ppo_core.metrics.rollout.rollout_probs_diff_parts`)."""
+        from ppo_core.metrics.rollout import rollout_probs_diff_parts
+
+        return rollout_probs_diff_parts(
+            batch.get("rollout_log_probs"), batch.get("old_log_probs"), batch.get("response_mask")
+        )
+
+    def resident_data_metric_parts(self, batch: Any, use_critic: bool) -> Any:
+        """This rank's :class:`~ppo_core.metrics.partial.DataMetricParts` of the step's batch."""
+        from ppo_core.metrics.partial import data_metric_parts
+
+        return data_metric_parts(batch, use_critic=use_critic)
 
     def resident_drop(self, ids: tuple[str, ...]) -> tuple[str, ...]:
         """Forget resident batches ``ids``; those that were held."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import time
@@ -335,6 +336,11 @@ class GroupResult:
         group._mark_broken(error)
 
 
+def _slim(value: Any) -> Any:
+    """A :class:`BatchRef` without its key specs (what a rank needs to resolve it), anything else as is."""
+    return dataclasses.replace(value, keys=()) if isinstance(value, BatchRef) else value
+
+
 def _check_seconds(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is a positive number of seconds (or an allowed None)."""
     if value is None and allow_none:
@@ -461,6 +467,9 @@ class WorkerGroup(abc.ABC):
                     f"{method}(): resident batch {value.id} lives in {value.placement.group}, not in this group's "
                     f"processes ({self.resident_group_id}); reshard it first (WorkerGroup.reshard)"
                 )
+        # the ranks resolve a handle by its id and row ranges: its key specs stay on the controller
+        args = tuple(_slim(a) for a in args)
+        kwargs = {k: _slim(v) for k, v in (kwargs or {}).items()}
         plan = mode.dispatch(layout, tuple(args), dict(kwargs or {}), copy=not self.compacts_payloads)
         if Execute(execute) is Execute.RANK_ZERO:
             plan = DispatchPlan([c for c in plan.calls if c.rank == 0], plan.context, plan.uniform)
@@ -609,6 +618,12 @@ class WorkerGroup(abc.ABC):
         for k in keys:
             ref.spec(k)
         return self.run("resident_select", Dispatch.DP_COMPUTE, (ref, tuple(keys)))
+
+    def gather_resident(self, method: str, ref: BatchRef, /, *args: Any) -> list[Any]:
+        """Run ``method(ref, *args)`` on every rank (each resolves its rows of ``ref``) and return what the collect
+        ranks answer, in dp order: per-rank partials (moments, metric parts) the controller combines."""
+        outputs = self.call_all(method, ref, *args)
+        return [outputs[r] for r in ref.placement.layout.collect_ranks()]
 
     def scatter_resident(self, ref: BatchRef, data: Any) -> BatchRef:
         """Add the columns of ``data`` (a ``[B]`` TensorDict, e.g. advantages) to a resident batch, each rank

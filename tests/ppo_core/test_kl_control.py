@@ -304,3 +304,33 @@ def test_apply_kl_penalty_errors() -> None:
     ok = dict(full, ref_log_probs=torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]]))
     out, _ = apply_kl_penalty(TensorDict(ok, batch_size=[2]), ctrl, "k3")
     assert math.isfinite(out["token_level_rewards"].abs().max().item())
+
+
+@given(st.integers(min_value=0, max_value=2**31 - 1), st.integers(min_value=0, max_value=6))
+def test_kl_penalty_rewards_on_any_cut_of_the_rows_are_the_batch_rows_bit_for_bit(
+    seed: int, cut: int
+) -> None:
+    """The per-row core a resident step runs on each rank's rows: the same bits as on the whole batch, and the
+    batch's current_kl is the mean of the row values (what apply_kl_penalty reports)."""
+    from ppo_core.kl_control import kl_penalty_rewards
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 6, 4
+    scores = torch.randn(rows, width, generator=gen)
+    old, ref = torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen)
+    mask = torch.rand(rows, width, generator=gen) < 0.7
+    whole, row_kl = kl_penalty_rewards(scores, old, ref, mask, 0.1, "kl")
+    cut = min(cut, rows)
+    parts = [
+        kl_penalty_rewards(scores[s], old[s], ref[s], mask[s], 0.1, "kl")
+        for s in (slice(0, cut), slice(cut, rows))
+    ]
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole)
+    assert torch.equal(torch.cat([p[1] for p in parts]), row_kl)
+    batch = TensorDict(
+        {"token_level_scores": scores, "old_log_probs": old, "ref_log_probs": ref, "response_mask": mask},
+        batch_size=[rows],
+    )
+    out, metrics = apply_kl_penalty(batch, FixedKLController(0.1))
+    assert torch.equal(out["token_level_rewards"], whole)
+    assert metrics["actor/reward_kl_penalty"] == float(row_kl.mean())

@@ -72,10 +72,6 @@ def _error(capsys, *argv: str) -> str:
             "rollout.engine=megatron",
             "rollout.engine='megatron' samples with the megatron actor's policy: it needs the megatron workers",
         ),
-        (
-            "trainer.resident_batches=true",
-            "trainer.resident_batches=True does not support algorithm.adv_estimator='gae'",
-        ),
     ],
 )
 def test_train_names_the_key_before_anything_loads(root, capsys, override, expected):
@@ -85,11 +81,20 @@ def test_train_names_the_key_before_anything_loads(root, capsys, override, expec
     )
 
 
-def test_resident_batches_with_the_grpo_presets_kl_loss_is_refused_before_anything_loads(root, capsys):
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator='rloo'"),
+        (
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is / rollout_rs",
+        ),
+    ],
+)
+def test_resident_batches_refuse_what_they_do_not_serve_before_anything_loads(root, capsys, override, named):
     r = str(root)
-    line = _error(capsys, "train", TINY, f"vars.root={r}", "preset=grpo", "trainer.resident_batches=true")
-    assert line.startswith("trainer.resident_batches=True does not support reference log-probs"), line
-    assert "actor.use_kl_loss" in line
+    line = _error(capsys, "train", TINY, f"vars.root={r}", override, "trainer.resident_batches=true")
+    assert line.startswith(f"trainer.resident_batches=True does not support {named}"), line
 
 
 def test_a_worker_default_that_breaks_the_rule_is_found_too(root, capsys):
