@@ -19,6 +19,7 @@ ALLOWED_PPO_CORE = (
     "ppo_core.rollout.layout",
     "ppo_core.rollout.prompt_checks",
     "ppo_core.rollout.registry",
+    "ppo_core.rollout.engine_config",
 )
 
 
