@@ -6,8 +6,9 @@ per-rank partial sums, counts, minima and maxima.
 What still crosses the controller (``docs/resident-batches.md``): the prompts (by value), the generation's keys a
 controller-side reward reads (fetched once, counted), ``[B]`` columns (response lengths, row sums, per-row KL,
 outcome advantages) and per-rank partials (whitening moments, metric parts). Everything a worker computes from
-its own rows is bit-identical to the by-value step; what is reduced over the batch in another order (GAE's
-whitening statistics, the token-level metrics) agrees within 1e-6 relative.
+its own rows is bit-identical to the by-value step, and so is GAE's whitening (per-row float64 partials reduced
+exactly: :mod:`ppo_core.masked_moments`); what is reduced over the batch in another order (the token-level
+metrics) agrees within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tensordict import TensorDict, is_non_tensor
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.batch import repeat_interleave
 from ppo_core.keys import KEYS
-from ppo_core.masked_moments import combine_moments
+from ppo_core.masked_moments import combine_moments, reduce_row_moments
 from ppo_core.metrics import Timer
 from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
@@ -254,8 +255,10 @@ def _rewards_and_advantages(
         ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
         if whole:
             return ref, valid, metrics
-        moments = combine_moments(
-            actor.gather_resident("resident_moments", ref, KEYS.advantages, KEYS.response_mask)
+        # the estimators' whitening: per-row float64 partials in dp (= row) order, reduced exactly (the same bits
+        # as the by-value step's whitening of the whole batch, whatever the dp layout)
+        moments = reduce_row_moments(
+            actor.gather_resident("resident_row_moments", ref, KEYS.advantages, KEYS.response_mask)
         )
         ref, _ = actor.dispatch_resident(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, into=ref

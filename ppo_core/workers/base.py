@@ -267,6 +267,13 @@ class Worker:
 
         return masked_moments(batch.get(key), batch.get(mask_key).bool())
 
+    def resident_row_moments(self, batch: Any, key: str, mask_key: str) -> Any:
+        """:class:`~ppo_core.masked_moments.RowMoments` (``[b]`` per-row float64 partials) of ``batch[key]`` over
+        ``batch[mask_key]`` on this rank's rows: what the estimators' whitening reduces, layout-independently."""
+        from ppo_core.masked_moments import row_moments
+
+        return row_moments(batch.get(key), batch.get(mask_key).bool())
+
     def resident_whiten(self, batch: Any, key: str, mask_key: str, moments: Any) -> Any:
         """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0)."""
         from tensordict import TensorDict
