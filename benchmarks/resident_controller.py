@@ -37,8 +37,8 @@ from tensordict import NonTensorStack, TensorDict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
-from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
 from ppo_core.advantages._common import broadcast_rows
+from ppo_core.kl_control import apply_kl_penalty, build_kl_controller
 from ppo_core.masked_moments import reduce_row_moments, row_moments, whiten_with
 from ppo_core.metrics import compute_data_metrics
 from ppo_core.metrics.partial import data_metric_parts, lengths_of_parts, reduce_data_metric_parts
@@ -173,7 +173,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lp", type=int, default=1024)
     ap.add_argument("--lr", type=int, default=4096)
-    ap.add_argument("--dp", type=int, default=4, help="data-parallel ranks whose parts the controller reduces")
+    ap.add_argument(
+        "--dp", type=int, default=4, help="data-parallel ranks whose parts the controller reduces"
+    )
     ap.add_argument("--algos", nargs="+", choices=("grpo", "ppo"), default=["grpo", "ppo"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", help="also write the JSON here (benchmarks/results/<script>.json)")

@@ -21,7 +21,7 @@ from tensordict import TensorDict, is_non_tensor
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.batch import repeat_interleave
 from ppo_core.keys import KEYS
-from ppo_core.masked_moments import combine_moments, reduce_row_moments
+from ppo_core.masked_moments import Moments, RowMoments, combine_moments, reduce_row_moments
 from ppo_core.metrics import Timer
 from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
@@ -33,6 +33,7 @@ from ppo_core.workers.base import get_registration
 from ppo_core.workers.resident_ops import (
     EXTRA_PREFIX,
     ROW_KL,
+    ROW_LENGTH,
     ROW_REWARD_SUM,
     ROW_SCORE_SUM,
     ROW_SCORES,
@@ -47,7 +48,13 @@ if TYPE_CHECKING:
     from ppo_core.workers.group import WorkerGroup
     from ppo_core.workers.resident import BatchRef
 
-__all__ = ["check_resident_config", "outcome_advantages", "resident_train_step"]
+__all__ = [
+    "WHITENED_OUTCOME_ESTIMATORS",
+    "check_resident_config",
+    "outcome_advantages",
+    "resident_train_step",
+    "whitened_outcome_rows",
+]
 
 
 def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: int) -> dict[str, float]:
@@ -240,6 +247,8 @@ def _rewards_and_advantages(
         sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
     beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
     columns = (ROW_REWARD_SUM, ROW_VALID) + ((ROW_KL,) if beta is not None else ())
+    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+        columns += (ROW_LENGTH,)
     ref, cols = actor.dispatch_resident(
         "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
     )
@@ -265,9 +274,23 @@ def _rewards_and_advantages(
         )
         return ref, valid, metrics
     uids = list(prompts.get(KEYS.uid).tolist()) if KEYS.uid in prompts else None
+    dtype = ref.spec(KEYS.token_level_rewards).dtype
+    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+        # REINFORCE++-baseline: per-row values broadcast at the ranks, then whitened over the tokens with the
+        # moments the rows' values and lengths give (what the ranks' row partials would be)
+        per_row, moments = whitened_outcome_rows(
+            cols[ROW_REWARD_SUM], cols[ROW_VALID], cols[ROW_LENGTH], uids, dtype
+        )
+        adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
+        ref, _ = actor.dispatch_resident(
+            "resident_broadcast_rows", ref, adv, KEYS.response_mask, dtype, into=ref
+        )
+        ref, _ = actor.dispatch_resident(
+            "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, (KEYS.returns,), into=ref
+        )
+        return ref, valid, metrics
     per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
     adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
-    dtype = ref.spec(KEYS.token_level_rewards).dtype
     # the estimator's returns are a copy of its advantages: made at the ranks
     ref, _ = actor.dispatch_resident(
         "resident_broadcast_rows",
@@ -279,6 +302,39 @@ def _rewards_and_advantages(
         into=ref,
     )
     return ref, valid, metrics
+
+
+WHITENED_OUTCOME_ESTIMATORS = ("reinforce_plus_plus_baseline",)
+"""Outcome estimators whose per-row values are whitened over the batch's valid tokens."""
+
+
+def whitened_outcome_rows(
+    row_rewards: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, uids: list[Any] | None, dtype: Any
+) -> tuple[torch.Tensor, Moments]:
+    """REINFORCE++-baseline's ``[B]`` per-row values in ``dtype`` (what the ranks broadcast over each row's valid
+    tokens) and the whitening :class:`~ppo_core.masked_moments.Moments` of the broadcast ``[B, T]`` values.
+
+    A row broadcast from one value ``v`` of ``length`` valid tokens has the row partials ``count = length``,
+    ``ref = v`` (0 for an empty row), ``total = m2 = 0`` exactly: :func:`~ppo_core.masked_moments.row_moments`
+    of the broadcast rows, without them. Reduced as the by-value whitening reduces its rows, the advantages are
+    the by-value ones bit for bit.
+
+    Args:
+        row_rewards: ``[B]`` float64 row sums of the rewards; valid: ``[B]`` bool rows with a valid token;
+        lengths: ``[B]`` int valid tokens a row; uids: the rows' group ids; dtype: the rewards' dtype.
+    """
+    from ppo_core.advantages._common import prepare_outcome
+    from ppo_core.advantages.group_outcome import reinforce_pp_baseline_rows
+
+    _, _, scores, valid, groups = prepare_outcome(
+        row_rewards.to(torch.float64).unsqueeze(-1), valid.bool().unsqueeze(-1), uids
+    )
+    per_row = reinforce_pp_baseline_rows(scores, valid, groups).to(dtype)
+    count = lengths.to(torch.int64)
+    ref = torch.where(count > 0, per_row.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    zeros = torch.zeros(len(count), dtype=torch.float64)
+    moments = reduce_row_moments([RowMoments(count=count, ref=ref, total=zeros, m2=zeros.clone())])
+    return per_row, moments
 
 
 def outcome_advantages(

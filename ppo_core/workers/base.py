@@ -274,14 +274,17 @@ class Worker:
 
         return row_moments(batch.get(key), batch.get(mask_key).bool())
 
-    def resident_whiten(self, batch: Any, key: str, mask_key: str, moments: Any) -> Any:
-        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0)."""
+    def resident_whiten(
+        self, batch: Any, key: str, mask_key: str, moments: Any, copies: tuple[str, ...] = ()
+    ) -> Any:
+        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0), and a
+        clone of it under each name of ``copies`` (an outcome estimator's returns)."""
         from tensordict import TensorDict
 
         from ppo_core.masked_moments import whiten_with
 
         out = whiten_with(batch.get(key), batch.get(mask_key).bool(), moments)
-        return TensorDict({key: out}, batch_size=batch.batch_size)
+        return TensorDict({key: out, **{name: out.clone() for name in copies}}, batch_size=batch.batch_size)
 
     def resident_probs_diff_parts(self, batch: Any) -> Any:
         """This rank's part of the rollout-vs-old probability metrics

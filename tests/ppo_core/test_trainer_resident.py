@@ -145,6 +145,11 @@ VARIANTS = {
     "grpo_kl_reward": {"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True}},
     # PPO: GAE with a critic and the in-reward KL penalty (make_config's algorithm)
     "ppo": {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True}},
+    # the other outcome estimators (one value a row; REINFORCE++-baseline's whitened over the tokens)
+    **{
+        name: {"algorithm": {"adv_estimator": name, "use_kl_in_reward": False}}
+        for name in ("grpo_passk", "rloo", "gpg", "reinforce_plus_plus_baseline")
+    },
 }
 
 
@@ -281,12 +286,39 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         assert len(set(betas)) > 1  # the adaptive controller moved, from the workers' per-row KL
 
 
+@pytest.mark.parametrize(
+    ("world", "variant"),
+    [
+        (2, "grpo_passk"),
+        (2, "rloo"),
+        (2, "gpg"),
+        (2, "reinforce_plus_plus_baseline"),
+        (1, "reinforce_plus_plus_baseline"),
+    ],
+    ids=[
+        "toy-world2-grpo-passk",
+        "toy-world2-rloo",
+        "toy-world2-gpg",
+        "toy-world2-rpp-baseline",
+        "tinygpt-rpp-baseline",
+    ],
+)
+def test_resident_outcome_estimators_equal_the_by_value_run_bit_for_bit(tmp_path, world, variant) -> None:
+    """The outcome estimators computed on the controller from ``[B]`` row sums and group ids (REINFORCE++-baseline
+    also from the row lengths, for its token-weighted whitening): every tensor bit for bit, metrics within 1e-6."""
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant)
+    resident, resident_metrics, _ = _run(tmp_path / "resident", True, world, variant)
+    advantages = [a for _, k, a in by_value if k == "advantages"]
+    assert advantages and any(bool(a.abs().sum() > 0) for a in advantages)  # something was learned from
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True, metric_abs=1e-6)
+
+
 def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
     # refused when the config is built (a ``ppo-core train`` job before any model loads), not at the first step
     with pytest.raises(
-        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='rloo'"
+        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='opo'"
     ):
-        make_config(tmp_path, algorithm={"adv_estimator": "rloo"}, trainer={"resident_batches": True})
+        make_config(tmp_path, algorithm={"adv_estimator": "opo"}, trainer={"resident_batches": True})
     with pytest.raises(
         ValueError, match=r"does not support algorithm.rollout_correction.rollout_is / rollout_rs"
     ):
