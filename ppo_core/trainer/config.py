@@ -206,7 +206,7 @@ class TrainerConfig(ConfigBase):
     resident_batches: bool = False
     """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``): the outcome
     estimators GRPO, GRPO pass@k, RLOO, GPG and REINFORCE++-baseline, or GAE with a critic; reference log-probs and
-    the KL penalty or loss; no rollout correction yet. False ships the batch by value on every call."""
+    the KL penalty or loss; the old log-probs from the rollout (or the bypass mode); no rollout correction weights or rejection yet. False ships the batch by value on every call."""
 
     def __post_init__(self) -> None:
         check_int("total_epochs", self.total_epochs, 1)
@@ -375,13 +375,9 @@ def check_resident_config(config: PPOConfig) -> None:
         bad.append(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
         )
-    if config.rollout.old_log_probs_from_rollout:
-        bad.append("rollout.old_log_probs_from_rollout=True")
     correction = config.algorithm.rollout_correction
     if correction.enabled:
         bad.append("algorithm.rollout_correction.rollout_is / rollout_rs")
-    if correction.bypass_mode:
-        bad.append("algorithm.rollout_correction.bypass_mode=True")
     if bad:
         raise ValueError(
             f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "

@@ -77,9 +77,12 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 ref, reward = _worker_reward(actor, ref, prompts, trainer.reward_fn)
             else:
                 reward = _controller_reward(trainer, ref, prompts, step)
-        with timer("old_log_prob"):
-            ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
-            metrics.update(_old_log_prob_metrics(actor, ref))
+        if cfg.rollout.old_log_probs_from_rollout or cfg.algorithm.rollout_correction.bypass_mode:
+            ref = _old_from_rollout(trainer, ref)  # no log-prob pass (and no timer, as by value)
+        else:
+            with timer("old_log_prob"):
+                ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
+                metrics.update(_old_log_prob_metrics(actor, ref))
         if cfg.use_reference:
             with timer("ref"):
                 ref = _compute_into(
@@ -112,6 +115,25 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
         step_end_metrics(prompts, timing, config=cfg, step=step, epoch=epoch, groups=groups, parts=parts)
     )
     return metrics
+
+
+def _old_from_rollout(trainer: BasePPOTrainer, ref: BatchRef) -> BatchRef:
+    """``ref`` with the rollout's log-probs kept as ``old_log_probs`` at the ranks (``rollout.old_log_probs_from_
+    rollout`` or ``algorithm.rollout_correction.bypass_mode``): the by-value step's tensors, without the pass."""
+    if KEYS.rollout_log_probs not in ref.key_names:
+        setting = (
+            "algorithm.rollout_correction.bypass_mode"
+            if trainer.config.algorithm.rollout_correction.bypass_mode
+            else "rollout.old_log_probs_from_rollout"
+        )
+        raise ValueError(
+            f"{setting}=True, but generate_sequences returned no {KEYS.rollout_log_probs!r}; it returned "
+            f"{sorted(ref.key_names)}"
+        )
+    ref, _ = trainer.actor_wg.dispatch_resident(
+        "resident_copy", ref, {KEYS.old_log_probs: KEYS.rollout_log_probs}, into=ref
+    )
+    return ref
 
 
 def _compute_into(actor: WorkerGroup, group: WorkerGroup, method: str, ref: BatchRef, key: str) -> BatchRef:

@@ -200,6 +200,15 @@ class Worker:
         """The rows ``new`` brings to a resident batch (the caller keeps them into it with ``Keep(update=True)``)."""
         return new
 
+    def resident_copy(self, batch: Any, copies: dict) -> Any:
+        """``{new: batch[key]}`` for each ``new: key`` of ``copies``: a key of the batch under another name (the
+        rollout's log-probs as the old ones), cloned so that the two stay independent in the store."""
+        from tensordict import TensorDict
+
+        return TensorDict(
+            {new: batch.get(key).clone() for new, key in copies.items()}, batch_size=batch.batch_size
+        )
+
     def resident_broadcast_rows(
         self, batch: Any, per_row: Any, mask_key: str, dtype: Any, copies: dict | None = None
     ) -> Any:

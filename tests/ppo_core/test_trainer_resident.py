@@ -145,6 +145,18 @@ VARIANTS = {
     "grpo_kl_reward": {"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True}},
     # PPO: GAE with a critic and the in-reward KL penalty (make_config's algorithm)
     "ppo": {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True}},
+    # the old log-probs from the rollout engine (no log-prob pass), as asked directly or by the bypass mode
+    "grpo_old_from_rollout": {
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+        "rollout": {"old_log_probs_from_rollout": True},
+    },
+    "grpo_bypass": {
+        "algorithm": {
+            "adv_estimator": "grpo",
+            "use_kl_in_reward": False,
+            "rollout_correction": {"bypass_mode": True},
+        },
+    },
     # the other outcome estimators (one value a row; REINFORCE++-baseline's whitened over the tokens)
     **{
         name: {"algorithm": {"adv_estimator": name, "use_kl_in_reward": False}}
@@ -181,7 +193,7 @@ def _run(
     overrides.setdefault("actor", {}).update({"world_size": world, "worker": worker})
     cfg = make_config(
         path,
-        rollout={"n": 2},
+        rollout={"n": 2, **overrides.pop("rollout", {})},
         critic={"world_size": world, "worker": critic},
         trainer={"total_epochs": 1, "save_freq": 0, "test_freq": 0, "resident_batches": resident},
         **overrides,
@@ -311,6 +323,27 @@ def test_resident_outcome_estimators_equal_the_by_value_run_bit_for_bit(tmp_path
     advantages = [a for _, k, a in by_value if k == "advantages"]
     assert advantages and any(bool(a.abs().sum() > 0) for a in advantages)  # something was learned from
     _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True, metric_abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["grpo_old_from_rollout", "grpo_bypass"])
+def test_old_log_probs_from_the_rollout_equal_the_by_value_run_bit_for_bit(
+    tmp_path, monkeypatch, variant
+) -> None:
+    """``rollout.old_log_probs_from_rollout`` (or the bypass mode): the rollout's log-probs kept as the old ones at
+    the ranks, no log-prob pass on either path; every tensor bit for bit, the same metrics."""
+    calls: list[str] = []
+    compute = TorchActorWorker.compute_log_prob
+
+    def counting(self, batch):
+        calls.append("compute_log_prob")
+        return compute(self, batch)
+
+    monkeypatch.setattr(TorchActorWorker, "compute_log_prob", counting)
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, 1, variant)
+    resident, resident_metrics, _ = _run(tmp_path / "resident", True, 1, variant)
+    assert calls == []
+    assert "actor/entropy" not in value_metrics[1] and "actor/entropy" not in resident_metrics[1]
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True)
 
 
 def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
