@@ -9,7 +9,7 @@ step batch: random response lengths, ``rollout.n`` rows a prompt, scores at the 
   whitening over ``[B, Lr]``) and the data, timing and throughput metrics of the whole batch
   (``compute_data_metrics`` ...).
 - ``resident`` (``trainer.resident_batches``): what ``resident_train_step`` does with what the ranks sent: the
-  reward metrics, the KL controller's mean of the ``[B]`` per-row KL, the outcome advantages from ``[B]`` row sums
+  rows' group ids and data sources (read per prompt, repeated), the reward metrics, the KL controller's mean of the ``[B]`` per-row KL, the outcome advantages from ``[B]`` row sums
   (GRPO: ``outcome_advantages``) or the reduction of the ranks' per-row whitening partials (GAE:
   ``reduce_row_moments``), and the reduction of the ranks' ``DataMetricParts`` (``step_end_metrics`` with
   ``parts``). The ranks' own work (their parts, made beforehand from ``--dp`` contiguous shards) is not timed.
@@ -45,7 +45,7 @@ from ppo_core.metrics.partial import data_metric_parts, lengths_of_parts, reduce
 from ppo_core.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from ppo_core.rewards.metrics import reward_metrics_by_source
 from ppo_core.trainer.config import AlgorithmConfig
-from ppo_core.trainer.resident_step import outcome_advantages
+from ppo_core.trainer.resident_step import outcome_advantages, repeat_labels
 from ppo_core.trainer.reward import scores_to_token_level
 from ppo_core.trainer.steps import compute_advantages
 from ppo_core.workers.resident_ops import ROW_KL, ROW_REWARD_SUM, ROW_VALID, gae_rows, shape_rewards
@@ -129,12 +129,14 @@ def rank_parts(batch: TensorDict, scores: torch.Tensor, algo: str, dp: int) -> d
             shard.set("advantages", adv)
             shard.set("returns", adv.clone())
     parts = [data_metric_parts(shard, use_critic=algo == "ppo") for shard in shards]
-    return {"columns": cols, "moments": moments, "parts": parts}
+    prompt_uids = list(batch.get("uid").tolist())[:: len(scores) // len(set(batch.get("uid").tolist()))]
+    return {"columns": cols, "moments": moments, "parts": parts, "prompt_uids": prompt_uids}
 
 
 def resident(batch: TensorDict, scores: torch.Tensor, algo: str, sent: dict) -> dict[str, float]:
     """The resident step's controller work on what the ranks sent."""
-    metrics = reward_metrics_by_source(["bench"] * len(scores), scores, {})
+    n = len(scores) // len(sent["prompt_uids"])
+    metrics = reward_metrics_by_source(repeat_labels(["bench"] * len(sent["prompt_uids"]), n), scores, {})
     cols = sent["columns"]
     if algo == "ppo":
         kl_ctrl = build_kl_controller({"type": "adaptive", "kl_coef": 1e-3})
@@ -144,7 +146,7 @@ def resident(batch: TensorDict, scores: torch.Tensor, algo: str, sent: dict) -> 
         moments = reduce_row_moments(sent["moments"])
         metrics["whitening/count"] = float(moments.count)
     else:
-        uids = list(batch.get("uid").tolist())
+        uids = repeat_labels(sent["prompt_uids"], n)  # as the step reads them: per prompt
         outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, _algorithm(algo))
     parts = sent["parts"]
     lengths = lengths_of_parts(parts)

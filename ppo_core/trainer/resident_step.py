@@ -52,6 +52,7 @@ __all__ = [
     "WHITENED_OUTCOME_ESTIMATORS",
     "check_resident_config",
     "outcome_advantages",
+    "repeat_labels",
     "resident_train_step",
     "whitened_outcome_rows",
 ]
@@ -66,7 +67,11 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
     groups = (trainer.actor_wg, trainer.ref_wg, trainer.critic_wg)
     controller_bytes_metrics(*groups)
     with timer("step"):
-        prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
+        seeded = assign_uids(batch, str(step))
+        prompts = repeat_interleave(seeded, cfg.rollout.n)
+        # the rows' group ids and data sources, read per prompt (a non-tensor column's tolist costs per row)
+        uids = repeat_labels(seeded.get(KEYS.uid).tolist(), cfg.rollout.n)
+        sources = repeat_labels(_data_sources(seeded), cfg.rollout.n)
         with timer("gen"):
             source = _prompt_rows(trainer, batch, prompts, step)
             ref, _ = actor.dispatch_resident("generate_sequences", source, step=step)
@@ -94,13 +99,13 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
         with timer("reward_wait"):
             scores, extra = reward.result() if isinstance(reward, PendingReward) else reward
         with timer("adv"):
-            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, prompts, scores)
+            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, uids, scores)
             metrics.update(adv_metrics)
         if (
             scores is not None and scores.dim() == 1
         ):  # placed at the last valid token: a row without one has none
             scores = torch.where(valid, scores, torch.zeros((), dtype=scores.dtype))
-        metrics.update(reward_metrics_by_source(_data_sources(prompts), scores, extra))
+        metrics.update(reward_metrics_by_source(sources, scores, extra))
         if cfg.use_critic:
             with timer("update_critic"):
                 critic = trainer.critic_wg
@@ -253,14 +258,14 @@ def _with_fields(fetched: TensorDictBase, prompts: TensorDictBase) -> TensorDict
 
 
 def _rewards_and_advantages(
-    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, scores: torch.Tensor | None
+    trainer: BasePPOTrainer, ref: BatchRef, uids: list[Any], scores: torch.Tensor | None
 ) -> tuple[BatchRef, torch.Tensor, dict[str, float]]:
     """Scatter the scores (``[B]`` sequence scores, ``[B, R]`` token-level ones, or None: a worker-side reward kept
     them), shape the rewards (in-reward KL) and compute the advantages at the workers; also the ``[B]`` row
     validity (rows with a valid response token)."""
     cfg, actor = trainer.config, trainer.actor_wg
     metrics: dict[str, float] = {}
-    rows = int(prompts.batch_size[0])
+    rows = len(uids)
     if scores is None:
         sent = None
     elif scores.dim() == 1:
@@ -295,7 +300,6 @@ def _rewards_and_advantages(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, into=ref
         )
         return ref, valid, metrics
-    uids = list(prompts.get(KEYS.uid).tolist()) if KEYS.uid in prompts else None
     dtype = ref.spec(KEYS.token_level_rewards).dtype
     if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
         # REINFORCE++-baseline: per-row values broadcast at the ranks, then whitened over the tokens with the
@@ -383,6 +387,11 @@ def outcome_advantages(
         **kwargs,
     )
     return advantages[:, 0]
+
+
+def repeat_labels(labels: list[Any], n: int) -> list[Any]:
+    """Each of the prompts' ``labels`` ``n`` times in a row: the rows' labels after ``repeat_interleave``."""
+    return [label for label in labels for _ in range(n)]
 
 
 def _data_sources(batch: TensorDictBase) -> list[str]:
