@@ -3,15 +3,15 @@
 A data-parallel rank holding rows of a ``[B, T]`` tensor computes :func:`masked_moments` of its rows (valid count,
 mean, and the sum of squared deviations from that mean, ``m2``, in float64); the controller combines the ranks'
 moments with :func:`combine_moments` (Chan, Golub and LeVeque's pairwise update, numerically stable: no sum of
-squares is ever subtracted from another) and scatters the mean and variance back; each rank then whitens its rows
-with :func:`whiten_with`. The result equals :func:`ppo_core.masked.masked_whiten` over the whole batch up to the
-rounding of its float32 reduction (the order of the sums differs), and masked entries are exactly 0, as the
-estimators' whitening leaves them.
+squares is ever subtracted from another): what the token-level metrics need (means, variances), equal to the
+whole batch's up to rounding. Masked entries are exactly 0 in :func:`whiten_with`'s output, as the estimators'
+whitening leaves them.
 
 The estimators' whitening itself (:func:`ppo_core.kernels.whiten.whiten_valid`: GAE, REINFORCE++ and
 REINFORCE++-baseline on the PyTorch path) is built on :func:`row_moments` and :func:`reduce_row_moments`: each row's
-count, float64 sum and float64 sum of squared deviations from the row's mean (every row summed in fixed blocks of
-columns, so a row's partials do not depend on which other rows share its tensor), reduced over the rows with
+count, first valid value, float64 sum about it and float64 sum of squared deviations from the row's mean (every
+row summed in fixed blocks of columns, so a row's partials do not depend on which other rows share its tensor),
+reduced over the rows with
 :func:`math.fsum` (exactly rounded, so independent of the order and the grouping of the rows). A data-parallel
 rank computes the row partials of its rows, the controller reduces the concatenation: the whitened values are bit
 for bit those of the whole batch, whatever the split of the rows into contiguous blocks.
