@@ -16,13 +16,15 @@ an actor whose methods return tensors of the right shapes and compute nothing, w
 Bytes are the step's ``perf/controller_bytes`` (the groups' transport counters: each rank's copy counted, tensors
 plus the pickle of the rest), averaged over ``--repeats`` steps after a first one. ``--backend local`` (default) runs
 the ranks in this process (bytes only); ``--backend monarch`` runs ``--procs`` Monarch processes a host and also
-reports the median step time and the controller's CPU time a step (``time.process_time`` of this process); ``--hosts 2`` simulates two hosts (worker loops on 127.0.0.1, pickled over TCP as
-across a network). The target of ``docs/resident-batches.md``: at most ``64 B x rows + 1 MB`` a resident step,
+reports the step time and the controller's CPU time a step (``time.process_time`` of this process: median, minimum
+and maximum over the measured steps) and the stages' median seconds; ``--hosts 2`` simulates two hosts (worker
+loops on 127.0.0.1, pickled over TCP as across a network), ``--hosts 1 2`` runs both and gives each path's median
+step time on 2 hosts over 1 (the time target: within 10%). The target of ``docs/resident-batches.md``: at most ``64 B x rows + 1 MB`` a resident step,
 whatever ``Lr``.
 
 Usage:
     python benchmarks/resident_bytes.py [--rows 2048] [--n 8] [--lp 1024] [--lr 1024 4096] [--procs 2]
-        [--backend local|monarch] [--hosts 1] [--repeats 3] [--out FILE]
+        [--backend local|monarch] [--hosts 1 [2]] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -155,6 +157,56 @@ def _group(backend: str, spec: WorkerSpec, procs: int, hosts: int):
         yield wg
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+def _measure(wg, args, name: str) -> dict:
+    """One path's ``--repeats`` measured steps (after a first one) on the worker group ``wg``."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        steps = run_trainer(
+            lambda: _Borrowed(wg),
+            rows=args.rows,
+            n=args.n,
+            lp=args.lp,
+            steps=args.repeats + 1,
+            resident=name == "resident",
+            log_dir=log_dir,
+        )
+    measured = steps[1:]  # the first step also ships the prompt table (resident) and warms up
+    sent = [m["perf/controller_bytes_sent"] for m in measured]
+    received = [m["perf/controller_bytes_received"] for m in measured]
+    total = [a + b for a, b in zip(sent, received, strict=True)]
+    timed = args.backend != "local"
+    out = {
+        "controller_bytes": int(statistics.mean(total)),
+        "sent": int(statistics.mean(sent)),
+        "received": int(statistics.mean(received)),
+        "bytes_per_row": round(statistics.mean(total) / args.rows, 1),
+        "first_step_bytes": int(steps[0]["perf/controller_bytes"]),
+        "median_controller_cpu_s": (
+            round(statistics.median(m["controller_cpu_s"] for m in measured), 4) if timed else None
+        ),
+        "median_step_s": (
+            round(statistics.median(m["perf/time_per_step"] for m in measured), 4) if timed else None
+        ),
+    }
+    if timed:
+        out["step_s"] = _spread([m["perf/time_per_step"] for m in measured])
+        out["controller_cpu_s"] = _spread([m["controller_cpu_s"] for m in measured])
+        # where the step's wall time goes (the stages' timers; medians)
+        stages = sorted({k for m in measured for k in m if k.startswith("timing_s/")})
+        out["stage_median_s"] = {
+            k[len("timing_s/") :]: round(statistics.median(m.get(k, 0.0) for m in measured), 4)
+            for k in stages
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=2048)
@@ -162,7 +214,9 @@ def main() -> None:
     ap.add_argument("--lp", type=int, default=1024)
     ap.add_argument("--lr", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--procs", type=int, default=2, help="ranks per host")
-    ap.add_argument("--hosts", type=int, default=1, help="monarch: > 1 simulates hosts (worker loops, TCP)")
+    ap.add_argument(
+        "--hosts", type=int, nargs="+", default=[1], help="monarch: > 1 simulates hosts (worker loops, TCP)"
+    )
     ap.add_argument("--backend", choices=("local", "monarch"), default="local")
     ap.add_argument("--repeats", type=int, default=3, help="steps measured after a first one")
     ap.add_argument("--paths", nargs="+", choices=("by_value", "resident"), default=["by_value", "resident"])
@@ -174,54 +228,38 @@ def main() -> None:
         "n": args.n,
         "lp": args.lp,
         "procs": args.procs,
-        "hosts": args.hosts,
+        "hosts": args.hosts if len(args.hosts) > 1 else args.hosts[0],
         "backend": args.backend,
+        "repeats": args.repeats,
         "target_bytes": budget,
         "runs": [],
     }
     for lr in args.lr:
         spec = WorkerSpec(NullActor, kwargs={"lr": lr})
-        with _group(args.backend, spec, args.procs, args.hosts) as wg:
-            result = {"lr": lr}
-            for name in args.paths:
-                with tempfile.TemporaryDirectory() as log_dir:
-                    steps = run_trainer(
-                        lambda: _Borrowed(wg),
-                        rows=args.rows,
-                        n=args.n,
-                        lp=args.lp,
-                        steps=args.repeats + 1,
-                        resident=name == "resident",
-                        log_dir=log_dir,
-                    )
-                measured = steps[1:]  # the first step also ships the prompt table (resident) and warms up
-                sent = [m["perf/controller_bytes_sent"] for m in measured]
-                received = [m["perf/controller_bytes_received"] for m in measured]
-                total = [a + b for a, b in zip(sent, received, strict=True)]
-                result[name] = {
-                    "controller_bytes": int(statistics.mean(total)),
-                    "sent": int(statistics.mean(sent)),
-                    "received": int(statistics.mean(received)),
-                    "bytes_per_row": round(statistics.mean(total) / args.rows, 1),
-                    "first_step_bytes": int(steps[0]["perf/controller_bytes"]),
-                    "median_controller_cpu_s": (
-                        round(statistics.median(m["controller_cpu_s"] for m in measured), 4)
-                        if args.backend != "local"
-                        else None
-                    ),
-                    "median_step_s": (
-                        round(statistics.median(m["perf/time_per_step"] for m in measured), 4)
-                        if args.backend != "local"
-                        else None
-                    ),
-                }
+        by_hosts = {}
+        for hosts in args.hosts:
+            with _group(args.backend, spec, args.procs, hosts) as wg:
+                result = {"lr": lr, "hosts": hosts}
+                for name in args.paths:
+                    result[name] = _measure(wg, args, name)
             if "resident" in result:
                 result["resident"]["within_target"] = result["resident"]["controller_bytes"] <= budget
             if "by_value" in result and "resident" in result:
                 result["ratio_by_value_over_resident"] = round(
                     result["by_value"]["controller_bytes"] / result["resident"]["controller_bytes"], 1
                 )
+            by_hosts[hosts] = result
             out["runs"].append(result)
+        if args.backend != "local" and 1 in by_hosts and len(by_hosts) > 1:
+            # the time target: the same job on more (simulated) hosts within 10% of one host
+            for hosts, result in by_hosts.items():
+                if hosts == 1:
+                    continue
+                for name in args.paths:
+                    ratio = result[name]["step_s"]["median"] / by_hosts[1][name]["step_s"]["median"]
+                    result[name]["median_step_over_1_host"] = round(ratio, 3)
+                    if name == "resident":
+                        result[name]["within_10_percent_of_1_host"] = ratio <= 1.10
     emit(out, args.out)
 
 

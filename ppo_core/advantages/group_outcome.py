@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ppo_core.advantages._common import IndexLike, broadcast_rows, check_scalar, no_grad, prepare_outcome
-from ppo_core.advantages._groups import group_count, group_stats, group_weighted_mean
+from ppo_core.advantages._groups import GroupIndex, group_count, group_stats, group_weighted_mean
 from ppo_core.kernels.whiten import whiten_valid
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "compute_opo_advantage",
     "compute_reinforce_pp_baseline_advantage",
     "compute_rloo_advantage",
+    "reinforce_pp_baseline_rows",
 ]
 
 
@@ -80,11 +81,17 @@ def compute_reinforce_pp_baseline_advantage(
         tensor([ 0.7071, -0.7071])
     """
     rewards, mask, scores, valid, groups = prepare_outcome(rewards, response_mask, index)
-    stats = group_stats(scores, groups, valid)
-    per_row = torch.where(stats.count[groups.ids] > 1, stats.centred, scores)
-    centred = broadcast_rows(_keep_valid(per_row, valid), mask, rewards.dtype)
+    centred = broadcast_rows(reinforce_pp_baseline_rows(scores, valid, groups), mask, rewards.dtype)
     advantages = whiten_valid(centred, mask)
     return advantages, advantages.clone()
+
+
+def reinforce_pp_baseline_rows(scores: torch.Tensor, valid: torch.Tensor, groups: GroupIndex) -> torch.Tensor:
+    """REINFORCE++-baseline's ``[B]`` float64 per-row values before the broadcast and the whitening: ``s_i -
+    mean_g`` (the raw score in a group of one), 0 for a row without a valid token. ``scores``, ``valid`` and
+    ``groups`` as :func:`~ppo_core.advantages._common.prepare_outcome` returns them."""
+    stats = group_stats(scores, groups, valid)
+    return _keep_valid(torch.where(stats.count[groups.ids] > 1, stats.centred, scores), valid)
 
 
 @no_grad

@@ -5,33 +5,27 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import WHITEN_EPS, _first_valid_index
+from ppo_core.masked_moments import reduce_row_moments, row_moments, whiten_with
 
 __all__ = ["whiten_valid"]
 
 
 def whiten_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``zero_outside(masked_whiten(values, mask), mask)`` for ``values: [B, T]`` that are exactly 0 where masked.
+    """``(values - mean) / sqrt(var + 1e-8)`` over the valid entries of ``values: [B, T]``, exactly 0 where masked.
 
-    The estimators' outputs have that property, which lets every sum skip its select (the zeros add nothing) and
-    the centred values serve both the variance and the output: the same arithmetic as :func:`masked_whiten`
-    (bit for bit below 2**24 valid tokens, where its float32 count is exact; this count is exact everywhere) in
-    fewer passes over ``[B, T]``. As there, the values are centred about the first valid one before the mean is
-    taken, so constant valid values give exactly 0. With NaN or inf among the valid values (which the estimators
-    reject) the masked entries may be NaN too.
+    The estimators' whitening (GAE, REINFORCE++, REINFORCE++-baseline). The mean and the unbiased variance are
+    those of :func:`~ppo_core.masked.masked_whiten`, accumulated in float64 in a fixed order that does not depend
+    on how the rows are laid out: each row's float64 partials (:func:`~ppo_core.masked_moments.row_moments`) reduced
+    exactly over the rows (:func:`~ppo_core.masked_moments.reduce_row_moments`), the scaling in float64 and one
+    cast back. A data-parallel holder of the rows computes the same partials of its rows and the same whitening
+    with the reduced moments: the same bits as here, for any split of the rows into contiguous blocks. Constant
+    valid values give exactly 0 (a constant row's float64 sum and mean are exact). With NaN or inf among the valid
+    values (which the estimators reject) every valid output is NaN.
+
+    Returns:
+        ``[B, T]`` in ``values``' dtype.
     """
-    acc = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
-    if not acc.numel():
+    if not values.numel():
         return torch.zeros_like(values)
-    count = torch.count_nonzero(mask).to(acc.dtype)
-    # Each shift is applied where the mask is 1 only, as x + m * (-shift) (exactly x - shift there, exactly 0 at a
-    # masked 0): on CPU a multiply-add by the mask as floats takes a tenth of the time of a select. The reference
-    # is the first valid value (the masked 0 at index 0 when none is valid: the result is then 0 anyway).
-    weights = mask.view(torch.uint8).to(acc.dtype)
-    centred = torch.addcmul(acc, weights, -torch.take(acc, _first_valid_index(mask)))
-    mean = centred.sum() / count.clamp(min=1)
-    # the centred values, 0 where masked: they give the variance, and scaled in place they are the result
-    centred.addcmul_(weights, -mean)
-    zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
-    var = torch.where(count > 1, centred.square().sum() / (count - 1).clamp(min=1), zero)
-    return centred.mul_(torch.rsqrt(var + WHITEN_EPS)).to(values.dtype)
+    mask = mask.bool()
+    return whiten_with(values, mask, reduce_row_moments([row_moments(values, mask, check=False)]))

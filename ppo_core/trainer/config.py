@@ -204,9 +204,9 @@ class TrainerConfig(ConfigBase):
     progress_bar: bool = True
     """Show a tqdm progress bar over steps (when tqdm is installed)."""
     resident_batches: bool = False
-    """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``): GRPO or GAE
-    with a critic, reference log-probs and the KL penalty or loss; no rollout correction yet. False ships the batch
-    by value on every call."""
+    """Keep each step's batch in the actor's workers and pass handles (``docs/resident-batches.md``): the outcome
+    estimators GRPO, GRPO pass@k, RLOO, GPG and REINFORCE++-baseline, or GAE with a critic; reference log-probs and
+    the KL penalty or loss; the old log-probs from the rollout (or the bypass mode); no rollout correction weights or rejection yet. False ships the batch by value on every call."""
 
     def __post_init__(self) -> None:
         check_int("total_epochs", self.total_epochs, 1)
@@ -360,9 +360,11 @@ class PPOConfig(ConfigBase):
 
 _DEFAULT_SAMPLING = SamplingConfig()
 
-RESIDENT_ESTIMATORS = ("grpo", "gae")
-"""The advantage estimators ``trainer.resident_batches`` serves: GRPO (outcome advantages, one value per row) and
-GAE (per-row scans at the workers, whitened with the batch's moments)."""
+RESIDENT_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "gpg", "reinforce_plus_plus_baseline", "gae")
+"""The advantage estimators ``trainer.resident_batches`` serves: the outcome estimators whose advantage is one
+value a row (GRPO, GRPO pass@k, RLOO, GPG: computed on the controller from ``[B]`` row sums and group ids),
+REINFORCE++-baseline (those values whitened over the tokens: the whitening's row partials follow from the row
+values and lengths) and GAE (per-row scans at the workers, whitened from the ranks' row partials)."""
 
 
 def check_resident_config(config: PPOConfig) -> None:
@@ -373,13 +375,9 @@ def check_resident_config(config: PPOConfig) -> None:
         bad.append(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
         )
-    if config.rollout.old_log_probs_from_rollout:
-        bad.append("rollout.old_log_probs_from_rollout=True")
     correction = config.algorithm.rollout_correction
     if correction.enabled:
         bad.append("algorithm.rollout_correction.rollout_is / rollout_rs")
-    if correction.bypass_mode:
-        bad.append("algorithm.rollout_correction.bypass_mode=True")
     if bad:
         raise ValueError(
             f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "

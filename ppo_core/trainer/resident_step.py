@@ -6,8 +6,9 @@ per-rank partial sums, counts, minima and maxima.
 What still crosses the controller (``docs/resident-batches.md``): the prompts (by value), the generation's keys a
 controller-side reward reads (fetched once, counted), ``[B]`` columns (response lengths, row sums, per-row KL,
 outcome advantages) and per-rank partials (whitening moments, metric parts). Everything a worker computes from
-its own rows is bit-identical to the by-value step; what is reduced over the batch in another order (GAE's
-whitening statistics, the token-level metrics) agrees within 1e-6 relative.
+its own rows is bit-identical to the by-value step, and so is GAE's whitening (per-row float64 partials reduced
+exactly: :mod:`ppo_core.masked_moments`); what is reduced over the batch in another order (the token-level
+metrics) agrees within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tensordict import TensorDict, is_non_tensor
 from ppo_core.advantages import get_advantage_estimator
 from ppo_core.batch import repeat_interleave
 from ppo_core.keys import KEYS
-from ppo_core.masked_moments import combine_moments
+from ppo_core.masked_moments import Moments, RowMoments, combine_moments, reduce_row_moments
 from ppo_core.metrics import Timer
 from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
@@ -32,6 +33,7 @@ from ppo_core.workers.base import get_registration
 from ppo_core.workers.resident_ops import (
     EXTRA_PREFIX,
     ROW_KL,
+    ROW_LENGTH,
     ROW_REWARD_SUM,
     ROW_SCORE_SUM,
     ROW_SCORES,
@@ -46,7 +48,14 @@ if TYPE_CHECKING:
     from ppo_core.workers.group import WorkerGroup
     from ppo_core.workers.resident import BatchRef
 
-__all__ = ["check_resident_config", "outcome_advantages", "resident_train_step"]
+__all__ = [
+    "WHITENED_OUTCOME_ESTIMATORS",
+    "check_resident_config",
+    "outcome_advantages",
+    "repeat_labels",
+    "resident_train_step",
+    "whitened_outcome_rows",
+]
 
 
 def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: int) -> dict[str, float]:
@@ -58,7 +67,11 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
     groups = (trainer.actor_wg, trainer.ref_wg, trainer.critic_wg)
     controller_bytes_metrics(*groups)
     with timer("step"):
-        prompts = repeat_interleave(assign_uids(batch, str(step)), cfg.rollout.n)
+        seeded = assign_uids(batch, str(step))
+        prompts = repeat_interleave(seeded, cfg.rollout.n)
+        # the rows' group ids and data sources, read per prompt (a non-tensor column's tolist costs per row)
+        uids = repeat_labels(seeded.get(KEYS.uid).tolist(), cfg.rollout.n)
+        sources = repeat_labels(_data_sources(seeded), cfg.rollout.n)
         with timer("gen"):
             source = _prompt_rows(trainer, batch, prompts, step)
             ref, _ = actor.dispatch_resident("generate_sequences", source, step=step)
@@ -69,9 +82,12 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 ref, reward = _worker_reward(actor, ref, prompts, trainer.reward_fn)
             else:
                 reward = _controller_reward(trainer, ref, prompts, step)
-        with timer("old_log_prob"):
-            ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
-            metrics.update(_old_log_prob_metrics(actor, ref))
+        if cfg.rollout.old_log_probs_from_rollout or cfg.algorithm.rollout_correction.bypass_mode:
+            ref = _old_from_rollout(trainer, ref)  # no log-prob pass (and no timer, as by value)
+        else:
+            with timer("old_log_prob"):
+                ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
+                metrics.update(_old_log_prob_metrics(actor, ref))
         if cfg.use_reference:
             with timer("ref"):
                 ref = _compute_into(
@@ -83,13 +99,13 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
         with timer("reward_wait"):
             scores, extra = reward.result() if isinstance(reward, PendingReward) else reward
         with timer("adv"):
-            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, prompts, scores)
+            ref, valid, adv_metrics = _rewards_and_advantages(trainer, ref, uids, scores)
             metrics.update(adv_metrics)
         if (
             scores is not None and scores.dim() == 1
         ):  # placed at the last valid token: a row without one has none
             scores = torch.where(valid, scores, torch.zeros((), dtype=scores.dtype))
-        metrics.update(reward_metrics_by_source(_data_sources(prompts), scores, extra))
+        metrics.update(reward_metrics_by_source(sources, scores, extra))
         if cfg.use_critic:
             with timer("update_critic"):
                 critic = trainer.critic_wg
@@ -104,6 +120,25 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
         step_end_metrics(prompts, timing, config=cfg, step=step, epoch=epoch, groups=groups, parts=parts)
     )
     return metrics
+
+
+def _old_from_rollout(trainer: BasePPOTrainer, ref: BatchRef) -> BatchRef:
+    """``ref`` with the rollout's log-probs kept as ``old_log_probs`` at the ranks (``rollout.old_log_probs_from_
+    rollout`` or ``algorithm.rollout_correction.bypass_mode``): the by-value step's tensors, without the pass."""
+    if KEYS.rollout_log_probs not in ref.key_names:
+        setting = (
+            "algorithm.rollout_correction.bypass_mode"
+            if trainer.config.algorithm.rollout_correction.bypass_mode
+            else "rollout.old_log_probs_from_rollout"
+        )
+        raise ValueError(
+            f"{setting}=True, but generate_sequences returned no {KEYS.rollout_log_probs!r}; it returned "
+            f"{sorted(ref.key_names)}"
+        )
+    ref, _ = trainer.actor_wg.dispatch_resident(
+        "resident_copy", ref, {KEYS.old_log_probs: KEYS.rollout_log_probs}, into=ref
+    )
+    return ref
 
 
 def _compute_into(actor: WorkerGroup, group: WorkerGroup, method: str, ref: BatchRef, key: str) -> BatchRef:
@@ -223,14 +258,14 @@ def _with_fields(fetched: TensorDictBase, prompts: TensorDictBase) -> TensorDict
 
 
 def _rewards_and_advantages(
-    trainer: BasePPOTrainer, ref: BatchRef, prompts: TensorDictBase, scores: torch.Tensor | None
+    trainer: BasePPOTrainer, ref: BatchRef, uids: list[Any], scores: torch.Tensor | None
 ) -> tuple[BatchRef, torch.Tensor, dict[str, float]]:
     """Scatter the scores (``[B]`` sequence scores, ``[B, R]`` token-level ones, or None: a worker-side reward kept
     them), shape the rewards (in-reward KL) and compute the advantages at the workers; also the ``[B]`` row
     validity (rows with a valid response token)."""
     cfg, actor = trainer.config, trainer.actor_wg
     metrics: dict[str, float] = {}
-    rows = int(prompts.batch_size[0])
+    rows = len(uids)
     if scores is None:
         sent = None
     elif scores.dim() == 1:
@@ -239,6 +274,8 @@ def _rewards_and_advantages(
         sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
     beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
     columns = (ROW_REWARD_SUM, ROW_VALID) + ((ROW_KL,) if beta is not None else ())
+    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+        columns += (ROW_LENGTH,)
     ref, cols = actor.dispatch_resident(
         "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
     )
@@ -254,17 +291,32 @@ def _rewards_and_advantages(
         ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
         if whole:
             return ref, valid, metrics
-        moments = combine_moments(
-            actor.gather_resident("resident_moments", ref, KEYS.advantages, KEYS.response_mask)
+        # the estimators' whitening: per-row float64 partials in dp (= row) order, reduced exactly (the same bits
+        # as the by-value step's whitening of the whole batch, whatever the dp layout)
+        moments = reduce_row_moments(
+            actor.gather_resident("resident_row_moments", ref, KEYS.advantages, KEYS.response_mask)
         )
         ref, _ = actor.dispatch_resident(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, into=ref
         )
         return ref, valid, metrics
-    uids = list(prompts.get(KEYS.uid).tolist()) if KEYS.uid in prompts else None
+    dtype = ref.spec(KEYS.token_level_rewards).dtype
+    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+        # REINFORCE++-baseline: per-row values broadcast at the ranks, then whitened over the tokens with the
+        # moments the rows' values and lengths give (what the ranks' row partials would be)
+        per_row, moments = whitened_outcome_rows(
+            cols[ROW_REWARD_SUM], cols[ROW_VALID], cols[ROW_LENGTH], uids, dtype
+        )
+        adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
+        ref, _ = actor.dispatch_resident(
+            "resident_broadcast_rows", ref, adv, KEYS.response_mask, dtype, into=ref
+        )
+        ref, _ = actor.dispatch_resident(
+            "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, (KEYS.returns,), into=ref
+        )
+        return ref, valid, metrics
     per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
     adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
-    dtype = ref.spec(KEYS.token_level_rewards).dtype
     # the estimator's returns are a copy of its advantages: made at the ranks
     ref, _ = actor.dispatch_resident(
         "resident_broadcast_rows",
@@ -276,6 +328,39 @@ def _rewards_and_advantages(
         into=ref,
     )
     return ref, valid, metrics
+
+
+WHITENED_OUTCOME_ESTIMATORS = ("reinforce_plus_plus_baseline",)
+"""Outcome estimators whose per-row values are whitened over the batch's valid tokens."""
+
+
+def whitened_outcome_rows(
+    row_rewards: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, uids: list[Any] | None, dtype: Any
+) -> tuple[torch.Tensor, Moments]:
+    """REINFORCE++-baseline's ``[B]`` per-row values in ``dtype`` (what the ranks broadcast over each row's valid
+    tokens) and the whitening :class:`~ppo_core.masked_moments.Moments` of the broadcast ``[B, T]`` values.
+
+    A row broadcast from one value ``v`` of ``length`` valid tokens has the row partials ``count = length``,
+    ``ref = v`` (0 for an empty row), ``total = m2 = 0`` exactly: :func:`~ppo_core.masked_moments.row_moments`
+    of the broadcast rows, without them. Reduced as the by-value whitening reduces its rows, the advantages are
+    the by-value ones bit for bit.
+
+    Args:
+        row_rewards: ``[B]`` float64 row sums of the rewards; valid: ``[B]`` bool rows with a valid token;
+        lengths: ``[B]`` int valid tokens a row; uids: the rows' group ids; dtype: the rewards' dtype.
+    """
+    from ppo_core.advantages._common import prepare_outcome
+    from ppo_core.advantages.group_outcome import reinforce_pp_baseline_rows
+
+    _, _, scores, valid, groups = prepare_outcome(
+        row_rewards.to(torch.float64).unsqueeze(-1), valid.bool().unsqueeze(-1), uids
+    )
+    per_row = reinforce_pp_baseline_rows(scores, valid, groups).to(dtype)
+    count = lengths.to(torch.int64)
+    ref = torch.where(count > 0, per_row.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    zeros = torch.zeros(len(count), dtype=torch.float64)
+    moments = reduce_row_moments([RowMoments(count=count, ref=ref, total=zeros, m2=zeros.clone())])
+    return per_row, moments
 
 
 def outcome_advantages(
@@ -302,6 +387,11 @@ def outcome_advantages(
         **kwargs,
     )
     return advantages[:, 0]
+
+
+def repeat_labels(labels: list[Any], n: int) -> list[Any]:
+    """Each of the prompts' ``labels`` ``n`` times in a row: the rows' labels after ``repeat_interleave``."""
+    return [label for label in labels for _ in range(n)]
 
 
 def _data_sources(batch: TensorDictBase) -> list[str]:

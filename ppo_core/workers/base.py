@@ -200,6 +200,15 @@ class Worker:
         """The rows ``new`` brings to a resident batch (the caller keeps them into it with ``Keep(update=True)``)."""
         return new
 
+    def resident_copy(self, batch: Any, copies: dict) -> Any:
+        """``{new: batch[key]}`` for each ``new: key`` of ``copies``: a key of the batch under another name (the
+        rollout's log-probs as the old ones), cloned so that the two stay independent in the store."""
+        from tensordict import TensorDict
+
+        return TensorDict(
+            {new: batch.get(key).clone() for new, key in copies.items()}, batch_size=batch.batch_size
+        )
+
     def resident_broadcast_rows(
         self, batch: Any, per_row: Any, mask_key: str, dtype: Any, copies: dict | None = None
     ) -> Any:
@@ -267,14 +276,24 @@ class Worker:
 
         return masked_moments(batch.get(key), batch.get(mask_key).bool())
 
-    def resident_whiten(self, batch: Any, key: str, mask_key: str, moments: Any) -> Any:
-        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0)."""
+    def resident_row_moments(self, batch: Any, key: str, mask_key: str) -> Any:
+        """:class:`~ppo_core.masked_moments.RowMoments` (``[b]`` per-row float64 partials) of ``batch[key]`` over
+        ``batch[mask_key]`` on this rank's rows: what the estimators' whitening reduces, layout-independently."""
+        from ppo_core.masked_moments import row_moments
+
+        return row_moments(batch.get(key), batch.get(mask_key).bool())
+
+    def resident_whiten(
+        self, batch: Any, key: str, mask_key: str, moments: Any, copies: tuple[str, ...] = ()
+    ) -> Any:
+        """``batch[key]`` whitened with the whole batch's ``moments`` (0 where ``batch[mask_key]`` is 0), and a
+        clone of it under each name of ``copies`` (an outcome estimator's returns)."""
         from tensordict import TensorDict
 
         from ppo_core.masked_moments import whiten_with
 
         out = whiten_with(batch.get(key), batch.get(mask_key).bool(), moments)
-        return TensorDict({key: out}, batch_size=batch.batch_size)
+        return TensorDict({key: out, **{name: out.clone() for name in copies}}, batch_size=batch.batch_size)
 
     def resident_probs_diff_parts(self, batch: Any) -> Any:
         """This rank's part of the rollout-vs-old probability metrics

@@ -17,6 +17,7 @@ from ppo_core.keys import KEYS
 __all__ = [
     "EXTRA_PREFIX",
     "ROW_KL",
+    "ROW_LENGTH",
     "ROW_REWARD_SUM",
     "ROW_SCORES",
     "ROW_SCORE_SUM",
@@ -35,6 +36,8 @@ ROW_REWARD_SUM = "row_reward_sum"
 """``[B]`` float64 row sums of ``token_level_rewards`` (an outcome estimator's per-row rewards)."""
 ROW_VALID = "row_valid"
 """``[B]`` bool: whether the row has a valid response token."""
+ROW_LENGTH = "row_length"
+"""``[B]`` int64: the row's valid response tokens (what a token-weighted whitening of per-row values weighs)."""
 EXTRA_PREFIX = "extra/"
 """Prefix of a worker-side reward's extra infos kept as ``[B]`` float64 columns."""
 ROW_SCORE_SUM = "row_score_sum"
@@ -58,7 +61,8 @@ def shape_rewards(
 
     Returns:
         ``[b]`` TensorDict: ``token_level_scores``, ``token_level_rewards`` ``[b, T]`` float32, ``row_reward_sum``
-        ``[b]`` float64, ``row_valid`` ``[b]`` bool and, with ``beta``, ``row_kl`` ``[b]``.
+        ``[b]`` float64, ``row_valid`` ``[b]`` bool, ``row_length`` ``[b]`` int64 and, with ``beta``, ``row_kl``
+        ``[b]``.
     """
     from ppo_core.kl_control import kl_penalty_rewards
     from ppo_core.trainer.reward import scores_to_token_level
@@ -81,6 +85,7 @@ def shape_rewards(
     out[KEYS.token_level_rewards] = rewards
     out[ROW_REWARD_SUM] = rewards.to(torch.float64).sum(dim=-1)
     out[ROW_VALID] = mask.any(dim=-1)
+    out[ROW_LENGTH] = mask.sum(dim=-1)
     return TensorDict(out, batch_size=batch.batch_size)
 
 

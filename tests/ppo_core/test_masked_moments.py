@@ -4,14 +4,25 @@ concatenation, for any cut into shards (empty ones included), NaN padding, and t
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
+from _constant import constant_cases
 from hypothesis import given
 from hypothesis import strategies as st
 
+import ppo_core.masked_moments as masked_moments_module
+from ppo_core.kernels.whiten import whiten_valid
 from ppo_core.masked import masked_mean, masked_var, masked_whiten
-from ppo_core.masked_moments import Moments, combine_moments, masked_moments, whiten_with
+from ppo_core.masked_moments import (
+    Moments,
+    combine_moments,
+    masked_moments,
+    reduce_row_moments,
+    row_moments,
+    whiten_with,
+)
 
 
 @st.composite
@@ -74,3 +85,62 @@ def test_edge_counts() -> None:
 def test_a_valid_non_finite_value_is_refused() -> None:
     with pytest.raises(ValueError, match="NaN or inf"):
         masked_moments(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, True]]))
+
+
+@st.composite
+def split_rows(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """``[B, T]`` float32 or float64 values, 0 where masked (as the estimators whiten them), cut points splitting
+    the rows into contiguous blocks, and the elements per chunk of the elementwise passes."""
+    rows = draw(st.integers(min_value=1, max_value=9))
+    width = draw(st.sampled_from([1, 3, 6, 17, 1500, 2100]))
+    gen = torch.Generator().manual_seed(draw(st.integers(min_value=0, max_value=2**31 - 1)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    offset = draw(st.sampled_from([0.0, 1e4]))
+    values = (offset + scale * torch.randn(rows, width, generator=gen, dtype=torch.float64)).to(dtype)
+    mask = torch.rand(rows, width, generator=gen) < draw(st.sampled_from([0.0, 0.2, 0.8, 1.0]))
+    values = torch.where(mask, values, torch.zeros((), dtype=dtype))
+    cuts = sorted(draw(st.lists(st.integers(min_value=0, max_value=rows), max_size=4)))
+    return values, mask, cuts, draw(st.sampled_from([1, 64, 1 << 22]))
+
+
+@given(split_rows())
+def test_whitening_by_blocks_of_rows_is_the_whole_batch_whitening_bit_for_bit(case) -> None:
+    """What a data-parallel step does (each rank's row partials, reduced on the controller, each rank whitening its
+    rows) gives the estimators' whitening of the whole batch, bit for bit, for any cut into contiguous blocks."""
+    values, mask, cuts, chunk = case
+    want = whiten_valid(values, mask)
+    with mock.patch.object(masked_moments_module, "_CHUNK_ELEMENTS", chunk):
+        parts = _shards(values, mask, cuts)
+        moments = reduce_row_moments([row_moments(v, m) for v, m in parts])
+        got = torch.cat([whiten_with(v, m, moments) for v, m in parts])
+    assert got.dtype == values.dtype
+    assert torch.equal(got, want)
+    # the moments are the batch's, within float64 rounding
+    whole = masked_moments(values, mask)
+    assert moments.count == whole.count
+    spread = max(whole.var(), 1.0)
+    assert moments.mean == pytest.approx(whole.mean, rel=1e-12, abs=1e-12 * spread)
+    assert moments.var() == pytest.approx(whole.var(), rel=1e-9, abs=1e-12 * spread)
+
+
+@given(case=constant_cases(dtypes=[torch.float32, torch.float64]))
+def test_row_moments_of_constant_values_are_exact(case) -> None:
+    values, mask = case
+    moments = reduce_row_moments([row_moments(values, mask)])
+    assert moments.mean == float(values[mask][0]) and moments.m2 == 0.0
+    assert torch.equal(whiten_valid(values, mask), torch.zeros_like(values))
+
+
+def test_row_moments_edge_cases() -> None:
+    empty = row_moments(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool))
+    assert reduce_row_moments([empty]) == Moments(count=0, mean=0.0, m2=0.0)
+    assert reduce_row_moments([]) == Moments(count=0, mean=0.0, m2=0.0)
+    # masked NaN never enters; a valid one is refused
+    nan = torch.tensor([[5.0, float("nan")], [float("inf"), 7.0]])
+    got = reduce_row_moments([row_moments(nan, torch.tensor([[True, False], [False, True]]))])
+    assert got == Moments(count=2, mean=6.0, m2=2.0)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        row_moments(nan, torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\[b, T\]"):
+        row_moments(torch.zeros(3), torch.ones(3, dtype=torch.bool))

@@ -145,6 +145,23 @@ VARIANTS = {
     "grpo_kl_reward": {"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True}},
     # PPO: GAE with a critic and the in-reward KL penalty (make_config's algorithm)
     "ppo": {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True}},
+    # the old log-probs from the rollout engine (no log-prob pass), as asked directly or by the bypass mode
+    "grpo_old_from_rollout": {
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+        "rollout": {"old_log_probs_from_rollout": True},
+    },
+    "grpo_bypass": {
+        "algorithm": {
+            "adv_estimator": "grpo",
+            "use_kl_in_reward": False,
+            "rollout_correction": {"bypass_mode": True},
+        },
+    },
+    # the other outcome estimators (one value a row; REINFORCE++-baseline's whitened over the tokens)
+    **{
+        name: {"algorithm": {"adv_estimator": name, "use_kl_in_reward": False}}
+        for name in ("grpo_passk", "rloo", "gpg", "reinforce_plus_plus_baseline")
+    },
 }
 
 
@@ -176,7 +193,7 @@ def _run(
     overrides.setdefault("actor", {}).update({"world_size": world, "worker": worker})
     cfg = make_config(
         path,
-        rollout={"n": 2},
+        rollout={"n": 2, **overrides.pop("rollout", {})},
         critic={"world_size": world, "worker": critic},
         trainer={"total_epochs": 1, "save_freq": 0, "test_freq": 0, "resident_batches": resident},
         **overrides,
@@ -196,7 +213,9 @@ def _run(
 WHITENED = ("advantages", "weight", "critic_weight", "old_log_probs", "ref_log_probs", "values", "returns")
 
 
-def _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all: bool) -> None:
+def _check_equal(
+    by_value, resident, value_metrics, resident_metrics, exact_all: bool, metric_abs: float | None = None
+) -> None:
     assert [(r, k) for r, k, _ in resident] == [(r, k) for r, k, _ in by_value]
     seen_advantages = False
     for (rank, kind, a), (_, _, b) in zip(by_value, resident, strict=True):
@@ -215,7 +234,7 @@ def _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all:
         for key, value in values.items():
             # whitened advantages have unit scale and mean 0: what sums them (their mean, the policy loss) cancels,
             # so its float32 rounding is compared at the advantages' scale (1e-6 absolute), not its own
-            noise = 1e-9 if exact_all else 1e-6
+            noise = metric_abs if metric_abs is not None else (1e-9 if exact_all else 1e-6)
             assert resident_metrics[step][key] == pytest.approx(value, rel=1e-6, abs=noise, nan_ok=True), (
                 step,
                 key,
@@ -258,8 +277,8 @@ def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> N
 )
 def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, variant, trainer_cls) -> None:
     """Reference log-probs and values added in place (or, with separate groups, resharded there and back), the
-    in-reward KL penalty and GAE at the workers: bit for bit up to the first whitened advantage, then within 1e-6
-    relative (of each tensor's largest entry); every metric within 1e-6 relative."""
+    in-reward KL penalty and GAE at the workers (its whitening from per-row partials): every tensor bit for bit
+    at any world size; every metric within 1e-6 relative."""
     by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant, trainer_cls)
     resident, resident_metrics, seen = _run(tmp_path / "resident", True, world, variant, trainer_cls)
     kinds = {k.split(":")[0] for _, k, _ in by_value}
@@ -268,21 +287,71 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         assert {"values", "returns", "critic_weight"} <= kinds
     if world == 1 and variant == "grpo_kl_loss":  # update_actor reads the reference log-probs (may_read)
         assert set(seen) == {frozenset((*ACTOR_UPDATE_KEYS, "ref_log_probs"))}
-    # GRPO advantages are per row: bit for bit everywhere; GAE's are whitened over the batch, by the one rank
-    # holding every row as the by-value step does (bit for bit), else from the ranks' moments
-    exact = variant != "ppo" or world == 1
-    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=exact)
+    # GRPO advantages are per row; GAE's are whitened over the batch from per-row float64 partials reduced
+    # exactly (the by-value step's whitening, whatever the dp layout): every tensor bit for bit. The token-level
+    # metrics are reduced from per-rank parts in another order: within 1e-6 (1e-6 absolute where whitened
+    # advantages of mean 0 cancel)
+    noise = 1e-9 if variant != "ppo" or world == 1 else 1e-6
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True, metric_abs=noise)
     if "kl_reward" in variant or variant == "ppo":
         betas = [value_metrics[s]["actor/reward_kl_penalty_coeff"] for s in (1, 2, 3)]
         assert len(set(betas)) > 1  # the adaptive controller moved, from the workers' per-row KL
 
 
+@pytest.mark.parametrize(
+    ("world", "variant"),
+    [
+        (2, "grpo_passk"),
+        (2, "rloo"),
+        (2, "gpg"),
+        (2, "reinforce_plus_plus_baseline"),
+        (1, "reinforce_plus_plus_baseline"),
+    ],
+    ids=[
+        "toy-world2-grpo-passk",
+        "toy-world2-rloo",
+        "toy-world2-gpg",
+        "toy-world2-rpp-baseline",
+        "tinygpt-rpp-baseline",
+    ],
+)
+def test_resident_outcome_estimators_equal_the_by_value_run_bit_for_bit(tmp_path, world, variant) -> None:
+    """The outcome estimators computed on the controller from ``[B]`` row sums and group ids (REINFORCE++-baseline
+    also from the row lengths, for its token-weighted whitening): every tensor bit for bit, metrics within 1e-6."""
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant)
+    resident, resident_metrics, _ = _run(tmp_path / "resident", True, world, variant)
+    advantages = [a for _, k, a in by_value if k == "advantages"]
+    assert advantages and any(bool(a.abs().sum() > 0) for a in advantages)  # something was learned from
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True, metric_abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["grpo_old_from_rollout", "grpo_bypass"])
+def test_old_log_probs_from_the_rollout_equal_the_by_value_run_bit_for_bit(
+    tmp_path, monkeypatch, variant
+) -> None:
+    """``rollout.old_log_probs_from_rollout`` (or the bypass mode): the rollout's log-probs kept as the old ones at
+    the ranks, no log-prob pass on either path; every tensor bit for bit, the same metrics."""
+    calls: list[str] = []
+    compute = TorchActorWorker.compute_log_prob
+
+    def counting(self, batch):
+        calls.append("compute_log_prob")
+        return compute(self, batch)
+
+    monkeypatch.setattr(TorchActorWorker, "compute_log_prob", counting)
+    by_value, value_metrics, _ = _run(tmp_path / "value", False, 1, variant)
+    resident, resident_metrics, _ = _run(tmp_path / "resident", True, 1, variant)
+    assert calls == []
+    assert "actor/entropy" not in value_metrics[1] and "actor/entropy" not in resident_metrics[1]
+    _check_equal(by_value, resident, value_metrics, resident_metrics, exact_all=True)
+
+
 def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
     # refused when the config is built (a ``ppo-core train`` job before any model loads), not at the first step
     with pytest.raises(
-        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='rloo'"
+        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='opo'"
     ):
-        make_config(tmp_path, algorithm={"adv_estimator": "rloo"}, trainer={"resident_batches": True})
+        make_config(tmp_path, algorithm={"adv_estimator": "opo"}, trainer={"resident_batches": True})
     with pytest.raises(
         ValueError, match=r"does not support algorithm.rollout_correction.rollout_is / rollout_rs"
     ):
@@ -327,12 +396,12 @@ def test_a_worker_side_reward_and_a_reward_reading_declared_keys_equal_the_by_va
         return fetch(self, ref, keys)
 
     monkeypatch.setattr(WorkerGroup, "fetch_resident", recording)
-    exact = variant != "ppo" or world == 1
+    noise = 1e-9 if variant != "ppo" or world == 1 else 1e-6
     by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant, reward=WORKER_REWARD)
     for name, reward in (("worker", WORKER_REWARD), ("reads", ReadsResponses()), ("all", reward_first_token)):
         fetched.clear()
         records, metrics, _ = _run(tmp_path / name, True, world, variant, reward=reward)
-        _check_equal(by_value, records, value_metrics, metrics, exact_all=exact)
+        _check_equal(by_value, records, value_metrics, metrics, exact_all=True, metric_abs=noise)
         assert len(fetched) == 3, (name, fetched)  # one fetch a step
         if name == "worker":
             assert set(fetched) == {("row_score_sum",)}  # this reward returns no extra infos
