@@ -59,6 +59,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
 
+_QWEN3_06B = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+"""Qwen3-0.6B's dimensions (used by the Qwen3 family and by the Llama of the same shape)."""
+
 # config kwargs of each family's ``transformers`` class (rotary settings left at their defaults: they do not change
 # the work of a step)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -78,35 +92,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen3": (
         "Qwen3ForCausalLM",
-        {
-            "vocab_size": 151936,
-            "hidden_size": 1024,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 4096,
-        },
+        _QWEN3_06B,
     ),
     # Llama with Qwen3-0.6B's dimensions (no q/k norms): what the fused path gives that shape, so that Qwen3's
     # distance from its bound splits into the shape's (thin, deep layers) and the q/k norms'
     "llama_as_qwen3": (
         "LlamaForCausalLM",
-        {
-            "vocab_size": 151936,
-            "hidden_size": 1024,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 4096,
-        },
+        _QWEN3_06B,
     ),
     "neox": (
         "GPTNeoXForCausalLM",
