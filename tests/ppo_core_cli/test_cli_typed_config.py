@@ -231,9 +231,12 @@ def test_exact_log_probs_reads_batch_invariant_from_the_rollout_section(tree):
     # the worker's own check (exact mode needs the batch-invariant sampler) sees the job's rollout section
     job = JobConfig.from_dict(tree)
     assert job.actor.worker.exact_log_probs and job.actor.worker.rollout.batch_invariant
-    with pytest.raises(ValueError, match=re.escape("actor.worker.exact_log_probs=True needs the batch-invariant")):
+    with pytest.raises(
+        ValueError, match=re.escape("actor.worker.exact_log_probs=True needs the batch-invariant")
+    ):
         JobConfig.from_dict({"actor": {"worker": {"exact_log_probs": True}}})
-    with pytest.raises(ValueError, match=r"^rollout\.engine='megatron' samples"):  # the canonical key, unprefixed
+    # a rule on the sampling names the canonical key, not actor.worker.rollout.*
+    with pytest.raises(ValueError, match=r"^rollout\.engine='megatron' samples"):
         JobConfig.from_dict({"rollout": {"engine": "megatron"}})
 
 
