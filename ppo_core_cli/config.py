@@ -331,9 +331,7 @@ class JobConfig(PPOConfig):
                 worker = {**worker, "rollout": self.rollout.sampling(), "use_kl_loss": self.actor.use_kl_loss}
             try:
                 typed = _nested(f"{role}.worker", lambda: cls.unresolved(worker))
-            except (
-                _FieldError
-            ) as exc:  # a rule on the sampling: named by its canonical key (rollout.engine...)
+            except _FieldError as exc:  # a rule on the sampling: named by its key (rollout.engine...)
                 if not exc.field.startswith("actor.worker.rollout."):
                     raise
                 raise type(exc)(exc.field.removeprefix("actor.worker."), exc.detail, exc.before) from None
