@@ -13,7 +13,6 @@ from test_trainer_loop import ToyTrainer, crash_at, make_config, make_dataset, r
 
 from ppo_core.trainer import PPOConfig, RewardFunctionError
 from ppo_core.trainer.config import TrainerConfig
-from ppo_core.workers.torch.config import TorchActorConfig
 from ppo_core.trainer.resume_config import (
     IGNORED_KEYS,
     MEANING_KEYS,
@@ -21,6 +20,7 @@ from ppo_core.trainer.resume_config import (
     check_resume_config,
     config_differences,
 )
+from ppo_core.workers.torch.config import TorchActorConfig
 
 # ----- the comparison ----------------------------------------------------------------------------------------
 
