@@ -168,6 +168,18 @@ def test_eval_builds_a_critic_free_job_from_a_gae_one():
     assert _actor_only(grpo).algorithm == grpo.algorithm
 
 
+def test_eval_warns_of_no_training_steps():
+    """The evaluation's trainer draws no training batch (its training set is one batch of validation prompts): the
+    start warning about trainer.total_training_steps beyond the epochs is not the evaluation's."""
+    from ppo_core.trainer.config import start_warnings
+    from ppo_core_cli.evaluate import _actor_only
+    from ppo_core_cli.loading import load_job_config
+
+    job = load_job_config(TINY)
+    assert start_warnings(job, steps_per_epoch=1)  # the tiny job's 200 steps, were it trained on one batch
+    assert start_warnings(_actor_only(job), steps_per_epoch=1) == []
+
+
 @pytest.mark.parametrize("command", ["eval", "train"])
 def test_an_output_file_that_cannot_be_written_is_refused_before_anything_loads(root, capsys, command):
     r = str(root)
