@@ -68,9 +68,12 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
         path = f"{prefix}{key}"
         if key not in fields:
             where = f" under {prefix[:-1]}" if prefix else ""
-            raise FieldValueError(
-                path, f"; valid keys{where}: {', '.join(sorted(fields))}", before="unknown config key "
+            valid = (
+                f"valid keys{where}: {', '.join(sorted(fields))}"
+                if fields
+                else f"{prefix[:-1]} takes no keys here"
             )
+            raise FieldValueError(path, f"; {valid}", before="unknown config key ")
         if not isinstance(value, Mapping):
             continue
         if path in ("actor.worker", "critic.worker"):

@@ -144,6 +144,11 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
             "unknown config key actor.worker.optim.lrr; valid keys under",
         ),
         (["reward.scorers.gsm.functon=x"], ValueError, "unknown config key reward.scorers.gsm.functon"),
+        (  # an engine without settings: no empty list of valid keys
+            ["rollout.engine=reference", "rollout.engine_config.kv_bucket=3"],
+            ValueError,
+            "unknown config key rollout.engine_config.kv_bucket; rollout.engine_config takes no keys here",
+        ),
         (["trainer.seed=abc"], TypeError, "trainer.seed must be an int, got str 'abc'"),
         (["trainer.seed=-1"], ValueError, "trainer.seed must be >= 0, got -1"),
         (["data.truncation=middle"], ValueError, "unknown data.truncation 'middle'; valid values:"),
