@@ -255,7 +255,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_summary(result: TrainResult) -> str:
     """The first line ``train`` prints: what this invocation trained (``nothing to do`` when a rerun finds the run
     done; the steps and ``(resumed)`` after a resume), its time, and the first and last validation's reward,
-    accuracy and format rate (each when the run logged it)."""
+    accuracy and format rate (each when the run logged it; a run that validated once: that validation's)."""
     ran, seconds = result.steps - result.start_step, result.wall_seconds
     if ran == 0 and result.steps > result.total_steps:
         line = (
@@ -275,12 +275,16 @@ def _train_summary(result: TrainResult) -> str:
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward
         line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    elif result.final_val_reward is not None:  # one validation: nothing to compare it with
+        line += f"; validation reward {result.final_val_reward:.3f}"
     for name, before, after in (
         ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
         ("format rate", result.initial_val_format, result.final_val_format),
     ):
         if before is not None and after is not None:
             line += f", {name} {before:.1%} -> {after:.1%}"
+        elif after is not None:
+            line += f", {name} {after:.1%}"
     return line
 
 
