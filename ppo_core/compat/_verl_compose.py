@@ -78,6 +78,7 @@ def _is_group(path: str, name: str) -> bool:
 
 def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = False) -> Any:
     """The config of ``path`` placed at ``package``, its defaults list applied (a root-level ``DictConfig``)."""
+    import yaml
     from omegaconf import DictConfig, OmegaConf
 
     if not os.path.isfile(path):
@@ -90,7 +91,10 @@ def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = Fa
     header = _GLOBAL_HEADER.search(text)
     if header and not top:
         package = "" if header.group(1) == "_global_" else header.group(1)
-    own = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    try:
+        own = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except yaml.YAMLError as exc:
+        raise ValueError(f"cannot read the verl config {str(path)!r}: {exc}") from exc
     if not isinstance(own, DictConfig):
         raise ValueError(f"verl config {path!r} is not a mapping of sections")
     entries = own.pop("defaults", None)
