@@ -150,6 +150,7 @@ def _placed(config: Any, package: str) -> Any:
 
 
 def _apply_override(tree: Any, text: str) -> None:
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -167,5 +168,5 @@ def _apply_override(tree: Any, text: str) -> None:
     try:
         parsed = OmegaConf.from_dotlist([f"{key}={value}"])
         OmegaConf.update(tree, key, OmegaConf.select(parsed, key), merge=True, force_add=True)
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ValueError(f"cannot apply the override {text!r}: {str(err).splitlines()[0]}") from None
