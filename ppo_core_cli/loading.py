@@ -157,7 +157,13 @@ def _read_with_omegaconf(path: str | None, overrides: list[tuple[str, str]]) -> 
         raise TypeError(f"the config must be a mapping of sections, got a list ({where})")
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides]))
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        for key, value in overrides:  # name the override whose value is no YAML
+            try:
+                yaml.safe_load(value)
+            except yaml.YAMLError as bad:
+                problem = getattr(bad, "problem", None) or str(bad).splitlines()[0]
+                raise ValueError(f"cannot read the override '{key}={value}': {problem}") from None
         raise ValueError(f"cannot apply the overrides {[f'{k}={v}' for k, v in overrides]}: {exc}") from None
 
     def resolve() -> dict:

@@ -197,6 +197,11 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
         (["model.path=${vars.nope}"], ValueError, "model.path: cannot resolve an interpolation"),
         (["trainer.seed"], ValueError, "override 'trainer.seed' must be a dotted key, '=' and a YAML value"),
         (["=5"], ValueError, "override '=5' must be a dotted key"),
+        (  # malformed YAML in a value: one error naming the override, no YAML traceback
+            ["trainer.seed=1", "trainer.loggers=[console,"],
+            ValueError,
+            "cannot read the override 'trainer.loggers=[console,': ",
+        ),
     ],
 )
 def test_errors_name_the_dotted_key(overrides, exc, start):
