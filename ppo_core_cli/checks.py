@@ -97,6 +97,18 @@ def check_output_file(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path!r}: {parent!r} is a file, not a folder")
 
 
+def check_output_dir(name: str, path: str) -> None:
+    """A folder the command writes (``export``'s ``OUT_DIR``) can be made there: not an existing file, and no file
+    on the way to it. Checked first, so nothing loads for a bad path."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name} {path!r} is a file, not a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the command will create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name} {path!r}: {parent!r} is a file, not a folder")
+
+
 def check_sft_inputs(job: JobConfig) -> None:
     """The warm-up's starting checkpoint (a Hugging Face directory or a GGUF file) and pair files exist."""
     sft = job.sft

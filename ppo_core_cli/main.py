@@ -370,11 +370,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ppo_core_cli.checks import check_output_dir
     from ppo_core_cli.export import export_checkpoint, resolve_checkpoint
 
     try:
+        check_output_dir("OUT_DIR", args.out_dir)
         resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from exc
     out = export_checkpoint(
         args.checkpoint, args.out_dir, model_dir=args.model_dir, dtype=args.dtype, verify=not args.no_verify

@@ -207,3 +207,19 @@ def test_eval_of_a_training_checkpoint_points_to_export(root, capsys):
     line = _error(capsys, "eval", TINY, f"vars.root={r}", "--model", str(step))
     assert line.startswith(f"model.path={str(step)!r} is not a Hugging Face checkpoint directory"), line
     assert "it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR`" in line
+
+
+def test_export_into_a_file_is_refused_before_anything_loads(root, capsys):
+    r = str(root)
+    step = root / "checkpoints" / "global_step_2"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")  # never read: the output folder is checked first
+    (root / "a_file").write_text("")
+    for out, expected in (
+        (f"{r}/a_file", f"OUT_DIR {r + '/a_file'!r} is a file, not a folder"),
+        (
+            f"{r}/a_file/export",
+            f"OUT_DIR {r + '/a_file/export'!r}: {r + '/a_file'!r} is a file, not a folder",
+        ),
+    ):
+        assert _error(capsys, "export", str(step), out) == expected
