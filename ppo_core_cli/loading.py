@@ -195,7 +195,8 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
     :mod:`ppo_core_cli.aliases`) are read as their canonical keys, with a warning.
     """
     if path is not None and not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")
+        what = "is a directory, not a YAML file" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"config file {os.fspath(path)!r} {what}")
     pairs = parse_overrides(overrides)
     file = os.fspath(path) if path is not None else None
     if _have_omegaconf():

@@ -208,6 +208,17 @@ def test_errors_name_the_dotted_key(overrides, exc, start):
     _raises(exc, start, TINY, *overrides)
 
 
+def test_a_config_path_that_is_no_file_is_named(tmp_path):
+    _raises(
+        FileNotFoundError,
+        f"config file {str(tmp_path / 'nope.yaml')!r} does not exist",
+        str(tmp_path / "nope.yaml"),
+    )
+    _raises(
+        FileNotFoundError, f"config file {str(tmp_path)!r} is a directory, not a YAML file", str(tmp_path)
+    )
+
+
 def test_yaml_errors(tmp_path):
     _raises(ValueError, "unknown config key trainer.bogus", _yaml(tmp_path, "trainer:\n  bogus: 1\n"))
     _raises(
