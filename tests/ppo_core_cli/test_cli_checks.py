@@ -223,3 +223,23 @@ def test_export_into_a_file_is_refused_before_anything_loads(root, capsys):
         ),
     ):
         assert _error(capsys, "export", str(step), out) == expected
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_workers_that_need_cuda_are_refused_without_it_before_anything_loads(
+    root, capsys, monkeypatch, command
+):
+    import torch
+
+    from ppo_core_cli.checks import check_train_inputs
+    from ppo_core_cli.loading import load_job_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = _error(capsys, command, TINY, f"vars.root={root}", "workers=megatron")
+    assert line == (
+        "workers=megatron needs CUDA (its training engine allocates its buffers on the GPU), and "
+        "torch.cuda.is_available() is False here; use workers=torch on this machine"
+    )
+    check_train_inputs(load_job_config(TINY, [f"vars.root={root}"]))  # the torch workers run anywhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_train_inputs(load_job_config(TINY, [f"vars.root={root}", "workers=megatron"]))
