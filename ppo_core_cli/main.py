@@ -271,7 +271,7 @@ def _train_summary(result: TrainResult) -> str:
         steps = f"{result.start_step + 1}-{result.steps}" if ran > 1 else f"{result.steps}"
         line = f"trained step{'s' if ran > 1 else ''} {steps} in {seconds:.0f} s (resumed)"
     else:
-        line = f"trained {result.steps} steps in {seconds:.0f} s"
+        line = f"trained {result.steps} step{'s' if result.steps > 1 else ''} in {seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward
         line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"

@@ -26,3 +26,8 @@ def test_one_validation_is_no_before_and_after():
     assert _train_summary(result) == "trained 2 steps in 2 s; validation reward 0.078, accuracy 7.8%"
     _set_validation_ends(result, [{**record, "step": 0, "val-aux/s/reward/mean@1": 0.0}, record])
     assert _train_summary(result).endswith("validation reward 0.000 -> 0.078 (+0.078), accuracy 7.8% -> 7.8%")
+
+
+def test_one_step_is_singular():
+    result = TrainResult(run_dir="r", metrics_file="m", steps=1, wall_seconds=3.0)
+    assert _train_summary(result) == "trained 1 step in 3 s"
