@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ppo_core_cli.config import JobConfig
+from ppo_core_cli.worker_kinds import worker_kind
 
 __all__ = ["check_eval_inputs", "check_output_file", "check_sft_inputs", "check_train_inputs"]
 
@@ -60,6 +61,19 @@ def _model_inputs(job: JobConfig) -> None:
         raise FileNotFoundError(f"model.tokenizer_path={model.tokenizer_path!r}: no such directory")
 
 
+def _device(job: JobConfig) -> None:
+    """A kind of workers that trains on CUDA only (:attr:`WorkerKind.needs_cuda`) has CUDA here."""
+    if not worker_kind(job.workers).needs_cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"workers={job.workers} needs CUDA (its training engine allocates its buffers on the GPU), and "
+            "torch.cuda.is_available() is False here; use workers=torch on this machine"
+        )
+
+
 def check_train_inputs(job: JobConfig) -> None:
     """The model, tokenizer and critic directories and the prompt files of ``job`` exist; the mini-batch rules
     hold with the workers' defaults. Raises naming the key (see the module docstring)."""
@@ -71,6 +85,7 @@ def check_train_inputs(job: JobConfig) -> None:
     _files("data.train_files", job.data.train_files)
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
+    _device(job)
 
 
 def check_eval_inputs(job: JobConfig) -> None:
@@ -81,6 +96,7 @@ def check_eval_inputs(job: JobConfig) -> None:
         raise ValueError("data.val_files must name the prompts to evaluate on (none given)")
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
+    _device(job)
 
 
 def check_output_file(option: str, path: str | None) -> None:
@@ -95,6 +111,18 @@ def check_output_file(option: str, path: str | None) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{option} {path!r}: {parent!r} is a file, not a folder")
+
+
+def check_output_dir(name: str, path: str) -> None:
+    """A folder the command writes (``export``'s ``OUT_DIR``) can be made there: not an existing file, and no file
+    on the way to it. Checked first, so nothing loads for a bad path."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name} {path!r} is a file, not a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the command will create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name} {path!r}: {parent!r} is a file, not a folder")
 
 
 def check_sft_inputs(job: JobConfig) -> None:

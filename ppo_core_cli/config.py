@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ppo_core._checks import FieldTypeError, FieldValueError, check_int, check_positive
+from ppo_core._checks import FieldTypeError, FieldValueError, _FieldError, check_int, check_positive
 from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.data.prompts import TRUNCATION_POLICIES
 from ppo_core.trainer.config import ActorConfig, CriticConfig, DataConfig, PPOConfig
@@ -327,7 +327,14 @@ class JobConfig(PPOConfig):
                         f" is read from {canonical}; set it there (JobConfig.from_dict moves it)",
                     )
             given: frozenset[str] | None = frozenset(worker)
-            typed = _nested(f"{role}.worker", lambda: cls.unresolved(worker))
+            if role == "actor":  # the worker's own checks (exact_log_probs...) see the job's sampling
+                worker = {**worker, "rollout": self.rollout.sampling(), "use_kl_loss": self.actor.use_kl_loss}
+            try:
+                typed = _nested(f"{role}.worker", lambda: cls.unresolved(worker))
+            except _FieldError as exc:  # a rule on the sampling: named by its key (rollout.engine...)
+                if not exc.field.startswith("actor.worker.rollout."):
+                    raise
+                raise type(exc)(exc.field.removeprefix("actor.worker."), exc.detail, exc.before) from None
         elif isinstance(worker, cls):
             given, typed = getattr(worker, _GIVEN, None), worker
         else:

@@ -68,11 +68,17 @@ class _AtLeast(Sequence):
 def _actor_only(job: JobConfig) -> JobConfig:
     """The job without a critic (an evaluation needs the actor alone). No advantages are computed, but the config
     rules hold for any job: ``gae`` (which needs the critic) gives way to ``reinforce_plus_plus`` (no critic, no
-    groups, so no start warning about ``rollout.n``)."""
+    groups, so no start warning about ``rollout.n``). No step trains: ``trainer.total_training_steps`` is None,
+    so its stand-in training set of one batch gives no start warning about the epochs either."""
     algorithm = job.algorithm
     if algorithm.adv_estimator == "gae":
         algorithm = dataclasses.replace(algorithm, adv_estimator="reinforce_plus_plus")
-    return dataclasses.replace(job, algorithm=algorithm, critic=dataclasses.replace(job.critic, enable=False))
+    return dataclasses.replace(
+        job,
+        algorithm=algorithm,
+        critic=dataclasses.replace(job.critic, enable=False),
+        trainer=dataclasses.replace(job.trainer, total_training_steps=None),
+    )
 
 
 def evaluate_job(job: JobConfig, *, scorers: Mapping[str, Any] | None = None) -> EvalResult:

@@ -68,9 +68,12 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
         path = f"{prefix}{key}"
         if key not in fields:
             where = f" under {prefix[:-1]}" if prefix else ""
-            raise FieldValueError(
-                path, f"; valid keys{where}: {', '.join(sorted(fields))}", before="unknown config key "
+            valid = (
+                f"valid keys{where}: {', '.join(sorted(fields))}"
+                if fields
+                else f"{prefix[:-1]} takes no keys here"
             )
+            raise FieldValueError(path, f"; {valid}", before="unknown config key ")
         if not isinstance(value, Mapping):
             continue
         if path in ("actor.worker", "critic.worker"):
@@ -154,7 +157,13 @@ def _read_with_omegaconf(path: str | None, overrides: list[tuple[str, str]]) -> 
         raise TypeError(f"the config must be a mapping of sections, got a list ({where})")
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides]))
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        for key, value in overrides:  # name the override whose value is no YAML
+            try:
+                yaml.safe_load(value)
+            except yaml.YAMLError as bad:
+                problem = getattr(bad, "problem", None) or str(bad).splitlines()[0]
+                raise ValueError(f"cannot read the override '{key}={value}': {problem}") from None
         raise ValueError(f"cannot apply the overrides {[f'{k}={v}' for k, v in overrides]}: {exc}") from None
 
     def resolve() -> dict:
@@ -186,7 +195,8 @@ def load_job_config(path: str | os.PathLike[str] | None = None, overrides: Seque
     :mod:`ppo_core_cli.aliases`) are read as their canonical keys, with a warning.
     """
     if path is not None and not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")
+        what = "is a directory, not a YAML file" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"config file {os.fspath(path)!r} {what}")
     pairs = parse_overrides(overrides)
     file = os.fspath(path) if path is not None else None
     if _have_omegaconf():

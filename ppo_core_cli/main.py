@@ -255,7 +255,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_summary(result: TrainResult) -> str:
     """The first line ``train`` prints: what this invocation trained (``nothing to do`` when a rerun finds the run
     done; the steps and ``(resumed)`` after a resume), its time, and the first and last validation's reward,
-    accuracy and format rate (each when the run logged it)."""
+    accuracy and format rate (each when the run logged it; a run that validated once: that validation's)."""
     ran, seconds = result.steps - result.start_step, result.wall_seconds
     if ran == 0 and result.steps > result.total_steps:
         line = (
@@ -271,16 +271,20 @@ def _train_summary(result: TrainResult) -> str:
         steps = f"{result.start_step + 1}-{result.steps}" if ran > 1 else f"{result.steps}"
         line = f"trained step{'s' if ran > 1 else ''} {steps} in {seconds:.0f} s (resumed)"
     else:
-        line = f"trained {result.steps} steps in {seconds:.0f} s"
+        line = f"trained {result.steps} step{'s' if result.steps > 1 else ''} in {seconds:.0f} s"
     if result.initial_val_reward is not None and result.final_val_reward is not None:
         gain = result.final_val_reward - result.initial_val_reward
         line += f"; validation reward {result.initial_val_reward:.3f} -> {result.final_val_reward:.3f} ({gain:+.3f})"
+    elif result.final_val_reward is not None:  # one validation: nothing to compare it with
+        line += f"; validation reward {result.final_val_reward:.3f}"
     for name, before, after in (
         ("accuracy", result.initial_val_accuracy, result.final_val_accuracy),
         ("format rate", result.initial_val_format, result.final_val_format),
     ):
         if before is not None and after is not None:
             line += f", {name} {before:.1%} -> {after:.1%}"
+        elif after is not None:
+            line += f", {name} {after:.1%}"
     return line
 
 
@@ -366,11 +370,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ppo_core_cli.checks import check_output_dir
     from ppo_core_cli.export import export_checkpoint, resolve_checkpoint
 
     try:
+        check_output_dir("OUT_DIR", args.out_dir)
         resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from exc
     out = export_checkpoint(
         args.checkpoint, args.out_dir, model_dir=args.model_dir, dtype=args.dtype, verify=not args.no_verify

@@ -257,15 +257,7 @@ def run_train(
         write_generation_ids(result.export_dir, tokens)
         shutil.rmtree(weights, ignore_errors=True)
     records = read_metrics_jsonl(job.log_dir)
-    for variable, first, last in (
-        ("reward", "initial_val_reward", "final_val_reward"),
-        ("acc", "initial_val_accuracy", "final_val_accuracy"),
-        ("format", "initial_val_format", "final_val_format"),
-    ):
-        vals = [v for r in records if (v := validation_mean(r, variable)) is not None]
-        if vals:
-            setattr(result, first, vals[0])
-            setattr(result, last, vals[-1])
+    _set_validation_ends(result, records)
     result.wall_seconds = time.perf_counter() - start
     algo = (
         "PPO (GAE + critic)" if job.algorithm.adv_estimator == "gae" else job.algorithm.adv_estimator.upper()
@@ -275,6 +267,21 @@ def run_train(
     if timings_json:
         result.timings_json = _write_timings(timings_json, job, records, result, warmup_steps)
     return result
+
+
+def _set_validation_ends(result: TrainResult, records: list[dict[str, Any]]) -> None:
+    """Set ``result``'s first and last validation means (reward, accuracy, format rate) from the run's metric
+    records; a run that validated once has a last one only (nothing to compare it with)."""
+    for variable, first, last in (
+        ("reward", "initial_val_reward", "final_val_reward"),
+        ("acc", "initial_val_accuracy", "final_val_accuracy"),
+        ("format", "initial_val_format", "final_val_format"),
+    ):
+        vals = [v for r in records if (v := validation_mean(r, variable)) is not None]
+        if vals:
+            setattr(result, last, vals[-1])
+        if len(vals) > 1:
+            setattr(result, first, vals[0])
 
 
 def _peak_memory(trainer: Any) -> dict[str, Any]:

@@ -50,6 +50,9 @@ class WorkerKind:
     """Builds the worker specs of a run (see :data:`SpecBuilder`)."""
     description: str = ""
     """One line for the docs."""
+    needs_cuda: bool = False
+    """The workers train on CUDA devices only (megatron-core's DDP and optimizer allocate their buffers there):
+    ``ppo-core train`` and ``eval`` refuse the job on a machine without CUDA before anything loads."""
 
     def config_class(self, role: str) -> type[PPOActorConfig] | type[PPOCriticConfig]:
         """The config class of ``role`` (``actor`` or ``critic``)."""
@@ -134,5 +137,6 @@ register_worker_kind(
         MegatronCriticConfig,
         _megatron_specs,
         "Llama/Qwen2 on megatron-core; CUDA",
+        needs_cuda=True,
     )
 )

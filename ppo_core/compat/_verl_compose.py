@@ -78,6 +78,7 @@ def _is_group(path: str, name: str) -> bool:
 
 def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = False) -> Any:
     """The config of ``path`` placed at ``package``, its defaults list applied (a root-level ``DictConfig``)."""
+    import yaml
     from omegaconf import DictConfig, OmegaConf
 
     if not os.path.isfile(path):
@@ -90,7 +91,10 @@ def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = Fa
     header = _GLOBAL_HEADER.search(text)
     if header and not top:
         package = "" if header.group(1) == "_global_" else header.group(1)
-    own = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    try:
+        own = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except yaml.YAMLError as exc:
+        raise ValueError(f"cannot read the verl config {str(path)!r}: {exc}") from exc
     if not isinstance(own, DictConfig):
         raise ValueError(f"verl config {path!r} is not a mapping of sections")
     entries = own.pop("defaults", None)
@@ -146,6 +150,7 @@ def _placed(config: Any, package: str) -> Any:
 
 
 def _apply_override(tree: Any, text: str) -> None:
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -163,5 +168,5 @@ def _apply_override(tree: Any, text: str) -> None:
     try:
         parsed = OmegaConf.from_dotlist([f"{key}={value}"])
         OmegaConf.update(tree, key, OmegaConf.select(parsed, key), merge=True, force_add=True)
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ValueError(f"cannot apply the override {text!r}: {str(err).splitlines()[0]}") from None

@@ -251,6 +251,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _ints(option: str, text: str, alternative: str = "") -> list[int]:
+    """The comma-separated integers of an option's value; ``ValueError`` naming the option otherwise."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated integers{alternative}, got {text!r}") from None
+
+
 def _task(args: argparse.Namespace) -> ArithTaskConfig | ArithmeticConfig:
     if args.task == "arithmetic":
         given = [
@@ -258,14 +266,12 @@ def _task(args: argparse.Namespace) -> ArithTaskConfig | ArithmeticConfig:
         ]
         if given:
             raise ValueError(f"{', '.join(given)} apply to --task example only")
-        levels = [1, 2, 3] if args.levels is None else [int(v) for v in args.levels.split(",") if v.strip()]
+        levels = [1, 2, 3] if args.levels is None else _ints("--levels", args.levels)
         return ArithmeticConfig(levels=levels)
     if args.levels is not None:
         raise ValueError("--levels applies to --task arithmetic only")
     words = "1" if args.word_operands is None else args.word_operands
-    word_operands = (
-        None if words.strip().lower() == "none" else [int(v) for v in words.split(",") if v.strip()]
-    )
+    word_operands = None if words.strip().lower() == "none" else _ints("--word-operands", words, " or 'none'")
     return ArithTaskConfig(
         max_operand=9 if args.max_operand is None else args.max_operand,
         ops=list(args.ops or "+"),

@@ -99,6 +99,14 @@ class SamplingConfig(ConfigBase):
             raise FieldValueError("engine", str(err).removeprefix("engine")) from None
         if self.top_p == 0:
             raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
+        generic = self.engine == "reference" or (self.engine == AUTO and not self.use_cache)
+        if self.batch_invariant and generic:  # the generic loop refuses it at every step: say so now
+            raise FieldValueError(
+                "batch_invariant",
+                f"=True needs the hf engine (a Llama-family Hugging Face causal LM) or megatron's, with use_cache=True; "
+                f"engine={self.engine!r}, use_cache={self.use_cache} samples with the generic loop, which is not "
+                "batch-invariant",
+            )
         self.engine_config = self._typed_engine_config()
 
     def _typed_engine_config(self) -> RolloutEngineConfig | None:

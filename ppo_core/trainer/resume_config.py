@@ -24,6 +24,7 @@ so that the run continues after the prompts already seen (rounding down: at most
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -139,6 +140,28 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     return out
 
 
+def _at_default(config: Any, key: str, value: Any) -> bool:
+    """Whether ``value`` is the default of the dataclass field at dotted ``key`` of ``config``. A checkpoint of an
+    earlier version lacks the keys its job left out (a worker's dict) or that did not exist yet: its run took their
+    defaults, so a key it lacks is no change while the resuming run keeps the default."""
+    *head, last = key.split(".")
+    for name in head:
+        if not dataclasses.is_dataclass(config):
+            return False
+        config = getattr(config, name, None)
+    fields = {f.name: f for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else {}
+    f = fields.get(last)
+    if f is None:
+        return False
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        return False
+    return _same(default, value)
+
+
 def _lines(differences: Mapping[str, tuple[Any, Any]]) -> str:
     return "\n".join(f"  {key}: {a!r} in the checkpoint, {b!r} now" for key, (a, b) in differences.items())
 
@@ -186,7 +209,11 @@ def check_resume_config(
         return {}
     # a checkpoint written before the sampling moved to ``rollout`` is read in today's layout
     saved = canonical_tree(saved, warn=False, strict=False)
-    differences = config_differences(saved, current)
+    differences = {
+        key: (a, b)
+        for key, (a, b) in config_differences(saved, current).items()
+        if not (isinstance(a, str) and a == "(not set)" and _at_default(current, key, b))
+    }
     refused = {
         k: v for k, v in differences.items() if _under(k, MEANING_KEYS) and not _under(k, tuple(allow))
     }

@@ -101,3 +101,9 @@ def test_errors_name_the_file_or_the_entry(tmp_path):
         load_verl_tree(tmp_path / "nope.yaml")
     with pytest.raises(ValueError, match="must be key=value"):
         load_verl_tree(tmp_path / "trainer.yaml", ["no_equals_sign"])
+    # YAML's error, as one ValueError naming the file or the override
+    (tmp_path / "malformed.yaml").write_text("data:\n  train_files: [a.parquet\n")
+    with pytest.raises(ValueError, match=r"cannot read the verl config '.*malformed\.yaml': while parsing"):
+        load_verl_tree(tmp_path / "malformed.yaml")
+    with pytest.raises(ValueError, match=r"cannot apply the override 'data\.train_files=\[a,'"):
+        load_verl_tree(tmp_path / "trainer.yaml", ["data.train_files=[a,"])

@@ -183,3 +183,10 @@ def test_make_data_options_conflict_or_skip_the_model(tmp_path, capsys):
         == 2
     )
     assert "ppo-core: error: a test split of 999 level-1 problems" in capsys.readouterr().err
+    # a list option that is no list of integers is named
+    with pytest.raises(ValueError, match=r"^--levels must be comma-separated integers, got 'a'$"):
+        main([str(tmp_path / "d"), "--task", "arithmetic", "--levels", "a"])
+    with pytest.raises(
+        ValueError, match=r"^--word-operands must be comma-separated integers or 'none', got '1,x'$"
+    ):
+        main([str(tmp_path / "d"), "--word-operands", "1,x"])

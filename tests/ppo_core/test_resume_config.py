@@ -20,6 +20,7 @@ from ppo_core.trainer.resume_config import (
     check_resume_config,
     config_differences,
 )
+from ppo_core.workers.torch.config import TorchActorConfig
 
 # ----- the comparison ----------------------------------------------------------------------------------------
 
@@ -190,6 +191,34 @@ def test_a_checkpoint_of_the_old_rollout_layout_resumes_without_differences(capl
     with caplog.at_level(logging.WARNING):
         assert check_resume_config(old, cfg, checkpoint="old/global_step_3") == {}
     assert caplog.text == ""
+
+
+def _typed_config(**actor: object) -> PPOConfig:
+    worker = TorchActorConfig.from_dict({"optim": {"lr": 5e-4}, "rollout": {"max_new_tokens": 8}, **actor})
+    return PPOConfig.from_dict(
+        {"data": {"train_batch_size": 256}, "rollout": {"max_new_tokens": 8}, "actor": {"worker": worker}}
+    )
+
+
+def test_keys_an_older_checkpoint_lacks_are_no_change_at_their_defaults(caplog):
+    # an earlier version saved a worker's keys as the job gave them (a dict) and the sampling under
+    # actor.worker.rollout; a key it lacks ran at its default, so the same default now is no difference
+    old = {
+        **_typed_config().to_dict(),
+        "actor": {
+            "world_size": 1,
+            "use_kl_loss": False,
+            "worker": {"use_kl_loss": False, "optim": {"lr": 5e-4}, "rollout": {"max_new_tokens": 8}},
+        },
+    }
+    with caplog.at_level(logging.WARNING):
+        assert check_resume_config(old, _typed_config(), checkpoint="old/global_step_3") == {}
+    assert caplog.text == ""
+    # a key the checkpoint lacks that now differs from its default is still a change (refused for a meaning key)
+    with pytest.raises(ResumeConfigError, match=r"actor\.worker\.ppo_mini_batch_size: '\(not set\)' in the"):
+        check_resume_config(old, _typed_config(ppo_mini_batch_size=128), checkpoint="old/global_step_3")
+    changes = check_resume_config(old, _typed_config(ppo_epochs=3), checkpoint="old/global_step_3")
+    assert changes == {"actor.worker.ppo_epochs": ("(not set)", 3)}
 
 
 # ----- the new trainer fields ------------------------------------------------------------------------------

@@ -127,3 +127,16 @@ def test_sampling_fields_and_special_tokens_hand_on_the_checked_values() -> None
     with pytest.raises(TypeError, match=r"^pad_token_id must be an int"):
         SamplingConfig().with_special_tokens(eos_token_id=None, pad_token_id="0")  # type: ignore[arg-type]
     assert functools.reduce(lambda c, _: c.sampling_fields(), range(3), out) == out
+
+
+@pytest.mark.parametrize("keys", [{"engine": "reference"}, {"use_cache": False}])
+def test_batch_invariant_with_the_generic_loop_is_refused_when_the_config_is_built(keys) -> None:
+    # the generic loop refuses batch_invariant at every step; a job learns it before any model loads
+    with pytest.raises(ValueError, match=r"^batch_invariant=True needs the hf engine"):
+        SamplingConfig(batch_invariant=True, **keys)
+    with pytest.raises(ValueError, match=r"^rollout\.batch_invariant=True needs the hf engine"):
+        load_job_config(
+            None, ["rollout.batch_invariant=true", *(f"rollout.{k}={v}" for k, v in keys.items())]
+        )
+    assert SamplingConfig(**keys).batch_invariant is False
+    assert SamplingConfig(batch_invariant=True, engine="hf").batch_invariant

@@ -168,6 +168,18 @@ def test_eval_builds_a_critic_free_job_from_a_gae_one():
     assert _actor_only(grpo).algorithm == grpo.algorithm
 
 
+def test_eval_warns_of_no_training_steps():
+    """The evaluation's trainer draws no training batch (its training set is one batch of validation prompts): the
+    start warning about trainer.total_training_steps beyond the epochs is not the evaluation's."""
+    from ppo_core.trainer.config import start_warnings
+    from ppo_core_cli.evaluate import _actor_only
+    from ppo_core_cli.loading import load_job_config
+
+    job = load_job_config(TINY)
+    assert start_warnings(job, steps_per_epoch=1)  # the tiny job's 200 steps, were it trained on one batch
+    assert start_warnings(_actor_only(job), steps_per_epoch=1) == []
+
+
 @pytest.mark.parametrize("command", ["eval", "train"])
 def test_an_output_file_that_cannot_be_written_is_refused_before_anything_loads(root, capsys, command):
     r = str(root)
@@ -195,3 +207,39 @@ def test_eval_of_a_training_checkpoint_points_to_export(root, capsys):
     line = _error(capsys, "eval", TINY, f"vars.root={r}", "--model", str(step))
     assert line.startswith(f"model.path={str(step)!r} is not a Hugging Face checkpoint directory"), line
     assert "it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR`" in line
+
+
+def test_export_into_a_file_is_refused_before_anything_loads(root, capsys):
+    r = str(root)
+    step = root / "checkpoints" / "global_step_2"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")  # never read: the output folder is checked first
+    (root / "a_file").write_text("")
+    for out, expected in (
+        (f"{r}/a_file", f"OUT_DIR {r + '/a_file'!r} is a file, not a folder"),
+        (
+            f"{r}/a_file/export",
+            f"OUT_DIR {r + '/a_file/export'!r}: {r + '/a_file'!r} is a file, not a folder",
+        ),
+    ):
+        assert _error(capsys, "export", str(step), out) == expected
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_workers_that_need_cuda_are_refused_without_it_before_anything_loads(
+    root, capsys, monkeypatch, command
+):
+    import torch
+
+    from ppo_core_cli.checks import check_train_inputs
+    from ppo_core_cli.loading import load_job_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = _error(capsys, command, TINY, f"vars.root={root}", "workers=megatron")
+    assert line == (
+        "workers=megatron needs CUDA (its training engine allocates its buffers on the GPU), and "
+        "torch.cuda.is_available() is False here; use workers=torch on this machine"
+    )
+    check_train_inputs(load_job_config(TINY, [f"vars.root={root}"]))  # the torch workers run anywhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_train_inputs(load_job_config(TINY, [f"vars.root={root}", "workers=megatron"]))

@@ -144,6 +144,11 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
             "unknown config key actor.worker.optim.lrr; valid keys under",
         ),
         (["reward.scorers.gsm.functon=x"], ValueError, "unknown config key reward.scorers.gsm.functon"),
+        (  # an engine without settings: no empty list of valid keys
+            ["rollout.engine=reference", "rollout.engine_config.kv_bucket=3"],
+            ValueError,
+            "unknown config key rollout.engine_config.kv_bucket; rollout.engine_config takes no keys here",
+        ),
         (["trainer.seed=abc"], TypeError, "trainer.seed must be an int, got str 'abc'"),
         (["trainer.seed=-1"], ValueError, "trainer.seed must be >= 0, got -1"),
         (["data.truncation=middle"], ValueError, "unknown data.truncation 'middle'; valid values:"),
@@ -192,10 +197,26 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
         (["model.path=${vars.nope}"], ValueError, "model.path: cannot resolve an interpolation"),
         (["trainer.seed"], ValueError, "override 'trainer.seed' must be a dotted key, '=' and a YAML value"),
         (["=5"], ValueError, "override '=5' must be a dotted key"),
+        (  # malformed YAML in a value: one error naming the override, no YAML traceback
+            ["trainer.seed=1", "trainer.loggers=[console,"],
+            ValueError,
+            "cannot read the override 'trainer.loggers=[console,': ",
+        ),
     ],
 )
 def test_errors_name_the_dotted_key(overrides, exc, start):
     _raises(exc, start, TINY, *overrides)
+
+
+def test_a_config_path_that_is_no_file_is_named(tmp_path):
+    _raises(
+        FileNotFoundError,
+        f"config file {str(tmp_path / 'nope.yaml')!r} does not exist",
+        str(tmp_path / "nope.yaml"),
+    )
+    _raises(
+        FileNotFoundError, f"config file {str(tmp_path)!r} is a directory, not a YAML file", str(tmp_path)
+    )
 
 
 def test_yaml_errors(tmp_path):

@@ -220,6 +220,26 @@ def test_rules_between_sections_are_checked_when_the_job_is_built(tree, exc, mes
         JobConfig.from_dict(tree)
 
 
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"rollout": {"batch_invariant": True}, "actor": {"worker": {"exact_log_probs": True}}},
+        {"actor": {"worker": {"exact_log_probs": True, "rollout": {"batch_invariant": True}}}},  # old key
+    ],
+)
+def test_exact_log_probs_reads_batch_invariant_from_the_rollout_section(tree):
+    # the worker's own check (exact mode needs the batch-invariant sampler) sees the job's rollout section
+    job = JobConfig.from_dict(tree)
+    assert job.actor.worker.exact_log_probs and job.actor.worker.rollout.batch_invariant
+    with pytest.raises(
+        ValueError, match=re.escape("actor.worker.exact_log_probs=True needs the batch-invariant")
+    ):
+        JobConfig.from_dict({"actor": {"worker": {"exact_log_probs": True}}})
+    # a rule on the sampling names the canonical key, not actor.worker.rollout.*
+    with pytest.raises(ValueError, match=r"^rollout\.engine='megatron' samples"):
+        JobConfig.from_dict({"rollout": {"engine": "megatron"}})
+
+
 def test_megatron_data_parallel_size_is_the_world_over_the_model_parallel_ranks():
     job = JobConfig.from_dict(
         {
