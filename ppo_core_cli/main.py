@@ -432,7 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A mistake in the config or the named files (:class:`CommandError`: checked before anything loads) prints one
     line ``ppo-core: error: ...`` and returns 2; Ctrl-C prints where the run stopped, its newest checkpoint and how
-    to resume, and returns 130; anything that fails later, while a run is under way, raises with its traceback.
+    to resume, and returns 130; a scorer that fails during a run prints one line (scorer, data source, row, step,
+    the line of its file, the run's ``reward_error.txt`` holding the traceback) and returns 2; anything else that
+    fails while a run is under way raises with its traceback.
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)

@@ -37,9 +37,11 @@ from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
 from ppo_core.trainer.plot import plot_run, validation_mean
 from ppo_core.trainer.resume_config import ResumeConfigError
+from ppo_core.trainer.reward import RewardFunctionError
 from ppo_core.trainer.tracking import usable_loggers
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
+from ppo_core_cli.failures import reward_failure_message, write_traceback
 from ppo_core_cli.job import (
     build_reward,
     build_trainer,
@@ -235,6 +237,11 @@ def run_train(
         interrupted = True
     except ResumeConfigError as exc:  # a rerun changing the run: printed by the command, no traceback
         raise JobInputError(str(exc)) from exc
+    except RewardFunctionError as exc:  # the user's scorer failed: one message, the traceback in a file
+        trace = write_traceback(exc, os.path.join(job.run_dir, "reward_error.txt"))
+        latest = ckpt.find_latest_checkpoint(job.checkpoint_dir)
+        resume = f"; a rerun resumes from {latest}" if latest else ""
+        raise JobInputError(reward_failure_message(exc, trace) + resume) from exc
     finally:
         trainer.shutdown()
         reward.close()

@@ -1,0 +1,138 @@
+"""A run stopped by the user's scorer: one message naming the scorer, data source, row, step and the user's line,
+the whole traceback in the run's ``reward_error.txt`` (``ppo_core_cli.failures`` and ``ppo-core train``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from ppo_core.rewards.reward_fn import ScorerError
+from ppo_core.trainer.reward import RewardFunctionError
+from ppo_core_cli.failures import reward_failure_message, user_frame, write_traceback
+from ppo_core_cli.main import main
+
+SCORER = "def score(solution_str, ground_truth, extra_info=None, **kwargs):\n    return 1.0 / 0\n"
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(f"user_scorer_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _failure(path) -> RewardFunctionError:
+    """The chain the trainer raises: the scorer's error, wrapped by the reward, wrapped by the trainer."""
+    scorer = _load(path).score
+    try:
+        try:
+            try:
+                scorer("x", "1")
+            except ZeroDivisionError as exc:
+                raise ScorerError(
+                    "raised ZeroDivisionError: float division by zero", "task/a", "m.score", 3
+                ) from exc
+        except ScorerError as exc:
+            raise RewardFunctionError(5, _empty_batch(), f"ScorerError: {exc}", "reward") from exc
+    except RewardFunctionError as exc:
+        return exc
+    raise AssertionError("the scorer did not raise")
+
+
+def _empty_batch():
+    from tensordict import TensorDict
+
+    return TensorDict({}, batch_size=[0])
+
+
+def test_user_frame_is_the_users_line(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(SCORER)
+    assert user_frame(_failure(path)) == f"{path}:2 in score"
+
+
+def test_user_frame_reads_a_process_pools_traceback_text(tmp_path):
+    remote = RuntimeError("in the pool")
+    remote.tb = (  # what concurrent.futures' _RemoteTraceback carries
+        'Traceback (most recent call last):\n  File "/usr/lib/python3.11/concurrent/futures/process.py", line 1, '
+        f'in _process_worker\n  File "{tmp_path}/r.py", line 7, in score\nZeroDivisionError\n'
+    )
+    err = ValueError("outer")
+    err.__cause__ = remote
+    assert user_frame(err) == f"{tmp_path}/r.py:7 in score"
+
+
+def test_no_user_frame_when_only_library_code_ran():
+    import ppo_core
+
+    remote = RuntimeError("in the pool")
+    remote.tb = (
+        f'  File "{ppo_core.__file__}", line 3, in f\n  File "{importlib.util.__file__}", line 9, in g\n'
+        '  File "<frozen runpy>", line 1, in h\n'
+    )
+    # ppo-core's, the standard library's and frozen frames are not the user's
+    assert user_frame(remote) is None
+    assert user_frame(ValueError("never raised")) is None
+
+
+def test_message_names_scorer_step_line_and_traceback_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(SCORER)
+    exc = _failure(path)
+    trace = write_traceback(exc, str(tmp_path / "run" / "reward_error.txt"))
+    text = reward_failure_message(exc, trace)
+    assert text == (
+        "scorer m.score of data_source 'task/a' (row 3) raised ZeroDivisionError: float division by zero (step 5); "
+        f"at {path}:2 in score; traceback: {trace}"
+    )
+    written = (tmp_path / "run" / "reward_error.txt").read_text()
+    assert "ZeroDivisionError" in written and "RewardFunctionError" in written and "return 1.0 / 0" in written
+
+
+def test_message_without_a_scorer_error_is_the_reward_functions():
+    exc = RewardFunctionError(2, _empty_batch(), "ValueError: bad shape", "my_fn")
+    assert reward_failure_message(exc) == str(exc)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fail")
+    assert main(["-q", "make-data", str(root / "ex"), "--n-train", "16", "--n-test", "4"]) == 0
+    return root
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_stops_on_a_raising_scorer_with_one_message(
+    example, tmp_path, capsys, monkeypatch, num_workers
+):
+    (tmp_path / "boom_reward.py").write_text(SCORER)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    config = tmp_path / "job.yaml"
+    config.write_text("reward:\n  scorers: { '*': { function: boom_reward:score } }\n")
+    data = example / "ex"
+    argv = [
+        "-q",
+        "train",
+        str(config),
+        f"model.path={data}/model",
+        f"data.train_files=[{data}/data/train.parquet]",
+        f"data.val_files=[{data}/data/test.parquet]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "rollout.max_new_tokens=4",
+        "actor.worker.ppo_mini_batch_size=4",
+        "critic.worker.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        f"reward.num_workers={num_workers}",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-core: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "scorer boom_reward.score of data_source" in lines[0] and "(step 1)" in lines[0]
+    assert f"at {tmp_path / 'boom_reward.py'}:2 in score" in lines[0]
+    assert (tmp_path / "run" / "reward_error.txt").is_file()
