@@ -32,6 +32,8 @@ SAMPLING = st.fixed_dictionaries(
         "batch_invariant": st.booleans(),
         "engine": st.sampled_from(["auto", "reference", "hf"]),
     },
+).filter(  # the batch-invariant sampler needs a cached engine that has one (refused when the config is built)
+    lambda s: not s.get("batch_invariant") or (s.get("engine") != "reference" and s.get("use_cache", True))
 )
 
 
