@@ -375,9 +375,6 @@ def check_resident_config(config: PPOConfig) -> None:
         bad.append(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
         )
-    correction = config.algorithm.rollout_correction
-    if correction.enabled:
-        bad.append("algorithm.rollout_correction.rollout_is / rollout_rs")
     if bad:
         raise ValueError(
             f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "

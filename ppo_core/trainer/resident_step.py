@@ -25,6 +25,7 @@ from ppo_core.masked_moments import Moments, RowMoments, combine_moments, reduce
 from ppo_core.metrics import Timer
 from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
+from ppo_core.rollout_correction.partial import NORM_MIN, reduce_correction_parts
 from ppo_core.trainer.config import check_resident_config
 from ppo_core.trainer.reward import PendingReward, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
@@ -44,6 +45,7 @@ from ppo_core.workers.traffic import controller_bytes_metrics
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from ppo_core.rollout_correction import RolloutCorrectionConfig
     from ppo_core.trainer.base import BasePPOTrainer
     from ppo_core.workers.group import WorkerGroup
     from ppo_core.workers.resident import BatchRef
@@ -88,6 +90,10 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
             with timer("old_log_prob"):
                 ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
                 metrics.update(_old_log_prob_metrics(actor, ref))
+        correction = cfg.algorithm.rollout_correction
+        if correction.enabled:  # weights and rejection at the ranks; the metrics from their parts
+            ref, corr_metrics = _rollout_correction(actor, ref, correction)
+            metrics.update(corr_metrics)
         if cfg.use_reference:
             with timer("ref"):
                 ref = _compute_into(
@@ -112,7 +118,10 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 metrics.update(critic.update_critic(_held_by(critic, "update_critic", ref, actor)))
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                metrics.update(actor.update_actor(ref))
+                policy = ref
+                if correction.rollout_rs is not None:  # the losses read the mask without the rejected tokens
+                    policy, _ = actor.dispatch_resident("resident_policy_view", ref, step=step)
+                metrics.update(actor.update_actor(policy))
         parts = actor.gather_resident("resident_data_metric_parts", ref, cfg.use_critic)
         _end_step(step, trainer.actor_wg, trainer.ref_wg, trainer.critic_wg)
     timing = timer.reset()
@@ -139,6 +148,26 @@ def _old_from_rollout(trainer: BasePPOTrainer, ref: BatchRef) -> BatchRef:
         "resident_copy", ref, {KEYS.old_log_probs: KEYS.rollout_log_probs}, into=ref
     )
     return ref
+
+
+def _rollout_correction(
+    actor: WorkerGroup, ref: BatchRef, config: RolloutCorrectionConfig
+) -> tuple[BatchRef, dict[str, float]]:
+    """``ref`` with the rollout correction's ``rollout_is_weights`` and policy mask (``POLICY_MASK``) computed at the
+    ranks, and the ``rollout_corr/*`` metrics reduced from the ranks' parts; with ``rollout_is_batch_normalize``
+    the ranks divide their weights by the batch's mean, reduced exactly from their parts (the by-value bits)."""
+    if KEYS.rollout_log_probs not in ref.key_names:
+        raise ValueError(
+            "algorithm.rollout_correction asks for importance weights or rejection, which compare the old "
+            f"log-probs with the rollout's, but generate_sequences returned no {KEYS.rollout_log_probs!r}; the "
+            f"batch holds {sorted(ref.key_names)}"
+        )
+    ref, _ = actor.dispatch_resident("resident_rollout_correction", ref, config, into=ref)
+    parts = actor.gather_resident("resident_rollout_correction_parts", ref, config)
+    mean, metrics = reduce_correction_parts(parts, config)
+    if mean is not None and mean > NORM_MIN:
+        ref, _ = actor.dispatch_resident("resident_normalize_weights", ref, mean, into=ref)
+    return ref, metrics
 
 
 def _compute_into(actor: WorkerGroup, group: WorkerGroup, method: str, ref: BatchRef, key: str) -> BatchRef:

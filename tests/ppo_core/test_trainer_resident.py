@@ -157,6 +157,19 @@ VARIANTS = {
             "rollout_correction": {"bypass_mode": True},
         },
     },
+    # rollout correction: token weights (batch-normalised) and a token rejection at the ranks
+    "grpo_correction": {
+        "algorithm": {
+            "adv_estimator": "grpo",
+            "use_kl_in_reward": False,
+            "rollout_correction": {
+                "rollout_is": "token",
+                "rollout_is_batch_normalize": True,
+                "rollout_rs": "token_k1",
+                "rollout_rs_threshold": 1.0001,
+            },
+        },
+    },
     # the other outcome estimators (one value a row; REINFORCE++-baseline's whitened over the tokens)
     **{
         name: {"algorithm": {"adv_estimator": name, "use_kl_in_reward": False}}
@@ -266,6 +279,7 @@ def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> N
         (2, "grpo_kl_reward", ResidentTrainer),
         (2, "ppo", ResidentTrainer),
         (2, "ppo", SeparateTrainer),
+        (1, "grpo_correction", ResidentTrainer),
     ],
     ids=[
         "tinygpt-world1-grpo-kl-loss",
@@ -273,6 +287,7 @@ def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> N
         "toy-world2-grpo-kl-reward",
         "toy-world2-ppo",
         "toy-world2-ppo-separate-groups",
+        "tinygpt-world1-grpo-rollout-correction",
     ],
 )
 def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, variant, trainer_cls) -> None:
@@ -287,6 +302,9 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         assert {"values", "returns", "critic_weight"} <= kinds
     if world == 1 and variant == "grpo_kl_loss":  # update_actor reads the reference log-probs (may_read)
         assert set(seen) == {frozenset((*ACTOR_UPDATE_KEYS, "ref_log_probs"))}
+    if variant == "grpo_correction":  # and the rollout correction's weights
+        assert set(seen) == {frozenset((*ACTOR_UPDATE_KEYS, "rollout_is_weights"))}
+        assert any(key.startswith("rollout_corr/") for key in resident_metrics[1])
     # GRPO advantages are per row; GAE's are whitened over the batch from per-row float64 partials reduced
     # exactly (the by-value step's whitening, whatever the dp layout): every tensor bit for bit. The token-level
     # metrics are reduced from per-rank parts in another order: within 1e-6 (1e-6 absolute where whitened
@@ -352,14 +370,14 @@ def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
         ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='opo'"
     ):
         make_config(tmp_path, algorithm={"adv_estimator": "opo"}, trainer={"resident_batches": True})
-    with pytest.raises(
-        ValueError, match=r"does not support algorithm.rollout_correction.rollout_is / rollout_rs"
-    ):
-        make_config(
-            tmp_path,
-            algorithm={"adv_estimator": "grpo", "rollout_correction": {"rollout_is": "token"}},
-            trainer={"resident_batches": True},
-        )
+    # the rollout correction is served (tests/ppo_core/test_trainer_resident_correction.py)
+    correction = {"rollout_is": "token", "rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}
+    cfg = make_config(
+        tmp_path,
+        algorithm={"adv_estimator": "grpo", "rollout_correction": correction},
+        trainer={"resident_batches": True},
+    )
+    assert cfg.algorithm.rollout_correction.enabled
 
 
 class ReadsResponses:
