@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WHITENED_OUTCOME_ESTIMATORS",
     "check_resident_config",
+    "opo_outcome_rows",
     "outcome_advantages",
     "repeat_labels",
     "resident_train_step",
@@ -303,7 +304,7 @@ def _rewards_and_advantages(
         sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
     beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
     columns = (ROW_REWARD_SUM, ROW_VALID) + ((ROW_KL,) if beta is not None else ())
-    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+    if cfg.algorithm.adv_estimator in LENGTH_ESTIMATORS:
         columns += (ROW_LENGTH,)
     ref, cols = actor.dispatch_resident(
         "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
@@ -313,11 +314,14 @@ def _rewards_and_advantages(
         current_kl = float(cols[ROW_KL].mean()) if rows else 0.0
         trainer.kl_ctrl.update(current_kl, n_steps=rows)
         metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-    if cfg.algorithm.adv_estimator == "gae":
+    if cfg.algorithm.adv_estimator in ("gae", "reinforce_plus_plus"):
         alg = cfg.algorithm
         # one dp rank holds every row: it whitens them as the by-value step does (the same bits)
         whole = ref.placement.dp_size == 1
-        ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
+        if alg.adv_estimator == "gae":
+            ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
+        else:  # REINFORCE++: the discounted reward-to-go, whitened over the batch's valid tokens
+            ref, _ = actor.dispatch_resident("resident_reinforce_pp", ref, alg.gamma, whole, into=ref)
         if whole:
             return ref, valid, metrics
         # the estimators' whitening: per-row float64 partials in dp (= row) order, reduced exactly (the same bits
@@ -344,7 +348,10 @@ def _rewards_and_advantages(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, (KEYS.returns,), into=ref
         )
         return ref, valid, metrics
-    per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
+    if cfg.algorithm.adv_estimator == "opo":  # its group baseline weighs the rows by their lengths
+        per_row = opo_outcome_rows(cols[ROW_REWARD_SUM], cols[ROW_VALID], cols[ROW_LENGTH], uids)
+    else:
+        per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
     adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
     # the estimator's returns are a copy of its advantages: made at the ranks
     ref, _ = actor.dispatch_resident(
@@ -361,6 +368,23 @@ def _rewards_and_advantages(
 
 WHITENED_OUTCOME_ESTIMATORS = ("reinforce_plus_plus_baseline",)
 """Outcome estimators whose per-row values are whitened over the batch's valid tokens."""
+LENGTH_ESTIMATORS = (*WHITENED_OUTCOME_ESTIMATORS, "opo")
+"""Outcome estimators that read the ``[B]`` row lengths (a token-weighted whitening, OPO's length-weighted baseline)."""
+
+
+def opo_outcome_rows(
+    row_rewards: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, uids: list[Any] | None
+) -> torch.Tensor:
+    """OPO's ``[B]`` float64 per-row values (what the ranks broadcast over each row's valid tokens) from ``[B]``
+    float64 row sums of the rewards, ``[B]`` bool row validity and ``[B]`` int row lengths
+    (:func:`~ppo_core.advantages.group_outcome.opo_rows`, what the estimator computes on the whole batch)."""
+    from ppo_core.advantages._common import prepare_outcome
+    from ppo_core.advantages.group_outcome import opo_rows
+
+    _, _, scores, valid, groups = prepare_outcome(
+        row_rewards.to(torch.float64).unsqueeze(-1), valid.bool().unsqueeze(-1), uids
+    )
+    return opo_rows(scores, valid, lengths, groups)
 
 
 def whitened_outcome_rows(

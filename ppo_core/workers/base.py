@@ -270,6 +270,13 @@ class Worker:
 
         return gae_rows(batch, gamma, lam, whiten)
 
+    def resident_reinforce_pp(self, batch: Any, gamma: float, whiten: bool) -> Any:
+        """REINFORCE++ advantages and returns of this rank's rows
+        (:func:`~ppo_core.workers.resident_ops.reinforce_pp_rows`)."""
+        from ppo_core.workers.resident_ops import reinforce_pp_rows
+
+        return reinforce_pp_rows(batch, gamma, whiten)
+
     def resident_moments(self, batch: Any, key: str, mask_key: str) -> Any:
         """:class:`~ppo_core.masked_moments.Moments` of ``batch[key]`` over ``batch[mask_key]`` on this rank's rows."""
         from ppo_core.masked_moments import masked_moments

@@ -28,6 +28,7 @@ __all__ = [
     "gae_rows",
     "policy_view",
     "prompt_rows",
+    "reinforce_pp_rows",
     "score_rows",
     "shape_rewards",
 ]
@@ -111,6 +112,23 @@ def gae_rows(batch: TensorDictBase, gamma: float, lam: float, whiten: bool = Fal
         lam=lam,
         whiten=whiten,
     )
+    return TensorDict({KEYS.advantages: advantages, KEYS.returns: returns}, batch_size=batch.batch_size)
+
+
+def reinforce_pp_rows(batch: TensorDictBase, gamma: float, whiten: bool = False) -> TensorDict:
+    """REINFORCE++ ``advantages`` and ``returns`` ``[b, T]`` of one rank's rows (``token_level_rewards``,
+    ``response_mask``): the discounted reward-to-go ``G`` as both (:func:`~ppo_core.advantages.returns.
+    reinforce_pp_returns`), the batch's whitening of the advantages following through :mod:`ppo_core.masked_moments`;
+    ``whiten`` only where this rank holds the whole batch (:func:`~ppo_core.advantages.returns.
+    compute_reinforce_pp_advantage` itself, bit for bit)."""
+    from ppo_core.advantages.returns import compute_reinforce_pp_advantage, reinforce_pp_returns
+
+    rewards, mask = batch.get(KEYS.token_level_rewards), batch.get(KEYS.response_mask)
+    if whiten:
+        advantages, returns = compute_reinforce_pp_advantage(rewards, mask, gamma=gamma)
+    else:
+        returns = reinforce_pp_returns(rewards, mask, gamma=gamma)
+        advantages = returns.clone()
     return TensorDict({KEYS.advantages: advantages, KEYS.returns: returns}, batch_size=batch.batch_size)
 
 

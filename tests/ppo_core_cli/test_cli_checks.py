@@ -84,7 +84,6 @@ def test_train_names_the_key_before_anything_loads(root, capsys, override, expec
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("algorithm.adv_estimator=opo", "algorithm.adv_estimator='opo'"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),
     ],
 )
