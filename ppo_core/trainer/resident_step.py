@@ -1,6 +1,6 @@
 """One PPO training step over a resident batch (``trainer.resident_batches``): the generation stays in the actor's
-workers; log-probs, reference log-probs and values are added in place; rewards, the in-reward KL penalty and GAE
-run on the ranks holding the rows; outcome advantages go out as ``[B]`` values; the data metrics come back as
+workers; log-probs, reference log-probs and values are added in place; rewards, the in-reward KL penalty, the
+rollout correction's weights and rejection, GAE and REINFORCE++ run on the ranks holding the rows; outcome advantages go out as ``[B]`` values; the data metrics come back as
 per-rank partial sums, counts, minima and maxima.
 
 What still crosses the controller (``docs/resident-batches.md``): the prompts (by value), the generation's keys a
