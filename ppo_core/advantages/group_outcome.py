@@ -18,6 +18,7 @@ __all__ = [
     "compute_opo_advantage",
     "compute_reinforce_pp_baseline_advantage",
     "compute_rloo_advantage",
+    "opo_rows",
     "reinforce_pp_baseline_rows",
 ]
 
@@ -118,11 +119,21 @@ def compute_opo_advantage(
         tensor([ 0.2500, -0.7500])
     """
     rewards, mask, scores, valid, groups = prepare_outcome(rewards, response_mask, index)
-    lengths = mask.sum(dim=-1, dtype=torch.float64)
-    _, centred = group_weighted_mean(scores, groups, lengths)
-    per_row = torch.where(group_count(groups, valid)[groups.ids] > 1, centred, scores)
-    advantages = broadcast_rows(_keep_valid(per_row, valid), mask, rewards.dtype)
+    per_row = opo_rows(scores, valid, mask.sum(dim=-1), groups)
+    advantages = broadcast_rows(per_row, mask, rewards.dtype)
     return advantages, advantages.clone()
+
+
+def opo_rows(
+    scores: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, groups: GroupIndex
+) -> torch.Tensor:
+    """OPO's ``[B]`` float64 per-row values before the broadcast: ``s_i`` minus the length-weighted group mean (the
+    raw score in a group of one valid row), 0 for a row without a valid token. ``scores``, ``valid`` and ``groups``
+    as :func:`~ppo_core.advantages._common.prepare_outcome` returns them; ``lengths``: ``[B]`` valid tokens a row
+    (any numeric dtype: whole numbers, exact in float64)."""
+    _, centred = group_weighted_mean(scores, groups, lengths.to(torch.float64))
+    per_row = torch.where(group_count(groups, valid)[groups.ids] > 1, centred, scores)
+    return _keep_valid(per_row, valid)
 
 
 @no_grad

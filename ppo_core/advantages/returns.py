@@ -15,7 +15,7 @@ from ppo_core.advantages._common import (
 )
 from ppo_core.kernels.dispatch import _return_advantages_checked, flags_set
 
-__all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage"]
+__all__ = ["compute_reinforce_pp_advantage", "compute_remax_advantage", "reinforce_pp_returns"]
 
 
 @no_grad
@@ -53,6 +53,27 @@ def compute_reinforce_pp_advantage(
         check_rewards_and_mask(rewards, response_mask)
         check_finite(REWARDS, rewards, mask)
     return advantages, returns
+
+
+@no_grad
+def reinforce_pp_returns(
+    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """REINFORCE++'s ``returns`` ``G`` ``[B, T]`` before the whitening (:func:`compute_reinforce_pp_advantage`'s
+    scan, the same checks): each row's ``G`` depends on that row only, so a data-parallel holder of some rows
+    computes them and whitens with the batch's moments (:mod:`ppo_core.masked_moments`).
+
+    Example:
+        >>> reinforce_pp_returns(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), gamma=0.5)
+        tensor([[0.5000, 1.0000]])
+    """
+    rewards, mask, mask_flag = check_rewards_and_mask_unsynced(rewards, response_mask)
+    gamma = check_scalar("gamma", gamma, 0.0, 1.0)
+    _, returns, maybe_nonfinite = _return_advantages_checked(rewards, mask, gamma)
+    if flags_set(maybe_nonfinite, mask_flag):
+        check_rewards_and_mask(rewards, response_mask)
+        check_finite(REWARDS, rewards, mask)
+    return returns
 
 
 @no_grad

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -36,9 +37,11 @@ from ppo_core.metrics.data import VF_EXPLAINED_VAR_EPS, _check_finite, _length_m
 __all__ = [
     "DataMetricParts",
     "TokenStats",
+    "combine_token_stats",
     "data_metric_parts",
     "lengths_of_parts",
     "reduce_data_metric_parts",
+    "token_stats",
 ]
 
 _TOKEN_KEYS = (KEYS.advantages, KEYS.returns)
@@ -70,7 +73,9 @@ class DataMetricParts:
     residual: Moments | None = None
 
 
-def _token_stats(values: torch.Tensor, mask: torch.Tensor) -> TokenStats:
+def token_stats(values: torch.Tensor, mask: torch.Tensor) -> TokenStats:
+    """:class:`TokenStats` of ``values`` (any shape, accumulated in float64) where ``mask`` (bool, same shape) is
+    true."""
     count = int(mask.sum())
     if count == 0:
         return TokenStats(count=0, total=0.0, low=0.0, high=0.0)
@@ -104,7 +109,7 @@ def data_metric_parts(batch: TensorDictBase, use_critic: bool = True) -> DataMet
         columns["prompt"] = lengths.prompt.to(torch.int32)
     rows = TensorDict(columns, batch_size=[int(batch.batch_size[0])])
     keys = [*_TOKEN_KEYS, KEYS.values] if use_critic else list(_TOKEN_KEYS)
-    tokens = {key: _token_stats(batch.get(key), mask) for key in keys}
+    tokens = {key: token_stats(batch.get(key), mask) for key in keys}
     returns = residual = None
     if use_critic:
         ret, val = batch.get(KEYS.returns).to(torch.float64), batch.get(KEYS.values).to(torch.float64)
@@ -115,6 +120,20 @@ def data_metric_parts(batch: TensorDictBase, use_critic: bool = True) -> DataMet
         tokens=tokens,
         returns=returns,
         residual=residual,
+    )
+
+
+def combine_token_stats(parts: Sequence[TokenStats]) -> TokenStats:
+    """The :class:`TokenStats` of the union of disjoint shards: counts added, totals summed exactly rounded
+    (:func:`math.fsum`, independent of the shards' order), the extremes of the shards holding entries."""
+    held = [p for p in parts if p.count]
+    if not held:
+        return TokenStats(count=0, total=0.0, low=0.0, high=0.0)
+    return TokenStats(
+        count=sum(p.count for p in held),
+        total=math.fsum(p.total for p in held),
+        low=min(p.low for p in held),
+        high=max(p.high for p in held),
     )
 
 

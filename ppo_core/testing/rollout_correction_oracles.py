@@ -135,7 +135,7 @@ def rollout_correction_oracle(
             m["rollout_is_ratio_fraction_low"] = _mean([float(s < -math.log(u)) for s in sums])
         clamped = [min(max(w, 1 / u), u) for w in flat]
         mc = _mean(clamped)
-        var = _mean([c * c for c in clamped]) - mc * mc
+        var = _mean([(c - mc) ** 2 for c in clamped])  # (two-pass: E[c^2] - E[c]^2 cancels)
         m["rollout_is_std"] = math.sqrt(max(var, 0.0)) if len(flat) > 1 else 0.0
         m["rollout_is_eff_sample_size"] = 1 / _mean([(c / mc) ** 2 for c in clamped]) if flat else 0.0
         seq = [_mean([raw[i][t] for t in idx[i]]) for i in rows]

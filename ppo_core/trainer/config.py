@@ -360,11 +360,21 @@ class PPOConfig(ConfigBase):
 
 _DEFAULT_SAMPLING = SamplingConfig()
 
-RESIDENT_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "gpg", "reinforce_plus_plus_baseline", "gae")
+RESIDENT_ESTIMATORS = (
+    "grpo",
+    "grpo_passk",
+    "rloo",
+    "gpg",
+    "opo",
+    "reinforce_plus_plus_baseline",
+    "reinforce_plus_plus",
+    "gae",
+)
 """The advantage estimators ``trainer.resident_batches`` serves: the outcome estimators whose advantage is one
-value a row (GRPO, GRPO pass@k, RLOO, GPG: computed on the controller from ``[B]`` row sums and group ids),
-REINFORCE++-baseline (those values whitened over the tokens: the whitening's row partials follow from the row
-values and lengths) and GAE (per-row scans at the workers, whitened from the ranks' row partials)."""
+value a row (GRPO, GRPO pass@k, RLOO, GPG: computed on the controller from ``[B]`` row sums and group ids; OPO
+also from the ``[B]`` row lengths), REINFORCE++-baseline (those values whitened over the tokens: the whitening's
+row partials follow from the row values and lengths), and GAE and REINFORCE++ (per-row scans at the workers,
+whitened from the ranks' row partials). ReMax is not served: its baseline is a greedy generation per prompt."""
 
 
 def check_resident_config(config: PPOConfig) -> None:
@@ -375,9 +385,6 @@ def check_resident_config(config: PPOConfig) -> None:
         bad.append(
             f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (supported: {list(RESIDENT_ESTIMATORS)})"
         )
-    correction = config.algorithm.rollout_correction
-    if correction.enabled:
-        bad.append("algorithm.rollout_correction.rollout_is / rollout_rs")
     if bad:
         raise ValueError(
             f"trainer.resident_batches=True does not support {', '.join(bad)} yet; set trainer.resident_batches=false "

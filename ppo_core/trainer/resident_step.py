@@ -1,6 +1,6 @@
 """One PPO training step over a resident batch (``trainer.resident_batches``): the generation stays in the actor's
-workers; log-probs, reference log-probs and values are added in place; rewards, the in-reward KL penalty and GAE
-run on the ranks holding the rows; outcome advantages go out as ``[B]`` values; the data metrics come back as
+workers; log-probs, reference log-probs and values are added in place; rewards, the in-reward KL penalty, the
+rollout correction's weights and rejection, GAE and REINFORCE++ run on the ranks holding the rows; outcome advantages go out as ``[B]`` values; the data metrics come back as
 per-rank partial sums, counts, minima and maxima.
 
 What still crosses the controller (``docs/resident-batches.md``): the prompts (by value), the generation's keys a
@@ -25,6 +25,7 @@ from ppo_core.masked_moments import Moments, RowMoments, combine_moments, reduce
 from ppo_core.metrics import Timer
 from ppo_core.metrics.rollout import reduce_rollout_probs_diff
 from ppo_core.rewards.metrics import reward_metrics_by_source
+from ppo_core.rollout_correction.partial import NORM_MIN, reduce_correction_parts
 from ppo_core.trainer.config import check_resident_config
 from ppo_core.trainer.reward import PendingReward, call_reward_fn
 from ppo_core.trainer.steps import assign_uids, merge_generation, step_end_metrics
@@ -44,6 +45,7 @@ from ppo_core.workers.traffic import controller_bytes_metrics
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from ppo_core.rollout_correction import RolloutCorrectionConfig
     from ppo_core.trainer.base import BasePPOTrainer
     from ppo_core.workers.group import WorkerGroup
     from ppo_core.workers.resident import BatchRef
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WHITENED_OUTCOME_ESTIMATORS",
     "check_resident_config",
+    "opo_outcome_rows",
     "outcome_advantages",
     "repeat_labels",
     "resident_train_step",
@@ -88,6 +91,10 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
             with timer("old_log_prob"):
                 ref = _compute_into(actor, actor, "compute_log_prob", ref, KEYS.old_log_probs)
                 metrics.update(_old_log_prob_metrics(actor, ref))
+        correction = cfg.algorithm.rollout_correction
+        if correction.enabled:  # weights and rejection at the ranks; the metrics from their parts
+            ref, corr_metrics = _rollout_correction(actor, ref, correction)
+            metrics.update(corr_metrics)
         if cfg.use_reference:
             with timer("ref"):
                 ref = _compute_into(
@@ -112,7 +119,10 @@ def resident_train_step(trainer: BasePPOTrainer, batch: TensorDictBase, epoch: i
                 metrics.update(critic.update_critic(_held_by(critic, "update_critic", ref, actor)))
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                metrics.update(actor.update_actor(ref))
+                policy = ref
+                if correction.rollout_rs is not None:  # the losses read the mask without the rejected tokens
+                    policy, _ = actor.dispatch_resident("resident_policy_view", ref, step=step)
+                metrics.update(actor.update_actor(policy))
         parts = actor.gather_resident("resident_data_metric_parts", ref, cfg.use_critic)
         _end_step(step, trainer.actor_wg, trainer.ref_wg, trainer.critic_wg)
     timing = timer.reset()
@@ -139,6 +149,26 @@ def _old_from_rollout(trainer: BasePPOTrainer, ref: BatchRef) -> BatchRef:
         "resident_copy", ref, {KEYS.old_log_probs: KEYS.rollout_log_probs}, into=ref
     )
     return ref
+
+
+def _rollout_correction(
+    actor: WorkerGroup, ref: BatchRef, config: RolloutCorrectionConfig
+) -> tuple[BatchRef, dict[str, float]]:
+    """``ref`` with the rollout correction's ``rollout_is_weights`` and policy mask (``POLICY_MASK``) computed at the
+    ranks, and the ``rollout_corr/*`` metrics reduced from the ranks' parts; with ``rollout_is_batch_normalize``
+    the ranks divide their weights by the batch's mean, reduced exactly from their parts (the by-value bits)."""
+    if KEYS.rollout_log_probs not in ref.key_names:
+        raise ValueError(
+            "algorithm.rollout_correction asks for importance weights or rejection, which compare the old "
+            f"log-probs with the rollout's, but generate_sequences returned no {KEYS.rollout_log_probs!r}; the "
+            f"batch holds {sorted(ref.key_names)}"
+        )
+    ref, _ = actor.dispatch_resident("resident_rollout_correction", ref, config, into=ref)
+    parts = actor.gather_resident("resident_rollout_correction_parts", ref, config)
+    mean, metrics = reduce_correction_parts(parts, config)
+    if mean is not None and mean > NORM_MIN:
+        ref, _ = actor.dispatch_resident("resident_normalize_weights", ref, mean, into=ref)
+    return ref, metrics
 
 
 def _compute_into(actor: WorkerGroup, group: WorkerGroup, method: str, ref: BatchRef, key: str) -> BatchRef:
@@ -274,7 +304,7 @@ def _rewards_and_advantages(
         sent = TensorDict({KEYS.token_level_scores: scores}, batch_size=[rows])
     beta = None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)
     columns = (ROW_REWARD_SUM, ROW_VALID) + ((ROW_KL,) if beta is not None else ())
-    if cfg.algorithm.adv_estimator in WHITENED_OUTCOME_ESTIMATORS:
+    if cfg.algorithm.adv_estimator in LENGTH_ESTIMATORS:
         columns += (ROW_LENGTH,)
     ref, cols = actor.dispatch_resident(
         "resident_rewards", ref, sent, beta, cfg.algorithm.kl_penalty, into=ref, columns=columns
@@ -284,11 +314,14 @@ def _rewards_and_advantages(
         current_kl = float(cols[ROW_KL].mean()) if rows else 0.0
         trainer.kl_ctrl.update(current_kl, n_steps=rows)
         metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-    if cfg.algorithm.adv_estimator == "gae":
+    if cfg.algorithm.adv_estimator in ("gae", "reinforce_plus_plus"):
         alg = cfg.algorithm
         # one dp rank holds every row: it whitens them as the by-value step does (the same bits)
         whole = ref.placement.dp_size == 1
-        ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
+        if alg.adv_estimator == "gae":
+            ref, _ = actor.dispatch_resident("resident_gae", ref, alg.gamma, alg.lam, whole, into=ref)
+        else:  # REINFORCE++: the discounted reward-to-go, whitened over the batch's valid tokens
+            ref, _ = actor.dispatch_resident("resident_reinforce_pp", ref, alg.gamma, whole, into=ref)
         if whole:
             return ref, valid, metrics
         # the estimators' whitening: per-row float64 partials in dp (= row) order, reduced exactly (the same bits
@@ -315,7 +348,10 @@ def _rewards_and_advantages(
             "resident_whiten", ref, KEYS.advantages, KEYS.response_mask, moments, (KEYS.returns,), into=ref
         )
         return ref, valid, metrics
-    per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
+    if cfg.algorithm.adv_estimator == "opo":  # its group baseline weighs the rows by their lengths
+        per_row = opo_outcome_rows(cols[ROW_REWARD_SUM], cols[ROW_VALID], cols[ROW_LENGTH], uids)
+    else:
+        per_row = outcome_advantages(cols[ROW_REWARD_SUM], cols[ROW_VALID], uids, cfg.algorithm)
     adv = TensorDict({KEYS.advantages: per_row}, batch_size=[rows])
     # the estimator's returns are a copy of its advantages: made at the ranks
     ref, _ = actor.dispatch_resident(
@@ -332,6 +368,23 @@ def _rewards_and_advantages(
 
 WHITENED_OUTCOME_ESTIMATORS = ("reinforce_plus_plus_baseline",)
 """Outcome estimators whose per-row values are whitened over the batch's valid tokens."""
+LENGTH_ESTIMATORS = (*WHITENED_OUTCOME_ESTIMATORS, "opo")
+"""Outcome estimators that read the ``[B]`` row lengths (a token-weighted whitening, OPO's length-weighted baseline)."""
+
+
+def opo_outcome_rows(
+    row_rewards: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, uids: list[Any] | None
+) -> torch.Tensor:
+    """OPO's ``[B]`` float64 per-row values (what the ranks broadcast over each row's valid tokens) from ``[B]``
+    float64 row sums of the rewards, ``[B]`` bool row validity and ``[B]`` int row lengths
+    (:func:`~ppo_core.advantages.group_outcome.opo_rows`, what the estimator computes on the whole batch)."""
+    from ppo_core.advantages._common import prepare_outcome
+    from ppo_core.advantages.group_outcome import opo_rows
+
+    _, _, scores, valid, groups = prepare_outcome(
+        row_rewards.to(torch.float64).unsqueeze(-1), valid.bool().unsqueeze(-1), uids
+    )
+    return opo_rows(scores, valid, lengths, groups)
 
 
 def whitened_outcome_rows(

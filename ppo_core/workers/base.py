@@ -270,6 +270,13 @@ class Worker:
 
         return gae_rows(batch, gamma, lam, whiten)
 
+    def resident_reinforce_pp(self, batch: Any, gamma: float, whiten: bool) -> Any:
+        """REINFORCE++ advantages and returns of this rank's rows
+        (:func:`~ppo_core.workers.resident_ops.reinforce_pp_rows`)."""
+        from ppo_core.workers.resident_ops import reinforce_pp_rows
+
+        return reinforce_pp_rows(batch, gamma, whiten)
+
     def resident_moments(self, batch: Any, key: str, mask_key: str) -> Any:
         """:class:`~ppo_core.masked_moments.Moments` of ``batch[key]`` over ``batch[mask_key]`` on this rank's rows."""
         from ppo_core.masked_moments import masked_moments
@@ -294,6 +301,36 @@ class Worker:
 
         out = whiten_with(batch.get(key), batch.get(mask_key).bool(), moments)
         return TensorDict({key: out, **{name: out.clone() for name in copies}}, batch_size=batch.batch_size)
+
+    def resident_rollout_correction(self, batch: Any, config: Any) -> Any:
+        """The rollout correction's weights (before the batch normalisation) and rejection mask of this rank's rows
+        (:func:`~ppo_core.workers.resident_ops.correction_rows`)."""
+        from ppo_core.workers.resident_ops import correction_rows
+
+        return correction_rows(batch, config)
+
+    def resident_rollout_correction_parts(self, batch: Any, config: Any) -> Any:
+        """This rank's rollout-correction parts (:func:`~ppo_core.workers.resident_ops.correction_parts`)."""
+        from ppo_core.workers.resident_ops import correction_parts
+
+        return correction_parts(batch, config)
+
+    def resident_normalize_weights(self, batch: Any, mean: float) -> Any:
+        """This rank's ``rollout_is_weights`` divided by the batch's mean
+        (:func:`~ppo_core.rollout_correction.partial.normalize_weights`)."""
+        from tensordict import TensorDict
+
+        from ppo_core.rollout_correction.partial import normalize_weights
+
+        weights = normalize_weights(batch.get("rollout_is_weights"), mean)
+        return TensorDict({"rollout_is_weights": weights}, batch_size=batch.batch_size)
+
+    def resident_policy_view(self, batch: Any) -> Any:
+        """This rank's rows with the rollout correction's policy mask as ``response_mask``
+        (:func:`~ppo_core.workers.resident_ops.policy_view`)."""
+        from ppo_core.workers.resident_ops import policy_view
+
+        return policy_view(batch)
 
     def resident_probs_diff_parts(self, batch: Any) -> Any:
         """This rank's part of the rollout-vs-old probability metrics

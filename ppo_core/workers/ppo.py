@@ -374,7 +374,11 @@ class PPOActorWorker(PPOWorkerBase):
             return None
         return TensorDict({KEYS.ref_log_probs: out[LOG_PROBS].cpu()}, batch_size=batch.batch_size)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, reads=ACTOR_UPDATE_KEYS, may_read=(KEYS.ref_log_probs,))
+    @register(
+        dispatch=Dispatch.DP_COMPUTE_METRIC,
+        reads=ACTOR_UPDATE_KEYS,
+        may_read=(KEYS.ref_log_probs, KEYS.rollout_is_weights),
+    )
     def update_actor(self, batch: TensorDictBase) -> dict[str, float]:
         """PPO policy update (see the module docstring for the loop and the loss denominators).
 

@@ -16,14 +16,19 @@ from ppo_core.keys import KEYS
 
 __all__ = [
     "EXTRA_PREFIX",
+    "POLICY_MASK",
     "ROW_KL",
     "ROW_LENGTH",
     "ROW_REWARD_SUM",
     "ROW_SCORES",
     "ROW_SCORE_SUM",
     "ROW_VALID",
+    "correction_parts",
+    "correction_rows",
     "gae_rows",
+    "policy_view",
     "prompt_rows",
+    "reinforce_pp_rows",
     "score_rows",
     "shape_rewards",
 ]
@@ -40,6 +45,9 @@ ROW_LENGTH = "row_length"
 """``[B]`` int64: the row's valid response tokens (what a token-weighted whitening of per-row values weighs)."""
 EXTRA_PREFIX = "extra/"
 """Prefix of a worker-side reward's extra infos kept as ``[B]`` float64 columns."""
+POLICY_MASK = "policy_response_mask"
+"""``[B, R]`` the response mask without the tokens the rollout correction rejects (``response_mask``'s dtype): what
+the actor's losses read as ``response_mask`` (:func:`policy_view`); everything else reads the full mask."""
 ROW_SCORE_SUM = "row_score_sum"
 """``[B]`` float64 row sums of a worker-side reward's token-level scores (what the reward metrics read)."""
 
@@ -107,6 +115,23 @@ def gae_rows(batch: TensorDictBase, gamma: float, lam: float, whiten: bool = Fal
     return TensorDict({KEYS.advantages: advantages, KEYS.returns: returns}, batch_size=batch.batch_size)
 
 
+def reinforce_pp_rows(batch: TensorDictBase, gamma: float, whiten: bool = False) -> TensorDict:
+    """REINFORCE++ ``advantages`` and ``returns`` ``[b, T]`` of one rank's rows (``token_level_rewards``,
+    ``response_mask``): the discounted reward-to-go ``G`` as both (:func:`~ppo_core.advantages.returns.
+    reinforce_pp_returns`), the batch's whitening of the advantages following through :mod:`ppo_core.masked_moments`;
+    ``whiten`` only where this rank holds the whole batch (:func:`~ppo_core.advantages.returns.
+    compute_reinforce_pp_advantage` itself, bit for bit)."""
+    from ppo_core.advantages.returns import compute_reinforce_pp_advantage, reinforce_pp_returns
+
+    rewards, mask = batch.get(KEYS.token_level_rewards), batch.get(KEYS.response_mask)
+    if whiten:
+        advantages, returns = compute_reinforce_pp_advantage(rewards, mask, gamma=gamma)
+    else:
+        returns = reinforce_pp_returns(rewards, mask, gamma=gamma)
+        advantages = returns.clone()
+    return TensorDict({KEYS.advantages: advantages, KEYS.returns: returns}, batch_size=batch.batch_size)
+
+
 def prompt_rows(
     table: list[torch.Tensor], index: torch.Tensor, width: int, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,3 +188,40 @@ def _number(value) -> float:
     from ppo_core.rewards.metrics import _is_number
 
     return float(value) if _is_number(value) else float("nan")
+
+
+def _correction_inputs(batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return batch.get(KEYS.old_log_probs), batch.get(KEYS.rollout_log_probs), batch.get(KEYS.response_mask)
+
+
+def correction_rows(batch: TensorDictBase, config) -> TensorDict:
+    """The rollout correction's row-local outputs of one rank's rows (``old_log_probs``, ``rollout_log_probs``,
+    ``response_mask``): ``rollout_is_weights`` ``[b, R]`` before the batch normalisation (with
+    ``config.rollout_is``) and :data:`POLICY_MASK` (with ``config.rollout_rs``), the by-value step's rows bit for
+    bit (:func:`~ppo_core.rollout_correction.partial.correction_rows`)."""
+    from ppo_core.rollout_correction.partial import correction_rows as rows
+
+    weights, mask, _ = rows(*_correction_inputs(batch), config, with_parts=False)
+    out = {}
+    if weights is not None:
+        out[KEYS.rollout_is_weights] = weights
+    if config.rollout_rs is not None:
+        out[POLICY_MASK] = mask
+    return TensorDict(out, batch_size=batch.batch_size)
+
+
+def correction_parts(batch: TensorDictBase, config):
+    """One rank's :class:`~ppo_core.rollout_correction.partial.CorrectionParts` (the metrics' partials and the
+    batch normalisation's exact sum), for the controller's
+    :func:`~ppo_core.rollout_correction.partial.reduce_correction_parts`."""
+    from ppo_core.rollout_correction.partial import correction_rows as rows
+
+    return rows(*_correction_inputs(batch), config)[2]
+
+
+def policy_view(batch: TensorDictBase) -> TensorDict:
+    """One rank's rows as the actor's update reads them: :data:`POLICY_MASK` as ``response_mask`` (the same
+    tensors, no copy), the other keys as they are."""
+    out = {k: batch.get(k) for k in list(batch.keys()) if k not in (KEYS.response_mask, POLICY_MASK)}
+    out[KEYS.response_mask] = batch.get(POLICY_MASK)
+    return TensorDict(out, batch_size=batch.batch_size)

@@ -4,6 +4,8 @@ the per-row estimators (``outcome_advantages`` then the ranks' broadcast) and RE
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from ppo_core.advantages import get_advantage_estimator
 from ppo_core.advantages._common import broadcast_rows
 from ppo_core.masked_moments import whiten_with
 from ppo_core.trainer.config import AlgorithmConfig
-from ppo_core.trainer.resident_step import outcome_advantages, whitened_outcome_rows
+from ppo_core.trainer.resident_step import opo_outcome_rows, outcome_advantages, whitened_outcome_rows
 
 
 @st.composite
@@ -57,3 +59,50 @@ def test_reinforce_pp_baseline_from_columns_is_the_estimator_bit_for_bit(batch, 
     assert per_row.dtype == dtype and moments.count == int(mask.sum())
     got = whiten_with(broadcast_rows(per_row, mask, dtype), mask, moments)
     assert torch.equal(got, want) and torch.equal(returns, want)
+
+
+@given(batch=outcome_batches(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_opo_from_columns_is_the_estimator_bit_for_bit(batch, dtype: torch.dtype) -> None:
+    """OPO's length-weighted group baseline from the ``[B]`` row sums, validity and lengths."""
+    rewards, mask, uids = batch
+    rewards = rewards.to(dtype)
+    want, _ = get_advantage_estimator("opo")(token_level_rewards=rewards, response_mask=mask, index=uids)
+    row_sum, valid, lengths = _columns(rewards, mask)
+    got = broadcast_rows(opo_outcome_rows(row_sum, valid, lengths, uids), mask, dtype)
+    assert torch.equal(got, want)
+
+
+@given(batch=outcome_batches(), gamma=st.sampled_from([1.0, 0.9, 0.0]), data=st.data())
+def test_reinforce_pp_from_row_blocks_is_the_estimator_bit_for_bit(batch, gamma: float, data) -> None:
+    """REINFORCE++: each block of rows scans its reward-to-go and sends its row partials; whitened with the
+    reduced moments, the blocks give the estimator's advantages on the whole batch (and its returns). The masks are
+    prefixes, as a generation's are (a mask with holes makes the CPU scan compact the rows to another width on a
+    block than on the whole batch: the same values up to rounding, docs/resident-batches.md)."""
+    from tensordict import TensorDict
+
+    from ppo_core.masked_moments import reduce_row_moments, row_moments
+    from ppo_core.workers.resident_ops import reinforce_pp_rows
+
+    rewards, mask, _ = batch
+    mask = mask.cumprod(dim=-1).bool()  # valid tokens first
+    want, want_returns = get_advantage_estimator("reinforce_plus_plus")(
+        token_level_rewards=rewards, response_mask=mask, gamma=gamma
+    )
+    rows = rewards.shape[0]
+    cuts = [0, *sorted(data.draw(st.lists(st.integers(0, rows), max_size=3))), rows]
+    td = TensorDict({"token_level_rewards": rewards, "response_mask": mask}, batch_size=[rows])
+    blocks = [reinforce_pp_rows(td[a:b], gamma) for a, b in itertools.pairwise(cuts)]
+    spans = list(itertools.pairwise(cuts))
+    moments = reduce_row_moments(
+        [row_moments(b["advantages"], mask[lo:hi]) for b, (lo, hi) in zip(blocks, spans, strict=True)]
+    )
+    got = torch.cat(
+        [
+            whiten_with(b["advantages"], mask[lo:hi], moments)
+            for b, (lo, hi) in zip(blocks, spans, strict=True)
+        ]
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(torch.cat([b["returns"] for b in blocks]), want_returns)
+    whole = reinforce_pp_rows(td, gamma, whiten=True)
+    assert torch.equal(whole["advantages"], want) and torch.equal(whole["returns"], want_returns)

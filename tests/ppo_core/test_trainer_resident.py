@@ -157,10 +157,30 @@ VARIANTS = {
             "rollout_correction": {"bypass_mode": True},
         },
     },
+    # rollout correction: token weights (batch-normalised) and a token rejection at the ranks
+    "grpo_correction": {
+        "algorithm": {
+            "adv_estimator": "grpo",
+            "use_kl_in_reward": False,
+            "rollout_correction": {
+                "rollout_is": "token",
+                "rollout_is_batch_normalize": True,
+                "rollout_rs": "token_k1",
+                "rollout_rs_threshold": 1.0001,
+            },
+        },
+    },
     # the other outcome estimators (one value a row; REINFORCE++-baseline's whitened over the tokens)
     **{
         name: {"algorithm": {"adv_estimator": name, "use_kl_in_reward": False}}
-        for name in ("grpo_passk", "rloo", "gpg", "reinforce_plus_plus_baseline")
+        for name in (
+            "grpo_passk",
+            "rloo",
+            "gpg",
+            "reinforce_plus_plus_baseline",
+            "opo",
+            "reinforce_plus_plus",
+        )
     },
 }
 
@@ -266,6 +286,7 @@ def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> N
         (2, "grpo_kl_reward", ResidentTrainer),
         (2, "ppo", ResidentTrainer),
         (2, "ppo", SeparateTrainer),
+        (1, "grpo_correction", ResidentTrainer),
     ],
     ids=[
         "tinygpt-world1-grpo-kl-loss",
@@ -273,6 +294,7 @@ def test_resident_grpo_equals_the_by_value_run_bit_for_bit(tmp_path, world) -> N
         "toy-world2-grpo-kl-reward",
         "toy-world2-ppo",
         "toy-world2-ppo-separate-groups",
+        "tinygpt-world1-grpo-rollout-correction",
     ],
 )
 def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, variant, trainer_cls) -> None:
@@ -287,6 +309,9 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         assert {"values", "returns", "critic_weight"} <= kinds
     if world == 1 and variant == "grpo_kl_loss":  # update_actor reads the reference log-probs (may_read)
         assert set(seen) == {frozenset((*ACTOR_UPDATE_KEYS, "ref_log_probs"))}
+    if variant == "grpo_correction":  # and the rollout correction's weights
+        assert set(seen) == {frozenset((*ACTOR_UPDATE_KEYS, "rollout_is_weights"))}
+        assert any(key.startswith("rollout_corr/") for key in resident_metrics[1])
     # GRPO advantages are per row; GAE's are whitened over the batch from per-row float64 partials reduced
     # exactly (the by-value step's whitening, whatever the dp layout): every tensor bit for bit. The token-level
     # metrics are reduced from per-rank parts in another order: within 1e-6 (1e-6 absolute where whitened
@@ -306,6 +331,10 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         (2, "gpg"),
         (2, "reinforce_plus_plus_baseline"),
         (1, "reinforce_plus_plus_baseline"),
+        (2, "opo"),
+        (1, "opo"),
+        (2, "reinforce_plus_plus"),
+        (1, "reinforce_plus_plus"),
     ],
     ids=[
         "toy-world2-grpo-passk",
@@ -313,11 +342,17 @@ def test_resident_ppo_and_reference_equal_the_by_value_run(tmp_path, world, vari
         "toy-world2-gpg",
         "toy-world2-rpp-baseline",
         "tinygpt-rpp-baseline",
+        "toy-world2-opo",
+        "tinygpt-opo",
+        "toy-world2-reinforce-pp",
+        "tinygpt-reinforce-pp",
     ],
 )
 def test_resident_outcome_estimators_equal_the_by_value_run_bit_for_bit(tmp_path, world, variant) -> None:
     """The outcome estimators computed on the controller from ``[B]`` row sums and group ids (REINFORCE++-baseline
-    also from the row lengths, for its token-weighted whitening): every tensor bit for bit, metrics within 1e-6."""
+    also from the row lengths, for its token-weighted whitening; OPO from them, for its length-weighted baseline)
+    and REINFORCE++ (its reward-to-go scanned at the ranks, whitened from their row partials): every tensor bit for
+    bit, metrics within 1e-6."""
     by_value, value_metrics, _ = _run(tmp_path / "value", False, world, variant)
     resident, resident_metrics, _ = _run(tmp_path / "resident", True, world, variant)
     advantages = [a for _, k, a in by_value if k == "advantages"]
@@ -349,17 +384,17 @@ def test_old_log_probs_from_the_rollout_equal_the_by_value_run_bit_for_bit(
 def test_resident_batches_refuse_what_they_do_not_support_yet(tmp_path) -> None:
     # refused when the config is built (a ``ppo-core train`` job before any model loads), not at the first step
     with pytest.raises(
-        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='opo'"
+        ValueError, match=r"resident_batches=True does not support algorithm.adv_estimator='remax'"
     ):
-        make_config(tmp_path, algorithm={"adv_estimator": "opo"}, trainer={"resident_batches": True})
-    with pytest.raises(
-        ValueError, match=r"does not support algorithm.rollout_correction.rollout_is / rollout_rs"
-    ):
-        make_config(
-            tmp_path,
-            algorithm={"adv_estimator": "grpo", "rollout_correction": {"rollout_is": "token"}},
-            trainer={"resident_batches": True},
-        )
+        make_config(tmp_path, algorithm={"adv_estimator": "remax"}, trainer={"resident_batches": True})
+    # the rollout correction is served (tests/ppo_core/test_trainer_resident_correction.py)
+    correction = {"rollout_is": "token", "rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}
+    cfg = make_config(
+        tmp_path,
+        algorithm={"adv_estimator": "grpo", "rollout_correction": correction},
+        trainer={"resident_batches": True},
+    )
+    assert cfg.algorithm.rollout_correction.enabled
 
 
 class ReadsResponses:

@@ -84,11 +84,7 @@ def test_train_names_the_key_before_anything_loads(root, capsys, override, expec
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("algorithm.adv_estimator=opo", "algorithm.adv_estimator='opo'"),
-        (
-            "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_is / rollout_rs",
-        ),
+        ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),
     ],
 )
 def test_resident_batches_refuse_what_they_do_not_serve_before_anything_loads(root, capsys, override, named):
