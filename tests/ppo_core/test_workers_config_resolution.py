@@ -92,4 +92,6 @@ def test_torch_actor_config_runs_every_check():
         TorchActorConfig.from_dict({"exact_log_probs": True})
     with pytest.raises(ValueError, match=r"^rollout\.engine='megatron'"):
         TorchActorConfig.from_dict({"rollout": {"engine": "megatron"}})
-    assert TorchActorConfig.from_dict({"exact_log_probs": True, "rollout": {"batch_invariant": True}}).exact_log_probs
+    assert TorchActorConfig.from_dict(
+        {"exact_log_probs": True, "rollout": {"batch_invariant": True}}
+    ).exact_log_probs
