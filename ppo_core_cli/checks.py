@@ -106,11 +106,7 @@ def check_output_file(option: str, path: str | None) -> None:
         return
     if os.path.isdir(path):
         raise ValueError(f"{option} {path!r} is a directory; name the file to write")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the folders the command will create
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{option} {path!r}: {parent!r} is a file, not a folder")
+    _check_parent(option, path)
 
 
 def check_output_dir(name: str, path: str) -> None:
@@ -118,8 +114,13 @@ def check_output_dir(name: str, path: str) -> None:
     on the way to it. Checked first, so nothing loads for a bad path."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{name} {path!r} is a file, not a folder")
+    _check_parent(name, path)
+
+
+def _check_parent(name: str, path: str) -> None:
+    """The nearest existing folder above ``path`` (the command creates the rest) is a folder, not a file."""
     parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the folders the command will create
+    while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{name} {path!r}: {parent!r} is a file, not a folder")
