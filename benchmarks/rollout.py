@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._hf import hf_generate_kwargs
 from benchmarks._meta import emit
 
 # the Llama-3.2-1B shape of the actor-update benchmark
@@ -157,18 +158,7 @@ def _engine_case(engine: Any, case: dict, repeats: int) -> dict:
 def _hf_generate_case(model: Any, case: dict, repeats: int, static: bool) -> dict:
     b, p, r = case["batch"], case["prompt"], case["new"]
     ids, mask = _prompts(b, p, MODEL["vocab_size"])
-    kwargs = dict(
-        max_new_tokens=r,
-        min_new_tokens=r,
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    if static:
-        kwargs["cache_implementation"] = "static"
+    kwargs = hf_generate_kwargs(r, static=static)
 
     def call():
         return model.generate(input_ids=ids, attention_mask=mask, **kwargs)

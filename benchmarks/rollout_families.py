@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._hf import hf_generate_kwargs
 from benchmarks._meta import emit
 
 _QWEN3_06B = {
@@ -301,17 +302,7 @@ def hf_static(model: torch.nn.Module, case: dict[str, int], repeats: int) -> dic
     device = next(model.parameters()).device
     b, p, r = case["batch"], case["prompt"], case["new"]
     ids, mask = _prompts(b, p, model.config.vocab_size, device)
-    kwargs = dict(
-        max_new_tokens=r,
-        min_new_tokens=r,
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        pad_token_id=0,
-        eos_token_id=None,
-        cache_implementation="static",
-    )
+    kwargs = hf_generate_kwargs(r, static=True)
     times, out, warmup = _timed(
         lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs), repeats, device
     )
