@@ -9,8 +9,10 @@ through the same functions (and a prompt's response does not depend on the batch
 
 - :func:`invariant_rows` applies a row-wise function to fixed-size chunks of ``CHUNK_ROWS`` rows (the last one
   padded with zeros): every kernel call then has the same shape, so the same kernel with the same order of sums
-  runs for every row. :func:`invariant_linear` is ``y = x W^T + b`` that way (one ``addmm`` per chunk, written in
-  place; on the CPU in float64, rounded once, because CPU GEMMs may treat a row by its position in the tile).
+  runs for every row. :func:`invariant_linear` is ``y = x W^T + b``: on CUDA one Triton GEMM whose tiles are fixed
+  per dtype (a row's sums over ``K`` run in the same order in every tile, whatever the number of rows), elsewhere
+  that chunked way (one product per chunk in float64, rounded once, because CPU GEMMs may treat a row by its
+  position in the tile).
   :func:`invariant_rms_norm` is RMSNorm (with an optional residual add before it) with one Triton program per row
   on CUDA, its sum of squares over the row in a fixed order whatever the number of rows (one launch, where
   :func:`invariant_rows` would call a compiled kernel per chunk); elsewhere it goes through :func:`invariant_rows`.
@@ -22,7 +24,7 @@ through the same functions (and a prompt's response does not depend on the batch
   (query, key/value head) on CUDA; on other devices the same steps in PyTorch in float64, rounded once at the end
   (an order of sums that depends on the number of queries changes only bits far below the output's precision).
 
-The price: prefill GEMMs run as many ``CHUNK_ROWS``-row products, and attention computes each query alone.
+The price: GEMMs with fixed tiles where cuBLAS would pick per shape, and attention computes each query alone.
 
 Example:
     >>> x, w = torch.randn(5, 8), torch.randn(3, 8)
@@ -50,10 +52,12 @@ except ImportError:  # optional: CPU-only installs lack it
 __all__ = [
     "BLOCK_L",
     "CHUNK_ROWS",
+    "LINEAR_TILES",
     "invariant_attention",
     "invariant_linear",
     "invariant_rms_norm",
     "invariant_rows",
+    "linear_chunked",
 ]
 
 CHUNK_ROWS = 64
@@ -96,7 +100,15 @@ def invariant_rows(
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` with one fixed-shape product per :data:`CHUNK_ROWS` rows (see the module docstring).
+    """``x W^T + b`` with each row's bits independent of the other rows and of how many there are (see the module
+    docstring).
+
+    On CUDA (and under Triton's interpreter) one Triton GEMM of fixed tiles (:data:`LINEAR_TILES`, by dtype): every
+    output element is its row's dot product with one column of ``W^T``, summed over ``K`` in the same order (the same
+    blocks, the same matrix instructions) in every tile, whatever ``M``; fp32 in IEEE single precision (no TF32),
+    half precision with an fp32 accumulator, the bias added in fp32 before the one rounding to ``x``'s dtype.
+    Elsewhere one fixed-shape product per :data:`CHUNK_ROWS` rows in float64, each rounded once (CPU GEMMs may treat
+    a row by its position in the tile: in float64 that changes bits far below the output's precision).
 
     Args:
         x: ``[..., K]``. weight: ``[N, K]``. bias: ``[N]`` or None.
@@ -106,13 +118,32 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    m = flat.shape[0]
+    if (
+        triton is not None
+        and (x.is_cuda or _interpreting())
+        and x.dtype in LINEAR_TILES
+        and flat.shape[0] > 0
+    ):
+        return _linear_triton(flat, weight, bias).reshape(*lead, weight.shape[0])
+    return linear_chunked(flat, weight, bias).reshape(*lead, weight.shape[0])
+
+
+def linear_chunked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`invariant_linear`'s path without Triton: ``[M, K]`` rows as one fixed-shape product per
+    :data:`CHUNK_ROWS` rows (padded with zeros), in float64 off CUDA, each chunk rounded once to ``x``'s dtype.
+    Batch-invariant too, but host-bound on long inputs (one launch per chunk); kept as the CPU path and as the
+    baseline of ``benchmarks/batch_invariant.py``.
+
+    Args:
+        x: ``[M, K]``. weight: ``[N, K]``. bias: ``[N]`` or None.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    m, k = x.shape
     padded = _chunked(m)
-    if padded != m:
-        flat = torch.cat([flat, flat.new_zeros(padded - m, k)])
+    flat = torch.cat([x, x.new_zeros(padded - m, k)]) if padded != m else x
     if not x.is_cuda:
-        # CPU GEMMs may treat a row by its position in the tile: in float64 that changes bits far below the
-        # output's precision, and each chunk is then rounded once
         flat, weight = flat.double(), weight.double()
         bias = None if bias is None else bias.double()
     out = torch.empty(padded, weight.shape[0], dtype=flat.dtype, device=x.device)
@@ -125,7 +156,102 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     else:
         for rows, into in pairs:
             torch.addmm(bias, rows, wt, out=into)
-    return out[:m].to(x.dtype).reshape(*lead, weight.shape[0])
+    return out[:m].to(x.dtype)
+
+
+LINEAR_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.float32: (64, 64, 32, 4, 3),
+    torch.bfloat16: (64, 128, 64, 4, 3),
+    torch.float16: (64, 128, 64, 4, 3),
+}
+""":func:`invariant_linear`'s Triton tiles by input dtype: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``.
+Fixed, never tuned per shape: a row's bits are the kernel's order of sums, so a decode step (``M = B``) and a
+prefill (``M = B x S``) must run the same tiles."""
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _linear_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        n_rows,
+        n_cols,
+        n_inner,
+        sxm,
+        swn,
+        sym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, n_inner, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(
+                X + rm[:, None] * sxm + kk[None, :],
+                mask=(rm[:, None] < n_rows) & (kk[None, :] < n_inner),
+                other=0.0,
+            )
+            b = tl.load(
+                W + rn[None, :] * swn + kk[:, None],
+                mask=(rn[None, :] < n_cols) & (kk[:, None] < n_inner),
+                other=0.0,
+            )
+            if UPCAST:  # the interpreter's dot multiplies the raw bits of bf16 values; fp32 is exact for them
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=rn < n_cols, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            Y + rm[:, None] * sym + rn[None, :],
+            acc.to(Y.dtype.element_ty),
+            mask=(rm[:, None] < n_rows) & (rn[None, :] < n_cols),
+        )
+
+
+def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`invariant_linear` on ``[M, K]`` rows through :func:`_linear_kernel` (one launch)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = LINEAR_TILES[x.dtype]
+    _linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x,
+        weight,
+        bias.contiguous() if bias is not None else weight,  # unused pointer without a bias
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=_interpreting() and x.dtype == torch.bfloat16,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # (ignored for half-precision inputs)
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
 
 
 if triton is not None:
