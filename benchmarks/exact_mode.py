@@ -9,7 +9,7 @@ steps of: ``generate_sequences`` (``--prompts x --n`` rows, prompts of ``--promp
 token-budget micro-batches, two optimiser steps) — the worker settings of ``examples/configs/smollm2_grpo.yaml``,
 its token budgets included (``--ppo-max-tokens`` 16384 a training micro-batch, ``--forward-max-tokens`` 32768 a
 log-prob forward: the fp32 logits of a 65,536-token micro-batch over SmolLM2's 49,152-token vocabulary alone are
-12.9 GB before their gradients, too much for one 80 GB GPU at the default 64 x 8 rows).
+12.9 GB before their gradients; budgets of 65,536 / 131,072 did not fit one 80 GB GPU at the default 64 x 8 rows).
 The fast mode is the default rollout (fused decode kernels, CUDA graphs) and training forward; the exact mode sets
 ``rollout.batch_invariant`` and ``exact_log_probs``.
 
