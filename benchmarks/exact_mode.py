@@ -6,7 +6,10 @@ Each mode gets a fresh :class:`~ppo_core.workers.torch.TorchActorWorker` on the 
 steps of: ``generate_sequences`` (``--prompts x --n`` rows, prompts of ``--prompt-tokens / 2`` to
 ``--prompt-tokens`` random tokens, left-padded; no EOS, so every response has ``--response-tokens`` tokens),
 ``compute_log_prob``, ``compute_ref_log_prob`` and ``update_actor`` (seeded standard-normal advantages, KL loss,
-token-budget micro-batches, two optimiser steps) — the worker settings of ``examples/configs/smollm2_grpo.yaml``.
+token-budget micro-batches, two optimiser steps) — the worker settings of ``examples/configs/smollm2_grpo.yaml``,
+its token budgets included (``--ppo-max-tokens`` 16384 a training micro-batch, ``--forward-max-tokens`` 32768 a
+log-prob forward: the fp32 logits of a 65,536-token micro-batch over SmolLM2's 49,152-token vocabulary alone are
+12.9 GB before their gradients; budgets of 65,536 / 131,072 did not fit one 80 GB GPU at the default 64 x 8 rows).
 The fast mode is the default rollout (fused decode kernels, CUDA graphs) and training forward; the exact mode sets
 ``rollout.batch_invariant`` and ``exact_log_probs``.
 
@@ -19,6 +22,7 @@ the issue's aim is ``step_s`` at most 1.5).
 Usage (CUDA; no network needed)::
 
     python benchmarks/exact_mode.py                                    # SmolLM2-135M shape, fp32, 64 x 8 rows
+    python benchmarks/exact_mode.py --prompts 16 --steps 2 --out benchmarks/results/exact_mode.json
     python benchmarks/exact_mode.py --shape qwen2.5-0.5b --dtype bfloat16 --n 1 --prompt-tokens 256 \\
         --response-tokens 256 --out benchmarks/results/exact_mode_qwen.json
 """
@@ -86,6 +90,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--modes", default="fast,exact")
+    p.add_argument(
+        "--ppo-max-tokens",
+        type=int,
+        default=16384,
+        help="actor.worker.ppo_max_token_len_per_gpu: tokens a training micro-batch (the real job's)",
+    )
+    p.add_argument(
+        "--forward-max-tokens",
+        type=int,
+        default=32768,
+        help="actor.worker.forward_max_token_len_per_gpu: tokens a log-prob forward (the real job's)",
+    )
     p.add_argument("--device", default="cuda", help="cuda (what the numbers are for) or cpu (a smoke run)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -117,8 +133,8 @@ def worker_config(args: argparse.Namespace, exact: bool) -> dict[str, Any]:
         "use_kl_loss": True,
         "kl_loss_coef": 0.001,
         "kl_loss_type": "low_var_kl",
-        "ppo_max_token_len_per_gpu": 65536,
-        "forward_max_token_len_per_gpu": 131072,
+        "ppo_max_token_len_per_gpu": args.ppo_max_tokens,
+        "forward_max_token_len_per_gpu": args.forward_max_tokens,
         "optim": {"lr": 1e-5, "weight_decay": 0.0, "grad_clip": 1.0},
         "rollout": {
             "max_new_tokens": args.response_tokens,

@@ -29,6 +29,11 @@ capture):
 - ``bound_new_tokens_per_s``: new tokens/s if each decode step only read every weight once (the weights' bytes over
   a device-to-device copy's bandwidth measured in the same run), and each rate as a percentage of it
   (``ours_pct_of_bound``, ``ours_decode_pct_of_bound``, ``hf_static_pct_of_bound``);
+- ``bound_with_kv_new_tokens_per_s``: the same with the KV cache each step reads added to the weights
+  (:func:`kv_bytes_per_decode_step`: at B = 64, P = 256 Qwen3-0.6B's cache, 28 layers of 8 key-value heads of 128,
+  is read twice as many bytes a step as its weights, so the weights alone do not bound it), and the rates as
+  percentages of it (``ours_pct_of_bound_with_kv``, ``ours_decode_pct_of_bound_with_kv``,
+  ``hf_static_pct_of_bound_with_kv``); ``kv_gib_per_step``, the cache bytes of a step;
 - ``ours_over_hf_static``; ``recompile_limit_hits``: the engine's compiled functions that fell back to eager during
   the family's calls (:func:`ppo_core.kernels.compiled.recompile_limit_hits`; empty when every one stayed compiled);
   ``warnings``: what ppo-core, dynamo and ``transformers``' generation logged at WARNING meanwhile (a decode step
@@ -38,7 +43,8 @@ Dynamo's caches are reset between families (``transformers`` compiles ``generate
 object for every model, and dynamo keeps at most 8 graphs per code object).
 
 Usage: ``python benchmarks/rollout_families.py [--families qwen3,llama,neox,llama_as_qwen3,neox_compiled]
-[--repeats 3] [--out FILE]`` (CUDA); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
+[--repeats 3] [--out FILE]`` (CUDA); ``--add-kv-bound FILE [--out FILE]`` adds the KV-inclusive bound's fields
+to a result written before they existed, from its own numbers (no GPU); ``--tiny`` runs a few-second smoke of the same code on the CPU (tiny shapes, B = 2, P = 8, 4 new tokens).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import logging
 import statistics
 import sys
@@ -219,6 +226,91 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """Bytes of KV cache one token (one row's position) holds over the model: a key and a value of
+    ``head_dim`` elements per key-value head per layer, ``2 * layers * kv_heads * head_dim * dtype_bytes``.
+
+    Args:
+        config: the model's ``transformers`` config (``num_key_value_heads`` defaults to ``num_attention_heads``,
+            ``head_dim`` to ``hidden_size // num_attention_heads``, as in the models).
+        dtype_bytes: bytes of one cached element (2 for bf16).
+    """
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def kv_bytes_per_decode_step(token_bytes: int, *, batch: int, prompt: int, new: int) -> float:
+    """Mean bytes of KV cache one step of a call reads: ``batch`` rows, each reading its cached length, averaged
+    over the call's ``new`` token steps, whose lengths are ``prompt, prompt + 1, ..., prompt + new - 1`` (mean
+    ``prompt + (new - 1) / 2``).
+
+    Args:
+        token_bytes: one position's cache over all layers (:func:`kv_bytes_per_token`).
+        batch: rows B; prompt: prompt tokens P of each row; new: tokens each row generates.
+    """
+    return token_bytes * batch * (prompt + (new - 1) / 2)
+
+
+def add_bounds(
+    entry: dict[str, Any], *, batch: int, bandwidth: float, weight_bytes: int, kv_bytes: float
+) -> None:
+    """Put into a family's ``entry`` both bounds (weights only; weights + ``kv_bytes`` a step) at ``bandwidth``
+    bytes/s, and each measured rate (``ours``, its decode steps, ``hf_static``) as a percentage of each."""
+    bounds = {"": batch * bandwidth / weight_bytes, "_with_kv": batch * bandwidth / (weight_bytes + kv_bytes)}
+    entry["kv_gib_per_step"] = round(kv_bytes / 2**30, 3)
+    for suffix, bound in bounds.items():
+        entry[f"bound{suffix}_new_tokens_per_s"] = round(bound, 1)
+    rates = {
+        "ours": entry.get("ours", {}).get("new_tokens_per_s"),
+        "ours_decode": entry.get("ours", {}).get("decode_new_tokens_per_s"),
+        "hf_static": entry.get("hf_static", {}).get("new_tokens_per_s"),
+    }
+    for name, rate in rates.items():
+        for suffix, bound in bounds.items():
+            if rate:
+                entry[f"{name}_pct_of_bound{suffix}"] = round(100 * rate / bound, 1)
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Each family's headline numbers: its percentages of both bounds, ours over HF static, ours' rate."""
+    keys = (
+        "ours_pct_of_bound",
+        "hf_static_pct_of_bound",
+        "ours_pct_of_bound_with_kv",
+        "hf_static_pct_of_bound_with_kv",
+        "ours_over_hf_static",
+    )
+    return {
+        name: {key: result[name].get(key) for key in keys}
+        | {"ours_new_tokens_per_s": result[name].get("ours", {}).get("new_tokens_per_s")}
+        for name in FAMILIES
+        if name in result
+    }
+
+
+def add_kv_bound(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` (this script's JSON) with the KV-inclusive bound's fields added to each family from its own
+    numbers: the weight bytes from the family's config (built on the meta device), the copy bandwidth from its
+    ``bound_new_tokens_per_s``, the cache bytes from ``case`` and ``dtype``."""
+    case, dtype = result["case"], getattr(torch, result["dtype"])
+    out = dict(result)
+    for name in FAMILIES:
+        if name not in result:
+            continue
+        model = build(name, torch.device("meta"), dtype, tiny=result.get("tiny", False))
+        nbytes = weight_bytes(model)
+        bandwidth = result[name]["bound_new_tokens_per_s"] * nbytes / case["batch"]
+        kv = kv_bytes_per_decode_step(kv_bytes_per_token(model.config, dtype.itemsize), **case)
+        entry = dict(result[name])
+        add_bounds(entry, batch=case["batch"], bandwidth=bandwidth, weight_bytes=nbytes, kv_bytes=kv)
+        out[name] = entry
+    out["summary"] = _summary(out)
+    note = "the KV-inclusive bound's fields added after the run from its own numbers (--add-kv-bound)"
+    out["note"] = f"{result['note']}; {note}" if result.get("note") else note
+    return out
+
+
 def _prompts(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(batch * 1000 + prompt)
     ids = torch.randint(8, vocab, (batch, prompt), generator=g).to(device)
@@ -316,14 +408,14 @@ def family(name: str, case: dict[str, int], args: argparse.Namespace, bandwidth:
     device = torch.device(args.device)
     torch._dynamo.reset()
     hits = len(recompile_limit_hits())
-    model = build(name, device, getattr(torch, args.dtype), args.tiny)
+    dtype = getattr(torch, args.dtype)
+    model = build(name, device, dtype, args.tiny)
     nbytes = weight_bytes(model)
-    bound = case["batch"] * bandwidth / nbytes
+    kv_bytes = kv_bytes_per_decode_step(kv_bytes_per_token(model.config, dtype.itemsize), **case)
     entry: dict[str, Any] = {
         "model": type(model).__name__,
         "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
         "weight_gib": round(nbytes / 2**30, 3),
-        "bound_new_tokens_per_s": round(bound, 1),
     }
     warnings = _Warnings()
     for logger_name in WATCHED_LOGGERS:
@@ -342,12 +434,8 @@ def family(name: str, case: dict[str, int], args: argparse.Namespace, bandwidth:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    add_bounds(entry, batch=case["batch"], bandwidth=bandwidth, weight_bytes=nbytes, kv_bytes=kv_bytes)
     rate = {m: entry.get(m, {}).get("new_tokens_per_s") for m in ("ours", "hf_static")}
-    if rate["ours"]:
-        entry["ours_pct_of_bound"] = round(100 * rate["ours"] / bound, 1)
-        entry["ours_decode_pct_of_bound"] = round(100 * entry["ours"]["decode_new_tokens_per_s"] / bound, 1)
-    if rate["hf_static"]:
-        entry["hf_static_pct_of_bound"] = round(100 * rate["hf_static"] / bound, 1)
     if rate["ours"] and rate["hf_static"]:
         entry["ours_over_hf_static"] = round(rate["ours"] / rate["hf_static"], 2)
     entry["recompile_limit_hits"] = recompile_limit_hits()[hits:]
@@ -374,7 +462,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--tiny", action="store_true", help="a smoke run on the CPU: tiny shapes, B = 2, P = 8, 4 new"
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--add-kv-bound",
+        default=None,
+        metavar="FILE",
+        help="add the KV-inclusive bound to an earlier result FILE from its own numbers (no run)",
+    )
     args = ap.parse_args(argv)
+    if args.add_kv_bound:
+        return emit(add_kv_bound(json.loads(Path(args.add_kv_bound).read_text())), args.out)
     args.skip = set(filter(None, args.skip.split(",")))
     if args.tiny:
         args.device, args.batch, args.prompt, args.new, args.repeats = "cpu", 2, 8, 4, 1
@@ -394,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "dtype": args.dtype,
+        "tiny": args.tiny,
         "case": case,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
         "copy_tb_per_s": round(bandwidth / 1e12, 3),
@@ -402,14 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result[name] = family(name, case, args, bandwidth)
         if args.out:  # what has run so far, in case a later family does not finish
             emit(result, args.out, quiet=True)
-    result["summary"] = {
-        name: {
-            key: result[name].get(key)
-            for key in ("ours_pct_of_bound", "hf_static_pct_of_bound", "ours_over_hf_static")
-        }
-        | {"ours_new_tokens_per_s": result[name].get("ours", {}).get("new_tokens_per_s")}
-        for name in args.families.split(",")
-    }
+    result["summary"] = _summary(result)
     return emit(result, args.out)
 
 
