@@ -6,7 +6,9 @@ These products are most of exact mode's training forward (``actor.worker.exact_l
 the batch-invariant model once more) and of the batch-invariant rollout's decode steps. For each model shape's
 projections (the fused q/k/v product, the output projection, the fused gate/up product, the down projection, the
 vocabulary head) and each row count ``M`` (a decode step of ``B`` rows, a prefill micro-batch of many), the median
-time of ``--repeats`` calls after a warm-up, and the TFLOP/s it reaches. ``bits``: whether each method gives row
+time of ``--repeats`` calls after a warm-up, and the TFLOP/s it reaches; ``path``: which of the two
+``invariant_linear`` runs for that weight; ``forward_ms``: one forward's products (every layer's and the head) per
+method, and with ``invariant_linear``'s choices. ``bits``: whether each method gives row
 ``i`` of an ``M``-row product the same bits as the row alone and as the first 64 rows (the property exact mode
 needs); ``F.linear`` is reported, not required, to have it.
 
@@ -47,9 +49,32 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
         "down": (4864, 896),
         "head": (896, 151936),
     },
-    "tiny": {"qkv": (32, 48), "down": (48, 32)},
+    "tiny": {"qkv": (32, 48), "down": (48, 32), "head": (32, 64)},
 }
 """Per model shape, each projection's ``(K, N)``."""
+
+LAYERS = {"smollm2-135m": 30, "qwen2.5-0.5b": 24, "tiny": 2}
+"""Decoder layers per model shape: a forward runs every projection but the head once a layer."""
+
+
+def forward_totals(cases: dict[str, dict[str, Any]], layers: int, rows: list[int]) -> dict[str, float]:
+    """Milliseconds of one forward's products per method and row count: ``layers`` x the layer projections' sum,
+    plus the head once (``head``); ``invariant_linear:<M>_ms`` takes, per projection, the path
+    :func:`~ppo_core_decode.batch_invariant.invariant_linear` chooses (``path``)."""
+    totals: dict[str, float] = {}
+    for m in rows:
+        here = {name.split(":")[0]: case for name, case in cases.items() if name.endswith(f":{m}")}
+        for method in ("triton", "chunked", "f_linear", "invariant_linear"):
+            total, complete = 0.0, True
+            for proj, case in here.items():
+                pick = case.get("path") if method == "invariant_linear" else method
+                if pick not in case:
+                    complete = False
+                    break
+                total += case[pick]["ms"] * (1 if proj == "head" else layers)
+            if complete and here:
+                totals[f"{method}:{m}_ms"] = round(total, 3)
+    return totals
 
 
 def _time(fn, repeats: int, device: torch.device) -> float:
@@ -83,9 +108,19 @@ def run_case(
     x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(device=device, dtype=dtype)
     methods = {"chunked": bi.linear_chunked, "f_linear": F.linear}
-    if bi.triton is not None and (device.type == "cuda" or bi._interpreting()) and dtype in bi.LINEAR_TILES:
-        methods = {"triton": bi.invariant_linear, **methods}
-    out: dict[str, Any] = {"k": k, "n": n, "m": m, "gflop": round(2 * m * n * k / 1e9, 3)}
+    triton_ok = (
+        bi.triton is not None and (device.type == "cuda" or bi._interpreting()) and dtype in bi.LINEAR_TILES
+    )
+    if triton_ok:
+        methods = {"triton": lambda a, b: bi._linear_triton(a, b, None), **methods}
+    wide_fp32 = dtype == torch.float32 and n > bi.FP32_TRITON_MAX_N
+    out: dict[str, Any] = {
+        "k": k,
+        "n": n,
+        "m": m,
+        "gflop": round(2 * m * n * k / 1e9, 3),
+        "path": "triton" if triton_ok and not wide_fp32 else "chunked",  # what invariant_linear runs
+    }
     for name, fn in methods.items():
         seconds = _time(lambda fn=fn: fn(x, w), repeats, device)
         out[name] = {
@@ -128,13 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 per[f"{proj}:{m}"] = run_case(k, n, m, dtype, device, args.repeats)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        totals = {}
-        for m in rows:
-            for method in ("triton", "chunked", "f_linear"):
-                cases = [c for key, c in per.items() if key.endswith(f":{m}") and method in c]
-                if cases:
-                    totals[f"{method}:{m}_ms"] = round(sum(c[method]["ms"] for c in cases), 3)
-        per["sum_over_projections"] = totals
+        per["forward_ms"] = forward_totals(per, LAYERS[shape], rows)
     return emit(result, args.out)
 
 

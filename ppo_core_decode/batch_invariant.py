@@ -52,6 +52,7 @@ except ImportError:  # optional: CPU-only installs lack it
 __all__ = [
     "BLOCK_L",
     "CHUNK_ROWS",
+    "FP32_TRITON_MAX_N",
     "LINEAR_TILES",
     "invariant_attention",
     "invariant_linear",
@@ -107,6 +108,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     output element is its row's dot product with one column of ``W^T``, summed over ``K`` in the same order (the same
     blocks, the same matrix instructions) in every tile, whatever ``M``; fp32 in IEEE single precision (no TF32),
     half precision with an fp32 accumulator, the bias added in fp32 before the one rounding to ``x``'s dtype.
+    fp32 products wider than :data:`FP32_TRITON_MAX_N` outputs (a vocabulary head) take the chunked path below on
+    CUDA too. The choice depends on the weight alone, never on ``M``, so a weight's rows always meet the same sums.
     Elsewhere one fixed-shape product per :data:`CHUNK_ROWS` rows in float64, each rounded once (CPU GEMMs may treat
     a row by its position in the tile: in float64 that changes bits far below the output's precision).
 
@@ -123,6 +126,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and (x.is_cuda or _interpreting())
         and x.dtype in LINEAR_TILES
         and flat.shape[0] > 0
+        and not (x.dtype == torch.float32 and weight.shape[0] > FP32_TRITON_MAX_N)
     ):
         return _linear_triton(flat, weight, bias).reshape(*lead, weight.shape[0])
     return linear_chunked(flat, weight, bias).reshape(*lead, weight.shape[0])
@@ -158,6 +162,11 @@ def linear_chunked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             torch.addmm(bias, rows, wt, out=into)
     return out[:m].to(x.dtype)
 
+
+FP32_TRITON_MAX_N = 16384
+"""The widest fp32 product (``N``) :func:`invariant_linear` runs through its Triton GEMM: beyond it (vocabulary heads)
+cuBLAS's fp32 kernels on fixed 64-row chunks are faster than the fixed-tile IEEE GEMM, below it the single launch
+is (``benchmarks/batch_invariant.py`` times both)."""
 
 LINEAR_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float32: (64, 64, 32, 4, 3),

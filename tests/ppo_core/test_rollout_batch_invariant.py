@@ -365,6 +365,26 @@ def test_triton_rms_norm_is_the_torch_steps_and_row_invariant(dtype, model_round
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or bi.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n", "bias"), [(576, 960, False), (100, 300, True), (896, 151936 // 8, False)])
+def test_cuda_linear_rows_keep_their_bits_at_any_row_count(dtype, k, n, bias):
+    """The Triton GEMM: a prefill-sized product (thousands of rows, partial tiles at both edges) gives every row the
+    bits of a decode-sized one and of the row alone; its values are the product's to the dtype's precision."""
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(4099, k, generator=g).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to("cuda", dtype)
+    b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
+    y = invariant_linear(x, w, b)
+    assert y.shape == (4099, n) and y.dtype == dtype
+    for rows in (slice(0, 1), slice(4098, 4099), slice(1000, 1064), slice(7, 520)):
+        assert torch.equal(invariant_linear(x[rows], w, b), y[rows])
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cached_decoding_is_full_recomputation_bit_for_bit():
     from ppo_core_decode.hf import HFRolloutEngine
