@@ -11,7 +11,6 @@ Usage: ``python docs/smollm2_h100/rollout_correction/plot.py`` (matplotlib).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -19,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
+
+from ppo_core.trainer import read_metrics_jsonl
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parents[1] / "images" / "smollm2_h100_rollout_correction.png"
@@ -33,8 +34,7 @@ FLOOR = 1e-7
 
 def steps(name: str) -> list[dict]:
     """The run's training-step records (validation-only records have no step time)."""
-    records = [json.loads(line) for line in (HERE / f"{name}.metrics.jsonl").read_text().splitlines() if line]
-    return [r for r in records if "timing_s/step" in r]
+    return [r for r in read_metrics_jsonl(HERE / f"{name}.metrics.jsonl") if "timing_s/step" in r]
 
 
 def main() -> Path:
