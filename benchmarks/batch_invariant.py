@@ -108,18 +108,14 @@ def run_case(
     x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(device=device, dtype=dtype)
     methods = {"chunked": bi.linear_chunked, "f_linear": F.linear}
-    triton_ok = (
-        bi.triton is not None and (device.type == "cuda" or bi._interpreting()) and dtype in bi.LINEAR_TILES
-    )
-    if triton_ok:
+    if bi._triton_linear_runs(x):
         methods = {"triton": lambda a, b: bi._linear_triton(a, b, None), **methods}
-    wide_fp32 = dtype == torch.float32 and n > bi.FP32_TRITON_MAX_N
     out: dict[str, Any] = {
         "k": k,
         "n": n,
         "m": m,
         "gflop": round(2 * m * n * k / 1e9, 3),
-        "path": "triton" if triton_ok and not wide_fp32 else "chunked",  # what invariant_linear runs
+        "path": bi.linear_path(x, w),  # what invariant_linear runs
     }
     for name, fn in methods.items():
         seconds = _time(lambda fn=fn: fn(x, w), repeats, device)

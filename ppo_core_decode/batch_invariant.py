@@ -59,6 +59,7 @@ __all__ = [
     "invariant_rms_norm",
     "invariant_rows",
     "linear_chunked",
+    "linear_path",
 ]
 
 CHUNK_ROWS = 64
@@ -121,15 +122,31 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    if (
-        triton is not None
-        and (x.is_cuda or _interpreting())
-        and x.dtype in LINEAR_TILES
-        and flat.shape[0] > 0
-        and not (x.dtype == torch.float32 and weight.shape[0] > FP32_TRITON_MAX_N)
-    ):
-        return _linear_triton(flat, weight, bias).reshape(*lead, weight.shape[0])
-    return linear_chunked(flat, weight, bias).reshape(*lead, weight.shape[0])
+    run = _linear_triton if linear_path(x, weight) == "triton" else linear_chunked
+    return run(flat, weight, bias).reshape(*lead, weight.shape[0])
+
+
+def _triton_linear_runs(x: torch.Tensor) -> bool:
+    """Whether :func:`_linear_kernel` can take ``x``: Triton on CUDA (or its interpreter), a dtype with tiles."""
+    return triton is not None and (x.is_cuda or _interpreting()) and x.dtype in LINEAR_TILES
+
+
+def linear_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which of :func:`invariant_linear`'s two paths computes ``x W^T``: ``"triton"`` (the fixed-tile GEMM) or
+    ``"chunked"`` (:func:`linear_chunked`). It depends on the device, the dtype and the weight's width (fp32 weights
+    wider than :data:`FP32_TRITON_MAX_N` stay chunked), never on how many rows there are, except that no rows at
+    all need no kernel.
+
+    Args:
+        x: ``[..., K]`` the rows. weight: ``[N, K]``.
+
+    Example:
+        >>> linear_path(torch.randn(3, 8), torch.randn(4, 8))  # a CPU tensor: no Triton kernel
+        'chunked'
+    """
+    wide_fp32 = x.dtype == torch.float32 and weight.shape[0] > FP32_TRITON_MAX_N
+    rows = x.shape[:-1].numel()
+    return "triton" if _triton_linear_runs(x) and rows > 0 and not wide_fp32 else "chunked"
 
 
 def linear_chunked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

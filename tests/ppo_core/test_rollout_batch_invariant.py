@@ -54,6 +54,22 @@ def test_linear_is_f_linear_and_each_row_is_its_own(m, k, n, bias, dtype, seed):
     assert torch.equal(invariant_linear(x[row:], w, b), y[row:])
 
 
+def test_linear_path_follows_device_dtype_and_weight_width_never_the_row_count(monkeypatch):
+    x32, x16 = torch.randn(5, 8), torch.randn(2, 3, 8).to(torch.bfloat16)
+    narrow, wide = torch.randn(bi.FP32_TRITON_MAX_N, 8), torch.randn(bi.FP32_TRITON_MAX_N + 1, 8)
+    assert bi.linear_path(x32, narrow) == ("triton" if _INTERPRET else "chunked")  # a CPU tensor
+    monkeypatch.setattr(bi, "triton", object())  # as if Triton could run here
+    monkeypatch.setattr(bi, "_interpreting", lambda: True)
+    for rows in (x32, x32[:1], torch.randn(4099, 8)):
+        assert bi.linear_path(rows, narrow) == "triton"
+        assert bi.linear_path(rows, wide) == "chunked"  # fp32 vocabulary heads stay on the chunked path
+    assert bi.linear_path(x16, wide) == "triton"  # the width rule is fp32's only
+    assert bi.linear_path(x32[:0], narrow) == "chunked"  # no rows: no kernel
+    assert bi.linear_path(x32.double(), narrow) == "chunked"  # no tiles for float64
+    monkeypatch.setattr(bi, "_interpreting", lambda: False)
+    assert bi.linear_path(x32, narrow) == "chunked"  # a CPU tensor, not interpreting
+
+
 def test_linear_keeps_leading_dimensions():
     x, w = torch.randn(3, 5, 8), torch.randn(4, 8)
     assert torch.equal(invariant_linear(x, w), invariant_linear(x.reshape(15, 8), w).reshape(3, 5, 4))
