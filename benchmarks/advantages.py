@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
+from benchmarks._timing import median_ms, sync
 from ppo_core import advantages, kernels
 from ppo_core.advantages._common import zero_outside
 from ppo_core.kernels import chunked, dispatch, reference, triton_scan
@@ -61,32 +62,6 @@ GAMMA, LAM = 0.99, 0.95
 FUSED_BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 4
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` in ms (CUDA: device events around each call, after warm-up)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _time_interleaved(
     fns: dict[str, Callable[[], object]], device: str, repeats: int
 ) -> dict[str, tuple[float, float]]:
@@ -95,7 +70,7 @@ def _time_interleaved(
     for fn in fns.values():
         fn()
         fn()
-    _sync(device)
+    sync(device)
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
@@ -210,14 +185,14 @@ def _host_us(fn: Callable[[], object], device: str, calls: int = 2000) -> float:
     work, except for the syncs they make themselves)."""
     for _ in range(50):
         fn()
-    _sync(device)
+    sync(device)
     loops = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         loops.append((time.perf_counter() - t0) / calls * 1e6)
-        _sync(device)
+        sync(device)
     return min(loops)
 
 
@@ -261,7 +236,7 @@ def _estimator_layer_us(device: str) -> dict:
     for name, (public, kernels_only, with_flag) in pairs.items():
         if device == "cpu":  # median of 2000 single calls each (the benchmark's CPU timer), in us
             public_us, kernels_us = (
-                1e3 * _time_ms(fn, "cpu", repeats=2000, warmup=200) for fn in (public, kernels_only)
+                1e3 * median_ms(fn, "cpu", repeats=2000, warmup=200) for fn in (public, kernels_only)
             )
             entry = {}
         else:
@@ -328,7 +303,7 @@ def _copy_bandwidth_gbps(device: str) -> float:
     numel = (256 << 20) if device == "cuda" else (32 << 20)  # 1 GiB on CUDA, 128 MiB on CPU
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), device, repeats=20 if device == "cuda" else 7)
+    ms = median_ms(lambda: dst.copy_(src), device, repeats=20 if device == "cuda" else 7)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
@@ -357,7 +332,7 @@ def _torchrl_ms(fn: Callable, r: torch.Tensor, v: torch.Tensor, m: torch.Tensor,
     done[torch.arange(m.shape[0], device=r.device), (lengths - 1).clamp(min=0)] = True
     state, reward, done = v[..., None], r[..., None], done[..., None]
     next_state = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)[..., None]
-    return _time_ms(lambda: fn(GAMMA, LAM, state, next_state, reward, done, done), device, repeats)
+    return median_ms(lambda: fn(GAMMA, LAM, state, next_state, reward, done, done), device, repeats)
 
 
 def _max_err(out: torch.Tensor, ref: torch.Tensor, where: torch.Tensor) -> float:
@@ -406,15 +381,15 @@ def _shape_report(
         "discounted_return": lambda: kernels.masked_discounted_return_scan(r, m, GAMMA),
     }
     report: dict = {"public": public}
-    report["ours_ms"] = {name: _time_ms(fn, device, repeats) for name, fn in ours.items()}
+    report["ours_ms"] = {name: median_ms(fn, device, repeats) for name, fn in ours.items()}
     report["backends_gae_ms"] = {
-        b: _time_ms(lambda b=b: kernels.masked_gae_scan(r, v, m, GAMMA, LAM, backend=b), device, repeats)
+        b: median_ms(lambda b=b: kernels.masked_gae_scan(r, v, m, GAMMA, LAM, backend=b), device, repeats)
         for b in kernels.available_backends(device)
         if b != "reference"
     }
     if not quick and (device == "cuda" or batch * length <= 512 * 4096):
         loop = lambda: reference.masked_gae_scan(r, v, m, GAMMA, LAM)  # noqa: E731
-        report["oracle_loop_ms"] = _time_ms(loop, device, repeats=3, warmup=1)
+        report["oracle_loop_ms"] = median_ms(loop, device, repeats=3, warmup=1)
         report["speedup_vs_loop"] = report["oracle_loop_ms"] / report["ours_ms"]["gae"]
     if torchrl is not None:
         report["torchrl_vec_gae_ms"] = _torchrl_ms(torchrl, r, v, m, repeats)
@@ -445,7 +420,7 @@ def _triton_sweep(batch: int, length: int) -> list[dict]:
             r, v, m, GAMMA, LAM, with_returns=True, accumulate_fp64=fp64, launch=launch
         )
         try:
-            ms = _time_ms(fn, "cuda", repeats=30)
+            ms = median_ms(fn, "cuda", repeats=30)
         except Exception as err:  # a launch shape the compiler rejects is a data point, not a crash
             rows.append({**launch.to_dict(), "fp64": fp64, "error": repr(err)[:200]})
             continue
@@ -466,7 +441,7 @@ def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _time_ms(graph.replay, "cuda", repeats)
+    return median_ms(graph.replay, "cuda", repeats)
 
 
 def _kernel_launches(fn: Callable[[], object]) -> int:
@@ -499,11 +474,11 @@ def _group_report(device: str) -> dict:
     report: dict = {"shape": f"{batch}x{length}", "groups": groups, "ms": {}}
     for name, fn in estimators.items():
         try:
-            report["ms"][name] = _time_ms(lambda fn=fn: fn(rewards, mask, index_tensor), device, repeats=5)
+            report["ms"][name] = median_ms(lambda fn=fn: fn(rewards, mask, index_tensor), device, repeats=5)
         except Exception as err:
             report["ms"][name] = repr(err)[:200]
     try:
-        report["ms"]["grpo_str_index"] = _time_ms(
+        report["ms"]["grpo_str_index"] = median_ms(
             lambda: advantages.compute_grpo_advantage(rewards, mask, index_str), device, repeats=3
         )
     except Exception as err:

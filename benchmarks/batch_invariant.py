@@ -20,9 +20,7 @@ path and ``F.linear`` only, unless ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
+from benchmarks._timing import median_ms
 from ppo_core_decode import batch_invariant as bi
 
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -77,20 +76,6 @@ def forward_totals(cases: dict[str, dict[str, Any]], layers: int, rows: list[int
     return totals
 
 
-def _time(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: compilation, cuBLAS heuristics
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _rows_alike(fn, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Row ``i`` of ``fn(x)`` against ``fn`` of the row alone (``i`` the last row) and of the first 64 rows."""
     full = fn(x, w)
@@ -118,7 +103,7 @@ def run_case(
         "path": bi.linear_path(x, w),  # what invariant_linear runs
     }
     for name, fn in methods.items():
-        seconds = _time(lambda fn=fn: fn(x, w), repeats, device)
+        seconds = median_ms(lambda fn=fn: fn(x, w), device, repeats, warmup=1) / 1e3
         out[name] = {
             "ms": round(seconds * 1e3, 4),
             "tflops": round(2 * m * n * k / seconds / 1e12, 2),
