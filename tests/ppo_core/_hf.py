@@ -1,4 +1,4 @@
-"""Small Hugging Face pieces shared by the data, model and reward tests (imported as ``from _hf import ...``)."""
+"""Small Hugging Face pieces shared by the data, model, reward and rollout tests (imported as ``from _hf import ...``)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,22 @@ def make_checkpoint(directory: str | os.PathLike[str], arch: str, vocab_size: in
     path = os.fspath(directory)
     model.save_pretrained(path)
     return path
+
+
+def tiny_llama(vocab_size: int, seed: int = 0):
+    """A random-init one-layer ``LlamaForCausalLM`` (hidden 32, 4 query / 2 key-value heads, 32 positions) in eval
+    mode, from ``seed`` without touching the global RNG."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).eval()

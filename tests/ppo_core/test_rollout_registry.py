@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _hf import tiny_llama
 from tensordict import TensorDict
 
 from ppo_core.models import TinyGPT, TinyGPTConfig
@@ -37,19 +38,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 29
 
 
-def _llama(seed: int = 0) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return transformers.LlamaForCausalLM(cfg).eval()
+_llama = functools.partial(tiny_llama, VOCAB)
 
 
 def _tiny() -> TinyGPT:
