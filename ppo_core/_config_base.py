@@ -330,6 +330,23 @@ class ConfigBase:
         return {f.name: _as_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
+    def coerce(cls: type[T], config: object, *, none_is_default: bool = False, what: str = "config") -> T:
+        """``config`` as a ``cls``: an instance as it is, a mapping through :meth:`from_dict`, and ``None`` as the
+        defaults when ``none_is_default``; anything else raises ``TypeError`` naming ``what`` and the class (the
+        one check behind the functions and workers that take "a config or a dict of its fields").
+
+        Example:
+            >>> from ppo_core.rollout_correction import RolloutCorrectionConfig
+            >>> RolloutCorrectionConfig.coerce({"rollout_is": "token"}).rollout_is
+            'token'
+        """
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping) or (config is None and none_is_default):
+            return cls.from_dict(config)  # type: ignore[arg-type]
+        raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {describe(config)}")
+
+    @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any] | None = None) -> T:
         """Build the config from a mapping (a dict, an OmegaConf ``DictConfig``...); missing keys take defaults."""
         if data is None:

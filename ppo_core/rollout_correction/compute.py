@@ -33,7 +33,6 @@ from ppo_core.rollout_correction.metrics import Part
 from ppo_core.rollout_correction.partial import (
     CorrectionParts,
     ExactSum,
-    _as_config,
     normalize_weights,
     reduce_correction_parts,
 )
@@ -207,7 +206,7 @@ def compute_rollout_correction(
         >>> mask
         tensor([[1., 1., 0.]])
     """
-    config = _as_config(config)
+    config = RolloutCorrectionConfig.coerce(config)
     weights, out_mask, parts = _correction_rows(old_log_probs, rollout_log_probs, response_mask, config, True)
     mean, metrics = reduce_correction_parts([parts], config)
     if weights is not None:

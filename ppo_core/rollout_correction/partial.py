@@ -80,16 +80,6 @@ class CorrectionParts:
     norm: ExactSum | None = None
 
 
-def _as_config(config: object) -> RolloutCorrectionConfig:
-    if isinstance(config, RolloutCorrectionConfig):
-        return config
-    if isinstance(config, Mapping):
-        return RolloutCorrectionConfig.from_dict(dict(config))
-    raise TypeError(
-        f"config must be a RolloutCorrectionConfig or a dict of its fields, got {type(config).__name__}"
-    )
-
-
 def correction_rows(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -108,7 +98,9 @@ def correction_rows(
     """
     from ppo_core.rollout_correction.compute import _correction_rows
 
-    return _correction_rows(old_log_probs, rollout_log_probs, response_mask, _as_config(config), with_parts)
+    return _correction_rows(
+        old_log_probs, rollout_log_probs, response_mask, RolloutCorrectionConfig.coerce(config), with_parts
+    )
 
 
 def _combine(parts: Sequence[dict[str, TokenStats | Moments]]) -> dict[str, TokenStats | Moments]:
@@ -124,7 +116,7 @@ def reduce_correction_parts(
 ) -> tuple[float | None, dict[str, float]]:
     """Combine the shards' parts (in row order): the batch normalisation's mean of the kept weights (None without
     ``rollout_is_batch_normalize``; :func:`normalize_weights` applies it) and the ``rollout_corr/*`` metrics."""
-    config = _as_config(config)
+    config = RolloutCorrectionConfig.coerce(config)
     if not parts:
         raise ValueError("no rollout correction parts to reduce")
     combined = _combine([p.metrics for p in parts])

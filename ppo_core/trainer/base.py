@@ -105,10 +105,7 @@ class BasePPOTrainer(abc.ABC):
         collate_fn: Callable[[Sequence[Mapping[str, Any]]], TensorDictBase] | None = None,
         tokenizer: Any = None,
     ) -> None:
-        if isinstance(config, Mapping):
-            config = PPOConfig.from_dict(config)
-        if not isinstance(config, PPOConfig):
-            raise TypeError(f"config must be a PPOConfig or a dict, got {type(config).__name__}")
+        config = PPOConfig.coerce(config)
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
         self.config = config

@@ -1,31 +1,19 @@
-"""Private helpers of the PPO workers, whatever the engine: config coercion, key checks, row splitting, and the
+"""Private helpers of the PPO workers, whatever the engine: key checks, row splitting, and the
 mini-batching and loss denominators that make micro-batch gradients add up to the mini-batch gradient over all
 data-parallel ranks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from ppo_core._config_base import ConfigBase
 from ppo_core.batch import iter_minibatches, partition_by_token_budget
 from ppo_core.keys import KEYS
 
 __all__: list[str] = []
-
-C = TypeVar("C", bound=ConfigBase)
-
-
-def as_config(config: C | Mapping[str, Any] | None, cls: type[C]) -> C:
-    """``config`` as a ``cls``: built from a dict (None: the defaults), or checked to be one."""
-    if config is None or isinstance(config, Mapping):
-        return cls.from_dict(config)
-    if not isinstance(config, cls):
-        raise TypeError(f"config must be a {cls.__name__} or a dict, got {type(config).__name__}")
-    return config
 
 
 def resolve_device(device: str | None, local_rank: int = 0) -> torch.device:

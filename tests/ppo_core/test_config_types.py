@@ -15,6 +15,7 @@ import typing
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -427,3 +428,35 @@ def test_to_dict_turns_configs_inside_dicts_and_lists_into_dicts():
     plain = holder.to_dict()
     assert plain == {"by_name": {"a": {"x": 1}}, "items": [{"x": 2}, {"x": 3}], "pair": ({"x": 4}, {"x": 5})}
     assert _Holder.from_dict(plain) == holder
+
+
+def test_coerce_takes_an_instance_or_a_mapping_and_names_what_else_it_got():
+    cfg = RolloutCorrectionConfig(rollout_is="token")
+    assert RolloutCorrectionConfig.coerce(cfg) is cfg
+    assert RolloutCorrectionConfig.coerce({"rollout_is": "token"}) == cfg
+    assert TorchActorConfig.coerce(None, none_is_default=True) == TorchActorConfig()
+    with pytest.raises(
+        TypeError, match=r"^config must be a RolloutCorrectionConfig or a dict, got NoneType None$"
+    ):
+        RolloutCorrectionConfig.coerce(None)
+    with pytest.raises(TypeError, match=r"^actor must be a TorchActorConfig or a dict, got PPOCriticConfig "):
+        TorchActorConfig.coerce(PPOCriticConfig(), what="actor")
+    with pytest.raises(ValueError, match="unknown RolloutCorrectionConfig field"):
+        RolloutCorrectionConfig.coerce({"rollout_iss": "token"})
+
+
+def test_the_trainer_workers_and_correction_refuse_a_config_of_another_type():
+    from ppo_core import compute_rollout_correction
+    from ppo_core.trainer.base import BasePPOTrainer
+    from ppo_core.workers.torch import TorchActorWorker
+
+    t = torch.zeros(1, 2)
+    with pytest.raises(
+        TypeError, match=r"^config must be a RolloutCorrectionConfig or a dict, got str 'token'"
+    ):
+        compute_rollout_correction(t, t, torch.ones(1, 2), "token")
+    with pytest.raises(TypeError, match=r"^config must be a PPOConfig or a dict, got list"):
+        trainer = type("Trainer", (BasePPOTrainer,), {"init_workers": lambda self: None})
+        trainer([], train_dataset=[], reward_fn=lambda *a: 0.0)
+    with pytest.raises(TypeError, match=r"^config must be a TorchActorConfig or a dict, got int 3"):
+        TorchActorWorker(lambda: None, 3)

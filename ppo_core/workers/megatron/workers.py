@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ppo_core.rollout.engine import RolloutEngine
-from ppo_core.workers._common import as_config, resolve_device
+from ppo_core.workers._common import resolve_device
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.megatron.config import MegatronActorConfig, MegatronCriticConfig
 from ppo_core.workers.megatron.engine import MegatronEngine, megatron_attention_mask, position_ids
@@ -148,7 +148,7 @@ class MegatronActorWorker(PPOActorWorker):
         *,
         rollout_engine: RolloutFactory | None = None,
     ) -> None:
-        config = as_config(config, MegatronActorConfig)
+        config = MegatronActorConfig.coerce(config, none_is_default=True)
         engine = _build_engine(config, "policy")
         reference = None
         if config.use_reference:
@@ -181,7 +181,7 @@ class MegatronCriticWorker(PPOCriticWorker):
     """
 
     def __init__(self, config: MegatronCriticConfig | Mapping[str, Any] | None = None) -> None:
-        config = as_config(config, MegatronCriticConfig)
+        config = MegatronCriticConfig.coerce(config, none_is_default=True)
         super().__init__(config, _build_engine(config, "value"))
         self.config: MegatronCriticConfig = config
 

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ppo_core.rollout.engine import RolloutEngine
-from ppo_core.workers._common import as_config
 from ppo_core.workers.base import current_worker_context
 from ppo_core.workers.config import OptimConfig
 from ppo_core.workers.ppo import PPOActorWorker, PPOCriticWorker
@@ -103,7 +102,7 @@ class TorchActorWorker(_ModelAccess, PPOActorWorker):
         *,
         rollout_engine: RolloutFactory | None = None,
     ) -> None:
-        config = as_config(config, TorchActorConfig)
+        config = TorchActorConfig.coerce(config, none_is_default=True)
         engine = _build_engine(
             model_factory, config.device, config.optim, "policy", config.use_remove_padding
         )
@@ -161,7 +160,7 @@ class TorchCriticWorker(_ModelAccess, PPOCriticWorker):
     def __init__(
         self, model_factory: ModelFactory, config: TorchCriticConfig | Mapping[str, Any] | None = None
     ) -> None:
-        config = as_config(config, TorchCriticConfig)
+        config = TorchCriticConfig.coerce(config, none_is_default=True)
         engine = _build_engine(model_factory, config.device, config.optim, "value", config.use_remove_padding)
         super().__init__(config, engine)
         self.config: TorchCriticConfig = config
