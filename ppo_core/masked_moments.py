@@ -44,6 +44,7 @@ __all__ = [
     "masked_moments",
     "reduce_row_moments",
     "row_moments",
+    "row_sums",
     "whiten_with",
 ]
 
@@ -140,13 +141,20 @@ class RowMoments:
     m2: torch.Tensor
 
 
-def _row_sums(values: torch.Tensor) -> torch.Tensor:
-    """``[b]`` sums of float64 ``values`` ``[b, T]``, each the sum of its :data:`ROW_BLOCK`-column blocks' sums."""
+def row_sums(values: torch.Tensor) -> torch.Tensor:
+    """``[b]`` sums of float64 ``values`` ``[b, T]``, each the sum of its :data:`ROW_BLOCK`-column blocks' sums: a
+    row's sum in one fixed order whichever rows share its tensor, so sums taken on shards equal those of the whole.
+
+    Example:
+        >>> x = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+        >>> row_sums(x)
+        tensor([ 3., 12.], dtype=torch.float64)
+    """
     rows, width = values.shape
     pad = -width % ROW_BLOCK
     if pad:
         values = F.pad(values, (0, pad))
-    return values.reshape(rows, -1, ROW_BLOCK).sum(dim=-1).sum(dim=-1)
+    return values.reshape(rows, (width + pad) // ROW_BLOCK, ROW_BLOCK).sum(dim=-1).sum(dim=-1)
 
 
 def _row_chunks(rows: int, width: int) -> range:
@@ -184,9 +192,9 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, check: bool = True) ->
             first = inside.view(torch.uint8).max(dim=-1, keepdim=True).indices
             ref[lo:hi] = acc.gather(-1, first).squeeze(-1)
         acc.sub_(ref[lo:hi].unsqueeze(-1)).masked_fill_(outside, 0.0)
-        total[lo:hi] = _row_sums(acc)
+        total[lo:hi] = row_sums(acc)
         mean = total[lo:hi] / count[lo:hi].clamp(min=1)
-        m2[lo:hi] = _row_sums(acc.sub_(mean.unsqueeze(-1)).masked_fill_(outside, 0.0).square_())
+        m2[lo:hi] = row_sums(acc.sub_(mean.unsqueeze(-1)).masked_fill_(outside, 0.0).square_())
     if check and not bool(torch.isfinite(total).all() and torch.isfinite(ref).all()):
         raise ValueError("values hold NaN or inf where mask is 1; whitening needs finite values")
     return RowMoments(count=count, ref=ref, total=total, m2=m2)

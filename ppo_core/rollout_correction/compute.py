@@ -26,7 +26,7 @@ from ppo_core._checks import (
     check_same_shape,
 )
 from ppo_core.losses._common import LOG_RATIO_CLAMP
-from ppo_core.masked_moments import _row_sums
+from ppo_core.masked_moments import row_sums
 from ppo_core.rollout_correction import metrics as M
 from ppo_core.rollout_correction.config import RejectionBound, RolloutCorrectionConfig
 from ppo_core.rollout_correction.metrics import Part
@@ -112,7 +112,7 @@ def _norm_terms(config: RolloutCorrectionConfig, weights: torch.Tensor, kept: to
         return ExactSum(count=0, total=Fraction(0))
     if config.rollout_is == "token":
         zero = torch.zeros((), dtype=torch.float64, device=weights.device)
-        terms = _row_sums(torch.where(kept, weights.double(), zero))
+        terms = row_sums(torch.where(kept, weights.double(), zero))
         return dataclasses.replace(ExactSum.of(terms), count=int(kept.sum()))
     rows = kept.any(dim=-1)
     # every valid token of a row holds the row's weight (>= 0; 0 at masked positions): the row's maximum is it

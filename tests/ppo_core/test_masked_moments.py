@@ -144,3 +144,19 @@ def test_row_moments_edge_cases() -> None:
         row_moments(nan, torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\[b, T\]"):
         row_moments(torch.zeros(3), torch.ones(3, dtype=torch.bool))
+
+
+@given(
+    rows=st.integers(0, 5),
+    width=st.integers(0, 2 * masked_moments_module.ROW_BLOCK + 3),
+    seed=st.integers(0, 2**16),
+)
+def test_row_sums_are_the_rows_sums_and_a_rows_bits_its_own(rows, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g, dtype=torch.float64) * 1e3
+    sums = masked_moments_module.row_sums(x)
+    assert sums.shape == (rows,) and sums.dtype == torch.float64
+    torch.testing.assert_close(sums, x.sum(dim=-1), rtol=1e-12, atol=1e-9)
+    for i in range(rows):  # each row alone, or any run of rows, gives the same bits
+        assert torch.equal(masked_moments_module.row_sums(x[i : i + 1]), sums[i : i + 1])
+    assert torch.equal(masked_moments_module.row_sums(x[1:]), sums[1:])
