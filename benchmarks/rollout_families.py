@@ -19,8 +19,8 @@ eval mode, nothing downloaded):
   model's eager element-wise kernels.
 
 Per family, ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each at temperature 1 (top-p 1, no top-k,
-no EOS: every row produces every token), the median of ``repeats`` calls after a warm-up call (compilation, graph
-capture):
+no EOS: every row produces every token), the median of ``repeats`` calls after two untimed ones (compilation,
+graph capture: :data:`WARMUP_CALLS`):
 
 - ``ours``: :class:`ppo_core_decode.hf.HFRolloutEngine` with its defaults (``path`` says which path ran), new
   tokens/s over the whole call (prefill + decode) and over the decode steps alone (``decode_new_tokens_per_s``);
@@ -181,10 +181,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+WARMUP_CALLS = 2
+"""Untimed calls before the timed ones. Our engine's first call decodes its first step eagerly and captures its
+graph after it; from the second on, a call captures its graph while the prefill runs, as a worker's every later
+rollout does, and the compiled element-wise kernels of both kinds of call exist."""
+
+
 def _timed(call, repeats: int, device: torch.device) -> tuple[list[float], Any, float]:
-    """``repeats`` timed calls after a warm-up one; also the warm-up's seconds."""
+    """``repeats`` timed calls after :data:`WARMUP_CALLS` untimed ones; also the warm-up calls' seconds."""
     t0 = time.perf_counter()
-    out = call()
+    for _ in range(WARMUP_CALLS):
+        out = call()
     _sync(device)
     warmup = time.perf_counter() - t0
     times = []

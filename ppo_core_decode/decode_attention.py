@@ -40,7 +40,28 @@ except ImportError:  # optional: CPU-only installs lack it
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_attention_sdpa", "decode_attention_triton", "triton_available"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_sdpa",
+    "decode_attention_triton",
+    "default_block_l",
+    "triton_available",
+]
+
+
+def default_block_l(head_dim: int) -> int:
+    """Cache slots per block of the Triton decode kernels for a head width ``d``: ``4096 / d``, between 16 and 64
+    (64 up to ``d = 64``, 32 at ``d = 128``), so a block's key tile is 4096 entries whatever the head width.
+    A program's loop is bound by its arithmetic per block (see
+    :mod:`~ppo_core_decode.decode_rotary_attention`), and 64 slots of 128-wide heads make a block twice as long
+    for the same number of blocks in flight; ``docs/performance.md`` has the sweep behind the rule. Both decode
+    kernels use it, so the one-launch and two-launch paths keep the same blocks (the same bits).
+
+    Example:
+        >>> default_block_l(64), default_block_l(128), default_block_l(16)
+        (64, 32, 64)
+    """
+    return max(16, min(64, 4096 // head_dim))
 
 
 def decode_attention_sdpa(
@@ -146,13 +167,13 @@ def decode_attention_triton(
     scale: float | None = None,
     *,
     filled: torch.Tensor | None = None,
-    block_l: int = 64,
+    block_l: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA; see the module docstring). ``q``'s heads and ``k``/``v``'s last dimension must be
     contiguous; the head width a power of two >= 16. ``filled``: a device scalar, every slot at or past it is
-    masked (read no further)."""
+    masked (read no further). ``block_l`` None: :func:`default_block_l`."""
     if triton is None:
         raise RuntimeError("decode_attention_triton needs Triton")
     b, h, _, d = q.shape
@@ -190,7 +211,7 @@ def decode_attention_triton(
         REP=rep,
         REP_PAD=max(16, triton.next_power_of_2(rep)),
         D=d,
-        BLOCK_L=block_l,
+        BLOCK_L=block_l or default_block_l(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,

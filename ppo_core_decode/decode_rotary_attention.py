@@ -73,6 +73,7 @@ import os
 import torch
 
 from ppo_core.kernels.triton_scan import _interpreting
+from ppo_core_decode.decode_attention import default_block_l
 from ppo_core_decode.decode_rotary import rotate_and_write_triton_available
 from ppo_core_decode.pdl import pdl_enabled
 from ppo_core_decode.split_launch import arrival_counters, sm_count
@@ -350,7 +351,7 @@ def rotate_write_attend_triton(
     scale: float | None = None,
     *,
     model_rounding: bool,
-    block_l: int = 64,
+    block_l: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
     split: int | None = None,
@@ -369,7 +370,8 @@ def rotate_write_attend_triton(
             attended are those below ``min(kv_len, slot + 1)``.
         scale: softmax scale (None: ``1 / sqrt(d)``).
         model_rounding: the rotation's rounding rule (see :mod:`ppo_core_decode.decode_rotary`).
-        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (three stages:
+        block_l, num_warps, num_stages: the attention's tiling, as in ``decode_attention_triton`` (``block_l``
+            None: :func:`~ppo_core_decode.decode_attention.default_block_l`, as there; three stages:
             see the module docstring).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
             from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
@@ -407,6 +409,7 @@ def rotate_write_attend_triton(
         return out
     bias2 = bias.reshape(b, -1) if bias.shape[0] == b else bias.reshape(1, -1).expand(b, -1)
     rep = h // g
+    block_l = block_l or default_block_l(d)
     if split is None:
         split = default_split(b * g, kv_len, block_l, q.device)
     if split > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -156,3 +157,15 @@ def test_the_compiled_forward_experiment_leaves_dynamos_limits_as_they_were() ->
     result = rollout_families.main(["--tiny", "--families", "neox_compiled"])
     assert result["neox_compiled"]["ours"]["path"] == "generic"
     assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == before
+
+
+def test_timed_calls_follow_the_untimed_warm_up_calls() -> None:
+    """The engine's first call captures its graph after the first step and its second during the prefill: neither
+    is timed."""
+    calls = []
+    times, out, warmup = rollout_families._timed(
+        lambda: calls.append(len(calls)) or len(calls), 3, torch.device("cpu")
+    )
+    assert rollout_families.WARMUP_CALLS == 2
+    assert len(calls) == rollout_families.WARMUP_CALLS + 3
+    assert len(times) == 3 and out == len(calls) and warmup >= 0

@@ -18,7 +18,7 @@ from test_rollout_decode_rotary import _tolerance as rotary_tolerance
 
 from ppo_core.kernels.fused import apply_rotary
 from ppo_core_decode import decode_attention, decode_rotary_attention, kv_cache
-from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton
+from ppo_core_decode.decode_attention import decode_attention_sdpa, decode_attention_triton, default_block_l
 from ppo_core_decode.decode_rotary import rotate_and_write, rotate_and_write_triton
 from ppo_core_decode.decode_rotary_attention import default_split, rotate_write_attend_triton
 from ppo_core_decode.eager_rounding import rotary_as_model
@@ -110,7 +110,27 @@ CASES = [
     (4, 16, 4, 64, 40, 40, 37, 16),
     (5, 12, 4, 32, 50, 48, 47, 16),
     (3, 4, 1, 16, 20, 20, 5, 16),
+    # both kernels' default blocks (default_block_l: 32 slots of 128-wide heads), the slot inside the third block
+    (2, 4, 2, 128, 70, 70, 66, None),
 ]
+
+
+@given(log_d=st.integers(0, 12))
+def test_default_block_l_keeps_a_block_at_4096_entries_within_16_to_64_slots(log_d: int) -> None:
+    d = 2**log_d
+    block = default_block_l(d)
+    assert 16 <= block <= 64 and block & (block - 1) == 0
+    assert block == min(64, max(16, 4096 // d))
+    # a block's key tile is 4096 entries wherever the clamp does not bind
+    assert block * d == 4096 or block in (16, 64)
+
+
+def test_both_decode_kernels_default_to_the_same_blocks() -> None:
+    """The one-launch kernel gives the two launches' bits only over the same blocks: neither may fix its own."""
+    import inspect
+
+    for fn in (decode_attention_triton, rotate_write_attend_triton):
+        assert inspect.signature(fn).parameters["block_l"].default is None
 
 
 @kernel
