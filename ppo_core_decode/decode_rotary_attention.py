@@ -6,7 +6,12 @@ query and key, write the key and value at the step's slot) and then
 layer, the second waiting on the first. Here the programs of a (row ``b``, key/value head ``g``):
 
 1. rotate the group's ``H / G`` query heads and its new key by the row's ``cos``/``sin`` with the arithmetic of
-   :mod:`ppo_core_decode.decode_rotary` (the same Triton function, both ``model_rounding`` rules);
+   :mod:`ppo_core_decode.decode_rotary` (the same Triton function, both ``model_rounding`` rules); where asked
+   (``qk_norm``: Qwen3's ``q_norm`` and ``k_norm``), first normalise each of them over the head width in the model's
+   roundings (the head times ``1 / sqrt(mean(t^2) + eps)`` in fp32, rounded to the model dtype, then times the
+   weight, rounded), which saves the step a launch a layer between the q/k/v product and this one; the sum of
+   squares is in this kernel's fp32 order, so a head may differ by one step of the model dtype from the compiled
+   norm's, whose order is its own;
 2. write the rotated key and the value into the cache at ``slot`` (one program of the ``(b, g)`` does, so each
    cache row is written once);
 3. attend over the slots ``< n = min(kv_len, slot + 1)`` as :mod:`ppo_core_decode.decode_attention`'s kernel does
@@ -122,6 +127,8 @@ if triton is not None:
         Out,
         Parts,
         Counters,
+        QNorm,
+        KNorm,
         sq_b,
         sq_h,
         sk_b,
@@ -141,6 +148,7 @@ if triton is not None:
         so_h,
         kv_len,
         scale,
+        norm_eps,
         REP: tl.constexpr,
         REP_PAD: tl.constexpr,
         D: tl.constexpr,
@@ -151,6 +159,7 @@ if triton is not None:
         PDL: tl.constexpr,
         LINES: tl.constexpr,
         LINE_ELEMS: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
@@ -187,12 +196,17 @@ if triton is not None:
         q_rows = Q + b * sq_b + heads[:, None] * sq_h
         qt = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
         qp = tl.load(q_rows + partner[None, :], mask=q_ok, other=0.0)
+        k_row = K + b * sk_b + g * sk_g
+        kt = tl.load(k_row + d)
+        kp = tl.load(k_row + partner)
+        if QK_NORM:  # Qwen3's per-head norms of the queries and the key, before the rotation
+            qt, qp = _head_norms(qt, qp, tl.load(QNorm + d), tl.load(QNorm + partner), norm_eps, D)
+            kt, kp = _head_norm(kt, kp, tl.load(KNorm + d), tl.load(KNorm + partner), norm_eps, D)
         q = _rotary(qt, qp, sign[None, :], cos[None, :], sin[None, :], MODEL_ROUNDING)
 
         # the new key (rotated) and value of this (row, group): stored for later steps, kept for this one
-        k_row = K + b * sk_b + g * sk_g
         # [D] each, in the cache's dtype as the unfused path's store converts them
-        k_new = _rotary(tl.load(k_row + d), tl.load(k_row + partner), sign, cos, sin, MODEL_ROUNDING)
+        k_new = _rotary(kt, kp, sign, cos, sin, MODEL_ROUNDING)
         k_new = k_new.to(KCache.dtype.element_ty)
         v_new = tl.load(V + b * sv_b + g * sv_g + d).to(VCache.dtype.element_ty)
         # one program of the (row, group) writes them; with SPLIT = 1 the test is on a constant and compiles away
@@ -308,6 +322,29 @@ if triton is not None:
             )
 
     @triton.jit
+    def _head_norms(t, tp, w, wp, eps, D: tl.constexpr):
+        """The RMSNorm of each row of ``t [R, D]`` (a head) with weight ``w [D]``, in the model's roundings: the row
+        times ``1 / sqrt(mean(t^2) + eps)`` in fp32 rounded to the model dtype, then times the weight rounded again;
+        ``tp`` and ``wp`` are the same rows and weight at the partner entries (half a row away), which the rotation
+        reads, normalised by the same row statistic."""
+        dtype = t.dtype
+        tf = t.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tf * tf, axis=1) / D + eps)[:, None]
+        a = (tf * inv).to(dtype).to(tl.float32)
+        ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
+        return (w.to(tl.float32)[None, :] * a).to(dtype), (wp.to(tl.float32)[None, :] * ap).to(dtype)
+
+    @triton.jit
+    def _head_norm(t, tp, w, wp, eps, D: tl.constexpr):
+        """:func:`_head_norms` of one head ``t [D]`` (the new key)."""
+        dtype = t.dtype
+        tf = t.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tf * tf, axis=0) / D + eps)
+        a = (tf * inv).to(dtype).to(tl.float32)
+        ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
+        return (w.to(tl.float32) * a).to(dtype), (wp.to(tl.float32) * ap).to(dtype)
+
+    @triton.jit
     def _prefetch_l2(
         k_base,
         v_base,
@@ -355,6 +392,7 @@ def rotate_write_attend_triton(
     num_warps: int = 4,
     num_stages: int = 3,
     split: int | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot`` and attend: in one launch
     what :func:`~ppo_core_decode.decode_rotary.rotate_and_write_triton` followed by
@@ -375,6 +413,9 @@ def rotate_write_attend_triton(
             see the module docstring).
         split: the programs ``S`` sharing a (row, key/value head)'s slots (see the module docstring); None: chosen
             from the shapes by :func:`default_split`. ``1`` gives the unfused path's bits.
+        qk_norm: ``(q_weight [d], k_weight [d], eps)``: normalise each query head and the key (RMSNorm per head,
+            Qwen3's ``q_norm`` and ``k_norm``) before rotating them, in the model's roundings (see the module
+            docstring); weights in ``q``'s dtype.
 
     Returns:
         ``[B, H, 1, d]`` attention outputs in ``q``'s dtype.
@@ -404,6 +445,8 @@ def rotate_write_attend_triton(
         raise ValueError(f"slot must be a device scalar, got shape {tuple(slot.shape)}")
     if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
         raise ValueError(f"split must be a positive int or None, got {split!r}")
+    if qk_norm is not None:
+        _check_qk_norm(qk_norm, q)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -431,6 +474,8 @@ def rotate_write_attend_triton(
         out,
         parts,
         counters,
+        qk_norm[0] if qk_norm is not None else out,  # unused pointers without the norms
+        qk_norm[1] if qk_norm is not None else out,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -450,6 +495,7 @@ def rotate_write_attend_triton(
         out.stride(1),
         kv_len,
         float(scale if scale is not None else d**-0.5),
+        float(qk_norm[2]) if qk_norm is not None else 0.0,
         REP=rep,
         REP_PAD=max(16, triton.next_power_of_2(rep)),
         D=d,
@@ -460,12 +506,35 @@ def rotate_write_attend_triton(
         PDL=pdl,
         LINES=max(1, d * keys.element_size() // 128),
         LINE_ELEMS=max(1, 128 // keys.element_size()),
+        QK_NORM=qk_norm is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and not _interpreting() else {}),
     )
     return out
+
+
+def _check_qk_norm(qk_norm: tuple[torch.Tensor, torch.Tensor, float], q: torch.Tensor) -> None:
+    """``qk_norm`` is ``(q_weight, k_weight, eps)`` with ``[d]`` contiguous weights of ``q``'s dtype and device."""
+    if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
+        raise ValueError(f"qk_norm must be (q_weight, k_weight, eps), got {type(qk_norm).__name__}")
+    d = q.shape[-1]
+    for name, w in zip(("q_weight", "k_weight"), qk_norm[:2], strict=True):
+        if (
+            not isinstance(w, torch.Tensor)
+            or tuple(w.shape) != (d,)
+            or w.dtype != q.dtype
+            or w.device != q.device
+        ):
+            got = (
+                f"{tuple(w.shape)} {w.dtype} on {w.device}"
+                if isinstance(w, torch.Tensor)
+                else type(w).__name__
+            )
+            raise ValueError(f"qk_norm's {name} must be [{d}] {q.dtype} on {q.device}, got {got}")
+        if not w.is_contiguous():
+            raise ValueError(f"qk_norm's {name} must be contiguous")
 
 
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:

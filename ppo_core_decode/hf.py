@@ -276,6 +276,24 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         out = heads_rms_norm_as_model(both, q_norm.weight, k_norm.weight, h, q_norm.variance_epsilon)
         return out[:, :, :h], out[:, :, h:]
 
+    def _qk_norm_in_kernel(
+        self, attn: nn.Module, cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Qwen3's q/k norms as the one-launch decode step's ``qk_norm`` (``q [B, S, H, d]``, ``k``/``v [B, S, G,
+        d]``): where that launch runs (:meth:`~ppo_core_decode.kv_cache.KVCache.one_launch_decode`), the norms
+        share one epsilon and their weights are contiguous in the model dtype; None otherwise (the norms run
+        before it, :meth:`_qk_norms`). A launch a layer less."""
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        weights = (q_norm.weight, k_norm.weight)
+        if (
+            self.batch_invariant
+            or q_norm.variance_epsilon != k_norm.variance_epsilon
+            or any(w.dtype != q.dtype or not w.is_contiguous() for w in weights)
+            or not cache.one_launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        ):
+            return None
+        return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
+
     def _projections(self, i: int, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fused is not None:
             return self._split_qkv(self._linear(x, *self._group(i, 0)))
@@ -349,8 +367,11 @@ class _LlamaFamilyForward(DecoderLayerLoop):
             i: int, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             attn = layer.self_attn
+            qk_norm = None
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm of queries and keys before the rotation
-                q, k = self._qk_norms(attn, q, k)
+                qk_norm = self._qk_norm_in_kernel(attn, cache, q, k, v)
+                if qk_norm is None:
+                    q, k = self._qk_norms(attn, q, k)
             # the rotation (and, on CUDA, the cache write with it in one kernel) in the model's rounding
             out = cache.attend_rotated(
                 i,
@@ -361,6 +382,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
                 lambda: (cos[:, :, 0], sin[:, :, 0]),
                 attn.scaling,
                 model_rounding=True,
+                qk_norm=qk_norm,
             )
             return out.transpose(1, 2).reshape(b, out.shape[2], -1)  # S or, attending the last query only, 1
 

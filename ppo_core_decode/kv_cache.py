@@ -266,6 +266,7 @@ class KVCache:
         scale: float | None = None,
         *,
         model_rounding: bool,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """:meth:`attend` for queries and keys not rotated yet.
 
@@ -293,12 +294,13 @@ class KVCache:
             rotate: the caller's rotation of ``q`` and ``k``.
             tables: the forward's ``cos``/``sin`` ``[B, S, d]`` (called only when a kernel runs).
             model_rounding: whether ``rotate`` rounds each product and the sum to the model dtype.
+            qk_norm: ``(q_weight [d], k_weight [d], eps)``: the per-head norms of ``q`` and ``k`` (Qwen3's), applied
+                before the rotation inside the one launch; only where :meth:`one_launch_decode` (else a
+                ``ValueError``: the caller normalises first).
         """
-        kernel = (
-            not self.batch_invariant
-            and rotate_and_write_triton_available(q)
-            and all(t.stride(-1) == 1 for t in (q, k, v))
-        )
+        kernel = self._rotation_kernel(q, k, v)
+        if qk_norm is not None and not self.one_launch_decode(q, k, v):
+            raise ValueError("qk_norm is for the one-launch decode step only (see KVCache.one_launch_decode)")
         if kernel and self.mode == "prefill":
             cos, sin = tables()
             keys, values = self.keys[layer], self.values[layer]
@@ -321,6 +323,7 @@ class KVCache:
                     self._decode_mask,
                     scale,
                     model_rounding=model_rounding,
+                    qk_norm=qk_norm,
                 )
             q = rotate_and_write_triton(
                 q,
@@ -336,6 +339,27 @@ class KVCache:
             return self._decode_attention(layer, q, scale)
         q, k = rotate(q, k)
         return self.attend(layer, q, k, v, scale)
+
+    def _rotation_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether :meth:`attend_rotated` rotates ``q``/``k`` and writes the cache with a Triton kernel."""
+        return (
+            not self.batch_invariant
+            and rotate_and_write_triton_available(q)
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+        )
+
+    def one_launch_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether :meth:`attend_rotated` of ``q [B, H, S, d]``, ``k``/``v [B, G, S, d]`` is a decode step in one
+        launch (rotation, cache write and attention:
+        :func:`~ppo_core_decode.decode_rotary_attention.rotate_write_attend_triton`), the one path that also takes
+        the per-head query and key norms (``qk_norm``)."""
+        return (
+            self._rotation_kernel(q, k, v)
+            and self.mode == "decode"
+            and q.shape[2] == 1
+            and FUSED_DECODE
+            and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa"
+        )
 
     def _decode_attention(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         keys, values = self.keys[layer], self.values[layer]

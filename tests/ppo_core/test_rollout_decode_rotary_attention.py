@@ -574,3 +574,84 @@ def _unused_rotation(q, k):
 
 def _unused_tables():
     raise AssertionError("the caller's rotation needs no tables")
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+@pytest.mark.parametrize(("rep", "split"), [(2, 1), (2, 2), (1, 1), (4, 3)])
+def test_qk_norm_in_the_launch_is_the_models_norms_before_it(device, dtype, rep, split) -> None:
+    """Qwen3's per-head query and key norms inside the launch (``qk_norm``) against the model's norm
+    (``rms_norm_as_model``: eager on the CPU, compiled on CUDA) of the same views before the launch without them:
+    the same outputs and cache up to the order of the fp32 sum of squares (one step of the dtype at most)."""
+    from ppo_core_decode.eager_rounding import rms_norm_as_model
+
+    g, d, length, kv_len, slot = 2, 32, 40, 40, 37
+    q, k, v, cos, sin, cache, bias = _step(
+        3, g * rep, g, d, length, kv_len, slot, dtype, device, seed=5 + rep
+    )
+    gen = torch.Generator().manual_seed(6)
+    q_w = (1 + 0.5 * torch.randn(d, generator=gen)).to(dtype).to(device)
+    k_w = torch.randn(d, generator=gen).to(dtype).to(device)  # signs too, unlike q's
+    eps = 1e-6
+    index = torch.tensor(slot, device=device)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    tiling = {"model_rounding": True, "block_l": 16, "split": split}
+    want = rotate_write_attend_triton(
+        rms_norm_as_model(q, q_w, eps),
+        rms_norm_as_model(k, k_w, eps),
+        v,
+        cos.to(dtype),
+        sin.to(dtype),
+        *want_cache,
+        index,
+        bias,
+        0.3,
+        **tiling,
+    )
+    got = rotate_write_attend_triton(
+        q, k, v, cos.to(dtype), sin.to(dtype), *got_cache, index, bias, 0.3, qk_norm=(q_w, k_w, eps), **tiling
+    )
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, **SPLIT_TOLERANCE[dtype])
+    written = (slice(None), slice(None), slice(None), slice(0, slot + 1))
+    torch.testing.assert_close(got_cache[written], want_cache[written], **SPLIT_TOLERANCE[dtype])
+    assert got_cache[:, :, :, slot + 1 :].isnan().all()  # nothing written past the slot
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_norm_weights_are_checked(device) -> None:
+    q, k, v, cos, sin, cache, bias = _step(2, 4, 2, 16, 8, 8, 3, torch.float32, device, seed=1)
+    index = torch.tensor(3, device=device)
+    w = torch.ones(16, device=device)
+    for bad, match in (
+        ((w[:8], w, 1e-6), r"q_weight must be \[16\]"),
+        ((w, w.half(), 1e-6), "k_weight must be"),
+        ((w, w), r"\(q_weight, k_weight, eps\)"),
+        ((w, torch.ones(16, 2, device=device)[:, 0], 1e-6), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            rotate_write_attend_triton(
+                q, k, v, cos, sin, *cache, index, bias, model_rounding=False, qk_norm=bad
+            )
+
+
+def test_qk_norm_is_refused_off_the_one_launch_decode_step() -> None:
+    """The norms go into the one launch only: asked of another path (here the CPU's), the caller must normalise."""
+    cache = KVCache.allocate(
+        layers=1, batch=1, kv_heads=1, head_dim=4, length=4, dtype=torch.float32, device="cpu"
+    )
+    q = k = v = torch.zeros(1, 1, 1, 4)
+    assert not cache.one_launch_decode(q, k, v)
+    with pytest.raises(ValueError, match="one-launch decode step only"):
+        cache.attend_rotated(
+            0,
+            q,
+            k,
+            v,
+            lambda q, k: (q, k),
+            lambda: (q, q),
+            model_rounding=False,
+            qk_norm=(q[0, 0, 0],) * 2 + (1e-6,),
+        )

@@ -85,3 +85,49 @@ def test_qwen3_engine_with_one_norm_kernel_is_the_models_modules() -> None:
     ]
     assert torch.equal(outs[0]["responses"], outs[1]["responses"])
     assert torch.equal(outs[0]["rollout_log_probs"], outs[1]["rollout_log_probs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_qwen3_decode_steps_take_the_norms_into_the_attention_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a Qwen3 decode step passes its q/k norms to the one-launch attention (a launch a layer less), and
+    draws what the step with the norms before that launch draws (greedy), log-probs within bf16 noise."""
+    transformers = pytest.importorskip("transformers")
+    from ppo_core.rollout import SamplingConfig
+    from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
+
+    config = transformers.Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(config).eval().to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(-1.5, 1.5)
+    prompts = torch.randint(1, 128, (6, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones_like(prompts)
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    chosen = []
+    in_kernel = _LlamaFamilyForward._qk_norm_in_kernel
+
+    def recording(self, *args):
+        out = in_kernel(self, *args)
+        chosen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_LlamaFamilyForward, "_qk_norm_in_kernel", recording)
+    fused = HFRolloutEngine(model, cuda_graphs=False).generate(prompts, mask, greedy)
+    assert any(chosen) and not all(chosen)  # the decode steps, not the prefill
+    monkeypatch.setattr(_LlamaFamilyForward, "_qk_norm_in_kernel", lambda self, *args: None)
+    before = HFRolloutEngine(model, cuda_graphs=False).generate(prompts, mask, greedy)
+    assert torch.equal(fused["responses"], before["responses"])
+    torch.testing.assert_close(fused["rollout_log_probs"], before["rollout_log_probs"], atol=2e-2, rtol=0)
