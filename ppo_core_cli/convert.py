@@ -167,6 +167,14 @@ def convert_gguf(
     _check_magic(gguf_file)
     key = _source_key(gguf_file, dtype)
     start = time.perf_counter()
+    # transformers' own progress bars are off in the command (one line a run, not one bar a file): say what the
+    # wait is for, the dequantization takes tens of seconds on a CPU for a 100 MB file
+    logger.info(
+        "reading %s (%.0f MB) and dequantizing its weights into %s: this takes a while on a CPU",
+        gguf_file,
+        os.path.getsize(gguf_file) / 1e6,
+        dtype,
+    )
     model, tokenizer = _load_gguf(gguf_file, dtype)
     tokens = resolve_special_tokens(tokenizer, where=gguf_file)
     tokenizer.eos_token, tokenizer.pad_token = tokens.eos_token, tokens.pad_token

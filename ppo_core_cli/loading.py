@@ -31,7 +31,7 @@ from ppo_core._config_base import ConfigBase
 from ppo_core.rollout.engine_config import RolloutEngineConfig
 from ppo_core.rollout.registry import AUTO, rollout_engine_config, rollout_engine_names
 from ppo_core.trainer.presets import PRESETS, apply_preset, preset_overridden
-from ppo_core_cli.aliases import canonical_job_tree
+from ppo_core_cli.aliases import ALIASES, canonical_job_tree
 from ppo_core_cli.config import JobConfig, worker_config_classes
 from ppo_core_cli.worker_kinds import worker_kind_names
 
@@ -60,6 +60,19 @@ def _dict_value_class(tp: Any) -> type[ConfigBase] | None:
     return None
 
 
+def _valid_keys(fields: set[str], prefix: str) -> str:
+    """What an unknown key's error lists: the keys at ``prefix`` (dotted, ending in ``.``), without those deprecated
+    for a key elsewhere (:data:`~ppo_core_cli.aliases.ALIASES`), which it names with their new place instead."""
+    where = f" under {prefix[:-1]}" if prefix else ""
+    if not fields:
+        return f"{prefix[:-1]} takes no keys here"
+    moved = {name: ALIASES[prefix + name] for name in sorted(fields) if prefix + name in ALIASES}
+    text = f"valid keys{where}: {', '.join(sorted(fields - set(moved)))}"
+    if moved:
+        text += "; moved: " + ", ".join(f"{prefix}{old} -> {new}" for old, new in moved.items())
+    return text
+
+
 def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, workers: str) -> None:
     """Raise ``ValueError`` naming the first key of ``data`` (at any depth) that ``cls`` has no field for."""
     hints = typing.get_type_hints(cls)
@@ -67,13 +80,7 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            where = f" under {prefix[:-1]}" if prefix else ""
-            valid = (
-                f"valid keys{where}: {', '.join(sorted(fields))}"
-                if fields
-                else f"{prefix[:-1]} takes no keys here"
-            )
-            raise FieldValueError(path, f"; {valid}", before="unknown config key ")
+            raise FieldValueError(path, f"; {_valid_keys(fields, prefix)}", before="unknown config key ")
         if not isinstance(value, Mapping):
             continue
         if path in ("actor.worker", "critic.worker"):

@@ -119,7 +119,18 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``weight`` or ``bias`` of another dtype than ``x`` (as ``F.linear`` refuses them: a silent
+            conversion would copy the weight at every call and change what the product computes).
     """
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise ValueError(
+                f"invariant_linear: x is {str(x.dtype).removeprefix('torch.')} but {name} is "
+                f"{str(t.dtype).removeprefix('torch.')}; they must share one dtype (convert the layer, as F.linear "
+                "requires too)"
+            )
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     run = _linear_triton if linear_path(x, weight) == "triton" else linear_chunked
@@ -251,8 +262,6 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    if weight.dtype != x.dtype:
-        weight = weight.to(x.dtype)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

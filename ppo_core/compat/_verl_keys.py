@@ -47,7 +47,12 @@ A, R, F, M, C = (
 
 
 class Unsupported(Exception):
-    """Raised by a rule's ``convert`` when the value asks for something ppo-core does not do."""
+    """Raised by a rule's ``convert`` when the value asks for something ppo-core does not do; ``key``: the verl key
+    at fault where it is another key than the rule's own (a value the rule reads), so that the error names it."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -136,9 +141,12 @@ def _logprobs_mode(value: Any, get: Reader) -> Any:
 
 
 def _int(value: Any, key: str) -> int:
-    """``value`` if it is an int; :class:`Unsupported` naming ``key`` otherwise (it is used in arithmetic)."""
+    """``value`` if it is an int; :class:`Unsupported` naming ``key`` otherwise (it is used in arithmetic). A
+    ``key`` that is a verl key (dotted) is the error's :attr:`Unsupported.key`."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Unsupported(f"{key} must be an int, got {type(value).__name__} {value!r}")
+        raise Unsupported(
+            f"{key} must be an int, got {type(value).__name__} {value!r}", key=key if "." in key else None
+        )
     return value
 
 

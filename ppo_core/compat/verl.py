@@ -158,7 +158,13 @@ def convert_verl(cfg: VerlInput, overrides: Sequence[str] = ()) -> VerlConversio
         try:
             converted = rule.convert(value, reader)
         except (Unsupported, TypeError) as err:  # TypeError: a value of a type the conversion cannot use
-            if given or not isinstance(rule.default, Ref):  # else the key it follows says it
+            at = getattr(err, "key", None)
+            # a value this rule reads is at fault: named once, as itself
+            if at is not None and at != rule.key:
+                problem = f"{at}={reader(at)!r}: {err}"
+                if problem not in problems:
+                    problems.append(problem)
+            elif given or not isinstance(rule.default, Ref):  # else the key it follows says it
                 problems.append(f"{rule.key}={value!r}: {err}")
             continue
         if converted is SKIP:  # nothing to set: say why, for a key the input gives

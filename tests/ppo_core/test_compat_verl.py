@@ -226,6 +226,26 @@ def test_every_unmappable_key_is_listed_in_one_error():
     assert "grpo" in message  # the valid estimators are listed
 
 
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("actor_rollout_ref", "rollout.n", "two"),
+        ("trainer", "nnodes", 1.5),
+        ("trainer", "n_gpus_per_node", True),
+    ],
+)
+def test_a_value_other_rules_read_is_named_as_itself_once(section, key, value):
+    """``rollout.n`` multiplies the actor's and critic's mini-batch sizes, the world size divides the micro-batch
+    sizes: a value of the wrong type is reported once, under its own key, not under each key whose conversion
+    read it."""
+    with pytest.raises(ValueError) as err:
+        ppo_config_from_verl(_verl(**{section: {key: value}}))
+    message = str(err.value)
+    assert f"{section}.{key}={value!r}: {section}.{key} must be an int" in message
+    assert message.startswith("cannot convert 1 verl config key(s)"), message
+    assert "ppo_mini_batch_size=" not in message and "micro_batch_size" not in message
+
+
 def test_ignored_keys_are_skipped():
     cfg = ppo_config_from_verl(
         _verl(

@@ -70,6 +70,18 @@ def test_linear_path_follows_device_dtype_and_weight_width_never_the_row_count(m
     assert bi.linear_path(x32, narrow) == "chunked"  # a CPU tensor, not interpreting
 
 
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_linear_refuses_a_weight_or_bias_of_another_dtype(which):
+    """As ``F.linear`` does (a conversion at every call would copy the weight and change the product)."""
+    x, w, b = torch.randn(3, 4), torch.randn(2, 4), torch.randn(2)
+    if which == "weight":
+        w = w.double()
+    else:
+        b = b.half()
+    with pytest.raises(ValueError, match=f"invariant_linear: x is float32 but {which} is"):
+        invariant_linear(x, w, b)
+
+
 def test_linear_keeps_leading_dimensions():
     x, w = torch.randn(3, 5, 8), torch.randn(4, 8)
     assert torch.equal(invariant_linear(x, w), invariant_linear(x.reshape(15, 8), w).reshape(3, 5, 4))

@@ -208,6 +208,18 @@ def test_errors_name_the_dotted_key(overrides, exc, start):
     _raises(exc, start, TINY, *overrides)
 
 
+def test_an_unknown_worker_key_lists_the_moved_keys_apart():
+    """``actor.worker.rollout`` and ``actor.worker.use_kl_loss`` are deprecated aliases: the valid keys under
+    ``actor.worker`` leave them out and say where they moved."""
+    with pytest.raises(ValueError) as err:
+        load_job_config(TINY, ["actor.worker.bogus=1"])
+    message = str(err.value)
+    valid, moved = message.split("; valid keys under actor.worker: ")[1].split("; moved: ")
+    assert "ppo_epochs" in valid.split(", ")
+    assert not {"rollout", "use_kl_loss"} & set(valid.split(", "))
+    assert moved == "actor.worker.rollout -> rollout, actor.worker.use_kl_loss -> actor.use_kl_loss"
+
+
 def test_a_config_path_that_is_no_file_is_named(tmp_path):
     _raises(
         FileNotFoundError,

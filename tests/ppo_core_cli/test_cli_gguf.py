@@ -218,11 +218,19 @@ def test_the_job_converts_model_and_critic_paths(gguf_files, tmp_path):
     assert resolved.model.tokenizer_dir == resolved.model.path and job.model.path == folder
 
 
-def test_convert_command(gguf_files, tmp_path, capsys):
+def test_convert_command(gguf_files, tmp_path, capsys, caplog):
     out = str(tmp_path / "cmd")
-    assert main(["-q", "convert", gguf_files["q8"], out, "--dtype", "float16"]) == 0
+    with caplog.at_level(logging.INFO, logger="ppo_core_cli.convert"):
+        assert main(["convert", gguf_files["q8"], out, "--dtype", "float16"]) == 0
     assert f"checkpoint: {out}" in capsys.readouterr().out
     assert transformers.AutoConfig.from_pretrained(out).dtype == torch.float16
+    # what the wait is for, said before it (transformers' progress bars are off)
+    messages = [r.getMessage() for r in caplog.records if r.name == "ppo_core_cli.convert"]
+    assert (
+        messages[0].startswith(f"reading {gguf_files['q8']} (")
+        and "dequantizing its weights into float16" in messages[0]
+    )
+    assert messages[-1].startswith("converted the GGUF file")
 
 
 def _smollm2_file() -> str:
