@@ -304,16 +304,22 @@ class Worker:
 
     def resident_rollout_correction(self, batch: Any, config: Any) -> Any:
         """The rollout correction's weights (before the batch normalisation) and rejection mask of this rank's rows
-        (:func:`~ppo_core.workers.resident_ops.correction_rows`)."""
-        from ppo_core.workers.resident_ops import correction_rows
-
-        return correction_rows(batch, config)
+        (:func:`~ppo_core.workers.resident_ops.correction_rows`); the same pass's metric parts are kept for
+        :meth:`resident_rollout_correction_parts`."""
+        return self._correction_memo().rows(batch, config)
 
     def resident_rollout_correction_parts(self, batch: Any, config: Any) -> Any:
-        """This rank's rollout-correction parts (:func:`~ppo_core.workers.resident_ops.correction_parts`)."""
-        from ppo_core.workers.resident_ops import correction_parts
+        """This rank's rollout-correction parts (:func:`~ppo_core.workers.resident_ops.correction_parts`): those
+        :meth:`resident_rollout_correction` computed with its rows, where it just ran on the same tensors."""
+        return self._correction_memo().parts(batch, config)
 
-        return correction_parts(batch, config)
+    def _correction_memo(self) -> Any:
+        from ppo_core.workers.resident_ops import CorrectionPartsMemo
+
+        memo = self.__dict__.get("_resident_correction_memo")
+        if memo is None:
+            memo = self.__dict__["_resident_correction_memo"] = CorrectionPartsMemo()
+        return memo
 
     def resident_normalize_weights(self, batch: Any, mean: float) -> Any:
         """This rank's ``rollout_is_weights`` divided by the batch's mean

@@ -9,6 +9,8 @@ per-rank partial moments (:mod:`ppo_core.masked_moments`). ``docs/resident-batch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -23,8 +25,10 @@ __all__ = [
     "ROW_SCORES",
     "ROW_SCORE_SUM",
     "ROW_VALID",
+    "CorrectionPartsMemo",
     "correction_parts",
     "correction_rows",
+    "correction_rows_and_parts",
     "gae_rows",
     "policy_view",
     "prompt_rows",
@@ -199,15 +203,21 @@ def correction_rows(batch: TensorDictBase, config) -> TensorDict:
     ``response_mask``): ``rollout_is_weights`` ``[b, R]`` before the batch normalisation (with
     ``config.rollout_is``) and :data:`POLICY_MASK` (with ``config.rollout_rs``), the by-value step's rows bit for
     bit (:func:`~ppo_core.rollout_correction.partial.correction_rows`)."""
+    return correction_rows_and_parts(batch, config)[0]
+
+
+def correction_rows_and_parts(batch: TensorDictBase, config) -> tuple[TensorDict, Any]:
+    """:func:`correction_rows` and :func:`correction_parts` of the same rows from one pass over their tokens (the
+    weights, the rejection and the metrics' partials share every per-token term)."""
     from ppo_core.rollout_correction.partial import correction_rows as rows
 
-    weights, mask, _ = rows(*_correction_inputs(batch), config, with_parts=False)
+    weights, mask, parts = rows(*_correction_inputs(batch), config)
     out = {}
     if weights is not None:
         out[KEYS.rollout_is_weights] = weights
     if config.rollout_rs is not None:
         out[POLICY_MASK] = mask
-    return TensorDict(out, batch_size=batch.batch_size)
+    return TensorDict(out, batch_size=batch.batch_size), parts
 
 
 def correction_parts(batch: TensorDictBase, config):
@@ -217,6 +227,30 @@ def correction_parts(batch: TensorDictBase, config):
     from ppo_core.rollout_correction.partial import correction_rows as rows
 
     return rows(*_correction_inputs(batch), config)[2]
+
+
+class CorrectionPartsMemo:
+    """A rank's rollout-correction parts kept from the call that computed its rows (:func:`correction_rows_and_parts`)
+    for the call that asks for them next (the controller dispatches the rows, then gathers the parts): taken back
+    only for the same input tensors (the very objects) and an equal config, once; otherwise computed again
+    (:func:`correction_parts`)."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[tuple[torch.Tensor, ...], Any, Any] | None = None
+
+    def rows(self, batch: TensorDictBase, config) -> TensorDict:
+        out, parts = correction_rows_and_parts(batch, config)
+        self._kept = (_correction_inputs(batch), config, parts)
+        return out
+
+    def parts(self, batch: TensorDictBase, config):
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            inputs, kept_config, parts = kept
+            same = all(a is b for a, b in zip(inputs, _correction_inputs(batch), strict=True))
+            if same and kept_config == config:
+                return parts
+        return correction_parts(batch, config)
 
 
 def policy_view(batch: TensorDictBase) -> TensorDict:

@@ -148,3 +148,57 @@ def test_resident_rollout_correction_needs_the_rollout_log_probs(tmp_path) -> No
             trainer.fit()
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_rank_passes_over_its_tokens_once_a_step(tmp_path, monkeypatch, world) -> None:
+    """The rows (weights, rejection) and the metrics' parts share every per-token term: each rank computes them in
+    one pass a step, the parts kept for the controller's gather that follows the rows' dispatch."""
+    from ppo_core.rollout_correction import compute
+
+    calls = []
+    real = compute._correction_rows
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compute, "_correction_rows", counting)
+    _run(tmp_path, True, world, CORRECTIONS["token-tis-batch-normalized-with-rejection"])
+    steps = 3  # 12 prompts, 4 a step
+    assert len(calls) == steps * world
+    assert sum(calls) == steps * 4 * 2  # every row (4 prompts x n = 2) once a step
+
+
+def test_the_parts_memo_serves_only_the_rows_it_was_kept_for() -> None:
+    """Kept parts are given back once, for the very tensors and an equal config; anything else is computed again
+    (the same values either way)."""
+    from ppo_core.rollout_correction import RolloutCorrectionConfig
+    from ppo_core.workers.resident_ops import CorrectionPartsMemo, correction_parts
+
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(3, R, generator=gen)
+    batch = TensorDict(
+        {
+            "old_log_probs": old,
+            "rollout_log_probs": old + 0.1 * torch.randn(3, R, generator=gen),
+            "response_mask": torch.ones(3, R, dtype=torch.long),
+        },
+        batch_size=[3],
+    )
+    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5)
+    memo = CorrectionPartsMemo()
+    memo.rows(batch, config)
+    kept = memo._kept[2]
+    assert memo.parts(batch, config) is kept
+    again = memo.parts(batch, config)  # taken once: computed afresh, the same values
+    assert again is not kept and again == correction_parts(batch, config)
+    memo.rows(batch, config)
+    kept = memo._kept[2]
+    other = batch.clone()  # equal values, other tensors
+    assert memo.parts(other, config) is not kept
+    memo.rows(batch, config)
+    kept = memo._kept[2]
+    assert (
+        memo.parts(batch, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)) is not kept
+    )

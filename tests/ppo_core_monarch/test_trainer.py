@@ -87,8 +87,16 @@ def _run(task, path, resident: bool, algo: str, hosts: int = 0) -> tuple[dict, l
         ]
     )
     cfg = ppo_digits.make_config(args)
-    if algo == "grpo":  # no reference: plain GRPO
+    if algo in ("grpo", "grpo_corrected"):  # no reference: plain GRPO
         cfg["actor"]["use_kl_loss"] = cfg["actor"]["worker"]["use_kl_loss"] = False
+    if algo == "grpo_corrected":  # the rollout correction's weights, normalisation and rejection at the ranks
+        cfg["algorithm"]["rollout_correction"] = {
+            "rollout_is": "token",
+            "rollout_is_threshold": 2.0,
+            "rollout_is_batch_normalize": True,
+            "rollout_rs": "token_k1",
+            "rollout_rs_threshold": 2.0,
+        }
     if hosts:  # dp = 4: one mini-batch of the step's responses, which the four ranks share
         rows = cfg["data"]["train_batch_size"] * cfg["rollout"]["n"]
         for role in ("actor", "critic"):
@@ -129,9 +137,10 @@ def _run(task, path, resident: bool, algo: str, hosts: int = 0) -> tuple[dict, l
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(skip)} for r in records}, sent
 
 
-@pytest.mark.parametrize("algo", ["grpo", "grpo_kl", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "grpo_kl", "ppo", "grpo_corrected"])
 def test_resident_run_equals_the_by_value_run_on_two_processes(task, tmp_path, algo):
-    """On 2 Monarch processes (DDP over gloo), three steps with the batch resident equal the by-value run: every
+    """On 2 Monarch processes (DDP over gloo), three steps with the batch resident equal the by-value run (GRPO with
+    and without the KL loss, GRPO with the rollout correction's weights and rejection, PPO): every
     metric within 1e-6 relative (GRPO's per-row advantages and PPO's whitened ones are the same bits; what sums whitened
     advantages, e.g. the policy loss, is reduced from per-rank parts and compared at their unit scale), with
     fewer bytes sent through the controller."""
@@ -166,5 +175,12 @@ def _check_runs(task, tmp_path, algo, hosts=0):
             assert got == pytest.approx(value, rel=rel, abs=noise, nan_ok=True), (step, key)
     if algo == "ppo":
         assert "critic/vf_explained_var" in by_value[3] and "actor/reward_kl_penalty" in by_value[3]
+    if (
+        algo == "grpo_corrected"
+    ):  # the correction ran (weights normalised by the batch's mean, rejection counted)
+        assert {
+            "rollout_corr/rollout_is_batch_norm_factor",
+            "rollout_corr/rollout_rs_masked_fraction",
+        } <= set(by_value[3])
     if algo == "grpo_kl":
         assert "actor/kl_loss" in by_value[3] or any(k.startswith("actor/kl") for k in by_value[3])
