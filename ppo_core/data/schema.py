@@ -53,9 +53,20 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _messages(origin: RowOrigin, key: str, value: Any) -> list[dict[str, Any]]:
+def _missing(origin: RowOrigin, row: Mapping[str, Any], key: str, hint: str = "") -> PromptSchemaError:
+    """``key`` missing: null in the row, or (``hint`` added) no such column, the row's columns listed."""
+    if key in row:
+        return PromptSchemaError(origin, key, "missing")
+    columns = ", ".join(sorted(map(str, row))) or "none"
+    return PromptSchemaError(
+        origin, key, f"missing: the row has no such column (its columns: {columns}){hint}"
+    )
+
+
+def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+    value = row.get(key)
     if value is None:
-        raise PromptSchemaError(origin, key, "missing")
+        raise _missing(origin, row, key, "; data.prompt_key names the column of chat messages")
     if (
         isinstance(value, (str, bytes, Mapping))
         or not hasattr(value, "__len__")
@@ -114,10 +125,10 @@ def parse_prompt_row(
         ...
         ppo_core.data.schema.PromptSchemaError: a.jsonl row 3: prompt[0].role missing
     """
-    messages = _messages(origin, prompt_key, row.get(prompt_key))
+    messages = _messages(origin, row, prompt_key)
     source = row.get("data_source")
     if source is None:
-        raise PromptSchemaError(origin, "data_source", "missing")
+        raise _missing(origin, row, "data_source")
     if not isinstance(source, str) or not source:
         raise PromptSchemaError(origin, "data_source", f"must be a non-empty string, got {source!r}")
     reward_model = row.get("reward_model")
@@ -129,9 +140,9 @@ def parse_prompt_row(
     if reward_model is not None:
         ground_truth = reward_model.get("ground_truth")
     if ground_truth is None and require_ground_truth:
-        raise PromptSchemaError(
-            origin, "reward_model" if reward_model is None else "reward_model.ground_truth", "missing"
-        )
+        if reward_model is None:
+            raise _missing(origin, row, "reward_model")
+        raise PromptSchemaError(origin, "reward_model.ground_truth", "missing")
     if isinstance(ground_truth, numbers.Real) and not math.isfinite(float(ground_truth)):
         # a null in a float column reads as NaN: no reference answer, which no scorer can compare with
         raise PromptSchemaError(

@@ -254,6 +254,19 @@ def test_jsonl_schema_errors_name_file_row_and_field(tmp_path, override, message
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("column", ["prompt", "data_source", "reward_model"])
+def test_an_absent_column_is_told_from_a_null_and_the_columns_are_listed(tmp_path, column):
+    rows = [_row(i) for i in range(2)]
+    rows[1]["question"] = rows[1].pop(column)
+    path = _jsonl(tmp_path / "renamed.jsonl", rows)
+    with pytest.raises(PromptSchemaError) as info:
+        load_prompt_dataset(path, CountingTokenizer(), max_prompt_length=100)
+    message = str(info.value)
+    assert message.startswith(f"{path} row 1: {column} missing: the row has no such column (its columns: ")
+    assert "question" in message.split("its columns: ")[1]
+    assert ("data.prompt_key" in message) == (column == "prompt")
+
+
 def test_parquet_schema_errors_name_row_and_field(tmp_path):
     rows = [_row(i) for i in range(20)]
     rows[17]["prompt"][1] = {"content": "no role"}  # parquet fills the missing struct field with null
