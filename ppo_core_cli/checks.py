@@ -16,6 +16,11 @@ __all__ = ["check_eval_inputs", "check_output_file", "check_sft_inputs", "check_
 
 
 def _checkpoint_dir(key: str, path: str) -> None:
+    if os.path.isfile(path):  # a GGUF file was tried first (_model_source)
+        raise FileNotFoundError(
+            f"{key}={path!r} is a file, not a Hugging Face checkpoint directory (with its config.json) nor a GGUF "
+            "file"
+        )
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -48,6 +48,10 @@ def _error(capsys, *argv: str) -> str:
         ),
         ("model.path={r}/none", "model.path='{r}/none': no such directory"),
         ("model.path={r}/data", "model.path='{r}/data' is not a Hugging Face checkpoint directory"),
+        (
+            "model.path={r}/data/test.parquet",
+            "model.path='{r}/data/test.parquet' is a file, not a Hugging Face checkpoint directory",
+        ),
         ("model.tokenizer_path={r}/tok", "model.tokenizer_path='{r}/tok': no such directory"),
         ("model.critic_path={r}/data", "model.critic_path='{r}/data' is not a Hugging Face checkpoint"),
         (
