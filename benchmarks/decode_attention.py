@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,35 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
+from benchmarks._timing import CALLS_PER_GRAPH, graph_us
 
 # (H, G, d): Qwen3-0.6B's attention and Llama-3.2-1B's (the shapes of benchmarks/rollout_families.py)
 SHAPES = {"qwen3": (16, 8, 128), "llama": (32, 8, 64)}
-CALLS_PER_GRAPH = 20
-
-
-def graph_us(fn: Any, replays: int = 30) -> float:
-    """Median microseconds of one call of ``fn``, from replays of a CUDA graph of :data:`CALLS_PER_GRAPH` calls."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(times)
 
 
 def shape_entry(name: str, batch: int, length: int, slot: int) -> dict[str, Any]:

@@ -47,6 +47,29 @@ def test_tensors_that_are_not_adjacent_heads_are_refused() -> None:
     assert _adjacent_heads(q.flatten(2), k.flatten(2)) is None  # not [B, S, heads, d]
 
 
+def _qwen3(transformers, *, vocab: int, width: int, kv_heads: int, head_dim: int):
+    """A 2-layer Qwen3 of four query heads (seed 0, eval mode, fp32) whose q/k norm weights are unlike ones and
+    unlike each other (the keys' with signs)."""
+    config = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width * 3 // 2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(config).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(-1.5, 1.5)
+    return model
+
+
 def test_qwen3_engine_with_one_norm_kernel_is_the_models_modules() -> None:
     """Fused path (q/k norms in one call over the q/k/v product) against the model's own modules through the
     cache (the generic path): in bf16, where the fused path keeps the model's roundings, the same tokens and
@@ -56,23 +79,8 @@ def test_qwen3_engine_with_one_norm_kernel_is_the_models_modules() -> None:
     from ppo_core.rollout import SamplingConfig
     from ppo_core_decode.hf import HFRolloutEngine
 
-    config = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,  # G = 1: the keys' heads dim has size 1
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.Qwen3ForCausalLM(config).eval().to(dtype)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-                layer.self_attn.k_norm.weight.uniform_(-1.5, 1.5)
+    # G = 1: the keys' heads dim has size 1
+    model = _qwen3(transformers, vocab=64, width=32, kv_heads=1, head_dim=8).to(dtype)
     prompts = torch.randint(1, 64, (5, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompts)
     mask[0, :3] = 0
@@ -96,23 +104,7 @@ def test_qwen3_decode_steps_take_the_norms_into_the_attention_launch(monkeypatch
     from ppo_core.rollout import SamplingConfig
     from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
-    config = transformers.Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.Qwen3ForCausalLM(config).eval().to("cuda", torch.bfloat16)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-                layer.self_attn.k_norm.weight.uniform_(-1.5, 1.5)
+    model = _qwen3(transformers, vocab=128, width=64, kv_heads=2, head_dim=16).to("cuda", torch.bfloat16)
     prompts = torch.randint(1, 128, (6, 9), generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones_like(prompts)
     greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
