@@ -184,7 +184,7 @@ def _check(check: Callable[[Any], None], job: Any) -> None:
 
 def _sft(args: argparse.Namespace) -> int:
     from ppo_core_cli.checks import check_sft_inputs
-    from ppo_core_cli.sft import run_sft
+    from ppo_core_cli.sft import SFTInputError, run_sft
 
     job = _load(args)
     _check(check_sft_inputs, job)
@@ -201,13 +201,16 @@ def _sft(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError) as exc:  # a bad GGUF file: named in one line
             raise CommandError(str(exc)) from exc
         sft = dataclasses.replace(sft, model_path=model_dir)
-    result = run_sft(
-        sft,
-        dtype=job.model.dtype,
-        attn_implementation=job.model.attn_implementation,
-        eos_token=job.model.eos_token,
-        pad_token=job.model.pad_token,
-    )
+    try:
+        result = run_sft(
+            sft,
+            dtype=job.model.dtype,
+            attn_implementation=job.model.attn_implementation,
+            eos_token=job.model.eos_token,
+            pad_token=job.model.pad_token,
+        )
+    except SFTInputError as exc:
+        raise CommandError(str(exc)) from exc
     print(
         f"sft: {len(result.losses)} steps on {result.num_pairs} pairs in {result.seconds:.0f} s, loss "
         f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}"

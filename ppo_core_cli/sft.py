@@ -87,6 +87,11 @@ def tokenize_sft_pair(
     return SFTPair(input_ids=prompt + answer, loss_mask=[0] * len(prompt) + [1] * len(answer))
 
 
+class SFTInputError(ValueError):
+    """The pairs' files cannot make a warm-up (a row without its prompt or response, a pair past
+    ``sft.max_length``...): the command prints it as a ``ppo-core: error:`` line, no traceback."""
+
+
 def load_sft_pairs(
     files: str | Sequence[str],
     tokenizer: Any,
@@ -103,7 +108,12 @@ def load_sft_pairs(
     for origin, row in iter_prompt_rows(normalize_paths(files)):
         # only the messages are read here: the row need not carry a data source or a ground truth
         record = parse_prompt_row(
-            origin, {**row, "data_source": "sft"}, prompt_key=prompt_key, require_ground_truth=False
+            origin,
+            row,
+            prompt_key=prompt_key,
+            require_ground_truth=False,
+            prompt_key_name="sft.prompt_key",
+            default_data_source="sft",
         )
         response = row.get(response_key)
         if not isinstance(response, str) or not response:
@@ -199,14 +209,17 @@ def run_sft(
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, local_files_only=True)
     check_vocabulary_fits(tokenizer, cfg.model_path, cfg.model_path)
     tokens = resolve_special_tokens(tokenizer, eos_token=eos_token, pad_token=pad_token, where=cfg.model_path)
-    pairs = load_sft_pairs(
-        cfg.files,
-        tokenizer,
-        prompt_key=cfg.prompt_key,
-        response_key=cfg.response_key,
-        max_length=cfg.max_length,
-        eos_token_id=tokens.eos_token_id,
-    )
+    try:  # the files' contents (a row without its prompt, a pair too long...): one line, no traceback
+        pairs = load_sft_pairs(
+            cfg.files,
+            tokenizer,
+            prompt_key=cfg.prompt_key,
+            response_key=cfg.response_key,
+            max_length=cfg.max_length,
+            eos_token_id=tokens.eos_token_id,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise SFTInputError(str(exc)) from exc
     pad = tokens.pad_token_id
     model = load_causal_lm(cfg.model_path, dtype=dtype, attn_implementation=attn_implementation)
     model.train()

@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,8 +264,20 @@ def _check(conversion: VerlConversion, source: dict[str, str], reader: _Reader) 
         path = f"{prefix}{err.field}" if isinstance(err, _FieldError) else ""
         key = next((source[p] for p in _ancestors(path) if p in source), None)
         if key is None:
-            return ValueError(f"the converted verl config is not valid for ppo-core: {err}")
+            return ValueError(f"the converted verl config is not valid for ppo-core: {err}{_from_verl(err)}")
         return ValueError(f"verl's {key}={reader(key)!r} is not valid for ppo-core: {err}")
+
+    def _from_verl(err: Exception) -> str:
+        """The verl keys behind the ppo-core keys a rule across fields names (a mini-batch that does not divide
+        the step's responses...), each with its value and whether it is verl's default."""
+        text = str(err)
+        named = sorted(
+            {source[p] for p in source if re.search(rf"(?<![\w.]){re.escape(p)}(?![\w])", text) is not None}
+        )
+        if not named:
+            return ""
+        values = [f"{k}={reader(k)!r}{'' if reader.given(k) else ' (verl default)'}" for k in named]
+        return "; from verl's " + ", ".join(values)
 
     try:
         config = PPOConfig.from_dict(conversion.ppo_settings())

@@ -63,10 +63,10 @@ def _missing(origin: RowOrigin, row: Mapping[str, Any], key: str, hint: str = ""
     )
 
 
-def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str, key_name: str) -> list[dict[str, Any]]:
     value = row.get(key)
     if value is None:
-        raise _missing(origin, row, key, "; data.prompt_key names the column of chat messages")
+        raise _missing(origin, row, key, f"; {key_name} names the column of chat messages")
     if (
         isinstance(value, (str, bytes, Mapping))
         or not hasattr(value, "__len__")
@@ -103,6 +103,8 @@ def parse_prompt_row(
     *,
     prompt_key: str = "prompt",
     require_ground_truth: bool = True,
+    prompt_key_name: str = "data.prompt_key",
+    default_data_source: str | None = None,
 ) -> PromptRecord:
     """Validate ``row`` and return its :class:`PromptRecord`.
 
@@ -111,6 +113,8 @@ def parse_prompt_row(
         row: the row as read from the file.
         prompt_key: the column holding the chat messages.
         require_ground_truth: a missing ``reward_model.ground_truth`` is an error (True) or None (False).
+        prompt_key_name: the setting that names the prompt column, in the error for a row without it.
+        default_data_source: the data source of a row without one (None: such a row is an error).
 
     Raises:
         PromptSchemaError: (a ``ValueError``) naming the row and the dotted field.
@@ -125,8 +129,10 @@ def parse_prompt_row(
         ...
         ppo_core.data.schema.PromptSchemaError: a.jsonl row 3: prompt[0].role missing
     """
-    messages = _messages(origin, row, prompt_key)
+    messages = _messages(origin, row, prompt_key, prompt_key_name)
     source = row.get("data_source")
+    if source is None:
+        source = default_data_source
     if source is None:
         raise _missing(origin, row, "data_source")
     if not isinstance(source, str) or not source:

@@ -246,6 +246,19 @@ def test_a_value_other_rules_read_is_named_as_itself_once(section, key, value):
     assert "ppo_mini_batch_size=" not in message and "micro_batch_size" not in message
 
 
+def test_a_rule_across_fields_names_the_verl_keys_behind_it():
+    """verl's default mini-batch (256 prompts, 1024 responses at n = 4) against 8 prompts a step: the error names
+    ppo-core's keys and the verl keys (and values, defaults marked) they came from."""
+    with pytest.raises(ValueError) as err:
+        ppo_config_from_verl(_verl(data={"train_batch_size": 8}, actor_rollout_ref={"rollout.n": 4}))
+    message = str(err.value)
+    assert "actor.worker.ppo_mini_batch_size=1024 does not divide the responses of a step" in message
+    assert message.endswith(
+        "; from verl's actor_rollout_ref.actor.ppo_mini_batch_size=256 (verl default), "
+        "actor_rollout_ref.rollout.n=4, data.train_batch_size=8"
+    )
+
+
 def test_ignored_keys_are_skipped():
     cfg = ppo_config_from_verl(
         _verl(

@@ -109,6 +109,42 @@ def test_pairs_file_errors_name_the_row_and_field(tokenizer, tmp_path):
     ):
         load_sft_pairs(path, tokenizer, max_length=3)
     assert len(load_sft_pairs(path, tokenizer)) == 1
+    # the prompt under another column: the row's columns and the setting that names it
+    path = write_parquet([{"question": good["prompt"], "response": "#### 1"}], tmp_path / "renamed.parquet")
+    with pytest.raises(ValueError) as err:
+        load_sft_pairs(path, tokenizer)
+    assert str(err.value) == (
+        f"{path} row 0: prompt missing: the row has no such column (its columns: question, response); "
+        "sft.prompt_key names the column of chat messages"
+    )
+    assert len(load_sft_pairs(path, tokenizer, prompt_key="question")) == 1
+    # a data source is not needed, nor refused when null
+    path = write_parquet([{**good, "data_source": None}], tmp_path / "null_source.parquet")
+    assert len(load_sft_pairs(path, tokenizer)) == 1
+
+
+def test_the_command_names_a_bad_pairs_file_in_one_line(tmp_path, capsys):
+    """A row the warm-up cannot read stops ``ppo-core sft`` with one ``ppo-core: error:`` line (exit 2), as the
+    other commands' input errors do, not a traceback."""
+    import pathlib
+
+    from ppo_core.examples import make_example_data
+    from ppo_core_cli.main import main
+
+    ex = make_example_data(tmp_path / "ex", seed=0, n_train=8, n_test=4)
+    good = {"prompt": [{"role": "user", "content": "hi"}], "response": "#### 1"}
+    bad = write_parquet([good, {**good, "response": ""}], tmp_path / "bad.parquet")
+    tiny = pathlib.Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_cpu.yaml"
+    argv = [
+        f"vars.root={tmp_path / 'ex'}",
+        f"sft.model_path={ex.model_dir}",
+        f"sft.output_dir={tmp_path / 'o'}",
+    ]
+    capsys.readouterr()  # what making the example printed
+    assert main(["-q", "sft", str(tiny), *argv, f"sft.files=[{bad}]"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"ppo-core: error: {bad} row 1: response must be a non-empty string, got ''"], lines
+    assert not (tmp_path / "o").exists()
 
 
 def test_config_errors():
