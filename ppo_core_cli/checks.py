@@ -25,7 +25,9 @@ def _checkpoint_dir(key: str, path: str) -> None:
         raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         hint = ""
-        if os.path.isdir(os.path.join(path, "actor")):  # a training checkpoint (global_step_N) or its root
+        if os.path.isfile(os.path.join(path, "export", "config.json")):  # a run's folder
+            hint = f"; it looks like a run's folder: its exported model is {os.path.join(path, 'export')!r}"
+        elif os.path.isdir(os.path.join(path, "actor")):  # a training checkpoint (global_step_N) or its root
             hint = (
                 "; it looks like a training checkpoint: `ppo-core export CHECKPOINT_DIR OUT_DIR` writes its actor "
                 "as a Hugging Face directory (a run's {run_dir}/export already is one)"

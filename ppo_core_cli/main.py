@@ -161,8 +161,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _make_data(args: argparse.Namespace) -> int:
     from ppo_core.examples.make_data import run
+    from ppo_core_cli.checks import check_output_dir
 
     try:
+        check_output_dir("OUT_DIR", args.out_dir)  # a file there: one line, before anything is made
         data = run(args)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
@@ -403,9 +405,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_verl(args: argparse.Namespace) -> int:
+    from ppo_core_cli.checks import check_output_file
     from ppo_core_cli.verl_job import job_from_verl, write_job
 
     try:
+        check_output_file("-o", args.output)  # a folder there: one line, before the conversion
         converted = job_from_verl(args.config, args.overrides)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from exc

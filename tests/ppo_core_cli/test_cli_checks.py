@@ -243,3 +243,29 @@ def test_workers_that_need_cuda_are_refused_without_it_before_anything_loads(
     check_train_inputs(load_job_config(TINY, [f"vars.root={root}"]))  # the torch workers run anywhere
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_train_inputs(load_job_config(TINY, [f"vars.root={root}", "workers=megatron"]))
+
+
+def test_make_data_into_a_file_is_one_line(tmp_path, capsys):
+    """``make-data OUT_DIR`` where OUT_DIR is a file, or lies below one: named before anything is written."""
+    a_file = tmp_path / "job.yaml"
+    a_file.write_text("x: 1\n")
+    assert _error(capsys, "make-data", str(a_file)) == f"OUT_DIR {str(a_file)!r} is a file, not a folder"
+    below = str(a_file / "ex")
+    assert _error(capsys, "make-data", below) == f"OUT_DIR {below!r}: {str(a_file)!r} is a file, not a folder"
+    assert a_file.read_text() == "x: 1\n"
+
+
+def test_a_run_folder_as_the_model_points_at_its_export(root, capsys):
+    run = root / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text("{}")
+    err = _error(capsys, "eval", TINY, f"vars.root={root}", f"model.path={run}")
+    assert err.endswith(f"; it looks like a run's folder: its exported model is {str(run / 'export')!r}"), err
+
+
+def test_convert_verl_into_a_folder_is_one_line(tmp_path, capsys):
+    verl = tmp_path / "verl.yaml"
+    verl.write_text("actor_rollout_ref:\n  rollout:\n    n: 2\n")
+    assert _error(capsys, "convert-verl", str(verl), "-o", str(tmp_path)) == (
+        f"-o {str(tmp_path)!r} is a directory; name the file to write"
+    )
