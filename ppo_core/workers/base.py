@@ -304,7 +304,7 @@ class Worker:
 
     def resident_rollout_correction(self, batch: Any, config: Any) -> Any:
         """The rollout correction's weights (before the batch normalisation) and rejection mask of this rank's rows
-        (:func:`~ppo_core.workers.resident_ops.correction_rows`); the same pass's metric parts are kept for
+        (:func:`~ppo_core.workers.resident_ops.correction_rows_and_parts`); the same pass's metric parts are kept for
         :meth:`resident_rollout_correction_parts`."""
         return self._correction_memo().rows(batch, config)
 

@@ -27,7 +27,6 @@ __all__ = [
     "ROW_VALID",
     "CorrectionPartsMemo",
     "correction_parts",
-    "correction_rows",
     "correction_rows_and_parts",
     "gae_rows",
     "policy_view",
@@ -198,17 +197,13 @@ def _correction_inputs(batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tenso
     return batch.get(KEYS.old_log_probs), batch.get(KEYS.rollout_log_probs), batch.get(KEYS.response_mask)
 
 
-def correction_rows(batch: TensorDictBase, config) -> TensorDict:
-    """The rollout correction's row-local outputs of one rank's rows (``old_log_probs``, ``rollout_log_probs``,
-    ``response_mask``): ``rollout_is_weights`` ``[b, R]`` before the batch normalisation (with
-    ``config.rollout_is``) and :data:`POLICY_MASK` (with ``config.rollout_rs``), the by-value step's rows bit for
-    bit (:func:`~ppo_core.rollout_correction.partial.correction_rows`)."""
-    return correction_rows_and_parts(batch, config)[0]
-
-
 def correction_rows_and_parts(batch: TensorDictBase, config) -> tuple[TensorDict, Any]:
-    """:func:`correction_rows` and :func:`correction_parts` of the same rows from one pass over their tokens (the
-    weights, the rejection and the metrics' partials share every per-token term)."""
+    """The rollout correction of one rank's rows (``old_log_probs``, ``rollout_log_probs``, ``response_mask``) in
+    one pass over their tokens: the row-local outputs, ``rollout_is_weights`` ``[b, R]`` before the batch
+    normalisation (with ``config.rollout_is``) and :data:`POLICY_MASK` (with ``config.rollout_rs``), the by-value
+    step's rows bit for bit (:func:`~ppo_core.rollout_correction.partial.correction_rows`), and the
+    :func:`correction_parts` of the same rows (the weights, the rejection and the metrics' partials share every
+    per-token term)."""
     from ppo_core.rollout_correction.partial import correction_rows as rows
 
     weights, mask, parts = rows(*_correction_inputs(batch), config)
