@@ -299,7 +299,8 @@ class KVCache:
                 ``ValueError``: the caller normalises first).
         """
         kernel = self._rotation_kernel(q, k, v)
-        if qk_norm is not None and not self.one_launch_decode(q, k, v):
+        one_launch = kernel and self._one_launch_step(q)
+        if qk_norm is not None and not one_launch:
             raise ValueError("qk_norm is for the one-launch decode step only (see KVCache.one_launch_decode)")
         if kernel and self.mode == "prefill":
             cos, sin = tables()
@@ -310,7 +311,7 @@ class KVCache:
         if kernel and self.mode == "decode" and q.shape[2] == 1:
             cos, sin = (t[:, 0] for t in tables())  # [B, d]: the step's one position
             keys, values = self.keys[layer], self.values[layer]
-            if FUSED_DECODE and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa":
+            if one_launch:
                 return rotate_write_attend_triton(
                     q,
                     k,
@@ -353,9 +354,14 @@ class KVCache:
         launch (rotation, cache write and attention:
         :func:`~ppo_core_decode.decode_rotary_attention.rotate_write_attend_triton`), the one path that also takes
         the per-head query and key norms (``qk_norm``)."""
+        return self._rotation_kernel(q, k, v) and self._one_launch_step(q)
+
+    def _one_launch_step(self, q: torch.Tensor) -> bool:
+        """Whether a forward of ``q [B, H, S, d]`` whose rotation runs as a kernel (:meth:`_rotation_kernel`) is a
+        decode step in one launch: one token per row, :data:`FUSED_DECODE`, the Triton attention not turned off
+        (``PPO_CORE_DECODE_ATTENTION=sdpa``)."""
         return (
-            self._rotation_kernel(q, k, v)
-            and self.mode == "decode"
+            self.mode == "decode"
             and q.shape[2] == 1
             and FUSED_DECODE
             and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa"
