@@ -35,9 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._meta import emit
 from benchmarks._timing import CALLS_PER_GRAPH, graph_us
+from benchmarks.rollout_families import FAMILIES
 
-# (H, G, d): Qwen3-0.6B's attention and Llama-3.2-1B's (the shapes of benchmarks/rollout_families.py)
-SHAPES = {"qwen3": (16, 8, 128), "llama": (32, 8, 64)}
+
+def attention_shape(family: str) -> tuple[int, int, int]:
+    """``(H, G, d)`` of a family of ``benchmarks/rollout_families.py``: query heads, key-value heads, head width."""
+    config = FAMILIES[family][1]
+    heads = config["num_attention_heads"]
+    return heads, config["num_key_value_heads"], config.get("head_dim", config["hidden_size"] // heads)
+
+
+SHAPES = {name: attention_shape(name) for name in ("qwen3", "llama")}
+"""Qwen3-0.6B's attention and Llama-3.2-1B's, as the rollout benchmark builds them."""
 
 
 def shape_entry(name: str, batch: int, length: int, slot: int) -> dict[str, Any]:
