@@ -201,7 +201,16 @@ if triton is not None:
         kp = tl.load(k_row + partner)
         if QK_NORM:  # Qwen3's per-head norms of the queries and the key, before the rotation
             qt, qp = _head_norms(qt, qp, tl.load(QNorm + d), tl.load(QNorm + partner), norm_eps, D)
-            kt, kp = _head_norm(kt, kp, tl.load(KNorm + d), tl.load(KNorm + partner), norm_eps, D)
+            # the key as a one-head group: [1, D] and back
+            kt, kp = _head_norms(
+                tl.reshape(kt, (1, D)),
+                tl.reshape(kp, (1, D)),
+                tl.load(KNorm + d),
+                tl.load(KNorm + partner),
+                norm_eps,
+                D,
+            )
+            kt, kp = tl.reshape(kt, (D,)), tl.reshape(kp, (D,))
         q = _rotary(qt, qp, sign[None, :], cos[None, :], sin[None, :], MODEL_ROUNDING)
 
         # the new key (rotated) and value of this (row, group): stored for later steps, kept for this one
@@ -333,16 +342,6 @@ if triton is not None:
         a = (tf * inv).to(dtype).to(tl.float32)
         ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
         return (w.to(tl.float32)[None, :] * a).to(dtype), (wp.to(tl.float32)[None, :] * ap).to(dtype)
-
-    @triton.jit
-    def _head_norm(t, tp, w, wp, eps, D: tl.constexpr):
-        """:func:`_head_norms` of one head ``t [D]`` (the new key)."""
-        dtype = t.dtype
-        tf = t.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(tf * tf, axis=0) / D + eps)
-        a = (tf * inv).to(dtype).to(tl.float32)
-        ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
-        return (w.to(tl.float32) * a).to(dtype), (wp.to(tl.float32) * ap).to(dtype)
 
     @triton.jit
     def _prefetch_l2(

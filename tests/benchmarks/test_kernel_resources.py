@@ -1,0 +1,65 @@
+"""``benchmarks/kernel_resources.py`` compiles the decode kernels for Hopper without a GPU: where Triton is missing it
+says so; where it is there, every kernel of a decode step compiles under its register cap without spilling."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks import kernel_resources
+
+
+def _nvidia_triton() -> bool:
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists()
+
+
+@pytest.mark.skipif(_nvidia_triton(), reason="Triton with its NVIDIA backend is installed")
+def test_without_triton_it_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        kernel_resources.main([])
+    assert "needs Triton" in capsys.readouterr().err
+
+
+def test_under_the_interpreter_it_refuses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit):
+        kernel_resources.main([])
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _nvidia_triton(), reason="the family check comes after the Triton check")
+def test_an_unknown_family_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        kernel_resources.main(["--families", "gpt2"])
+    assert "gpt2" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _nvidia_triton(), reason="needs Triton with its NVIDIA backend")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")
+def test_qwen3s_decode_kernels_compile_for_hopper_under_their_caps() -> None:
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from ppo_core_decode.decode_rotary_attention import MAX_REGISTERS
+
+    getitem, active = JITFunction.__getitem__, driver._active
+    result = kernel_resources.main(["--families", "qwen3"])["results"]["qwen3"]
+    assert JITFunction.__getitem__ is getitem and driver._active is active  # launches run again afterwards
+    assert set(result) == set(kernel_resources.cases("qwen3", kernel_resources.torch.bfloat16))
+    for name, kernel in result.items():
+        assert kernel["local_bytes"] == 0 and kernel["stack_bytes"] == 0, name  # nothing spilled
+        assert kernel["sass_instructions"] > 0, name
+    for name in ("attention_one_launch", "attention_one_launch_split4"):
+        assert result[name]["kernel"] == "_rotate_write_attend_kernel"
+        assert result[name]["registers"] <= MAX_REGISTERS
+    # the products of one shape class share their machine code; the SwiGLU epilogue is another program
+    assert result["out_product"]["sass_sha"] == result["down_product"]["sass_sha"]
+    assert result["gate_up_product"]["sass_sha"] != result["out_product"]["sass_sha"]
