@@ -260,7 +260,9 @@ class JobConfig(PPOConfig):
     colocate: bool = True
     """Monarch: actor and critic share each process (one proc mesh); False: one mesh per role."""
     monarch: dict[str, Any] = field(default_factory=dict)
-    """Monarch group settings (:class:`ppo_core_monarch.MonarchConfig` fields: deadlines, ``device``...)."""
+    """Monarch group settings (:class:`ppo_core_monarch.MonarchConfig` fields: deadlines, ``device``...), checked
+    with the job where the ``monarch`` extra is installed (a mapping here because the CLI imports Monarch only
+    then)."""
     run_dir: str = "runs/ppo"
     """Run directory: metrics, plot, checkpoints and export go under it (see the module docstring)."""
     export_dir: str | None = None
@@ -308,6 +310,7 @@ class JobConfig(PPOConfig):
             )
         super().__post_init__()  # the trainer's cross-section rules (mini-batches, estimator and critic...)
         self._check_worker_relations()
+        self._check_monarch()
 
     # ----- typed worker sections ------------------------------------------------------------------------------
     def _typed_role(self, role: str) -> JobActorConfig | JobCriticConfig:
@@ -376,6 +379,16 @@ class JobConfig(PPOConfig):
         """The rules a job that is built may still break only through the workers' defaults (a job built from a
         few keys is fine to inspect, not to run): checked by ``ppo-core train`` before anything loads."""
         self.check_mini_batches(dict(self.effective_mini_batch_sizes()))
+
+    def _check_monarch(self) -> None:
+        """The ``monarch`` settings as :class:`ppo_core_monarch.MonarchConfig` checks them (errors name
+        ``monarch.<key>``), whatever the backend, where the ``monarch`` extra is installed; without it a
+        ``backend=monarch`` run stops where it imports Monarch."""
+        if not self.monarch:
+            return
+        monarch_config = monarch_config_class()
+        if monarch_config is not None:
+            _nested("monarch", lambda: monarch_config.from_dict(self.monarch))
 
     def _check_worker_relations(self) -> None:
         actor = self.actor.worker
@@ -477,6 +490,16 @@ class JobConfig(PPOConfig):
             trainer=trainer,
         )
 
+
+
+def monarch_config_class() -> type[ConfigBase] | None:
+    """:class:`ppo_core_monarch.MonarchConfig`, or None where the ``monarch`` extra is not installed (importing
+    ``ppo_core_monarch`` first sets Monarch's supervision poll, as a Monarch run does)."""
+    try:
+        from ppo_core_monarch.config import MonarchConfig
+    except ImportError:
+        return None
+    return MonarchConfig
 
 def worker_config_classes(workers: str) -> tuple[type[PPOActorConfig], type[PPOCriticConfig]]:
     """``(actor config class, critic config class)`` of the registered worker kind ``workers``."""

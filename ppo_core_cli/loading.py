@@ -32,7 +32,7 @@ from ppo_core.rollout.engine_config import RolloutEngineConfig
 from ppo_core.rollout.registry import AUTO, rollout_engine_config, rollout_engine_names
 from ppo_core.trainer.presets import PRESETS, apply_preset, preset_overridden
 from ppo_core_cli.aliases import ALIASES, canonical_job_tree
-from ppo_core_cli.config import JobConfig, worker_config_classes
+from ppo_core_cli.config import JobConfig, monarch_config_class, worker_config_classes
 from ppo_core_cli.worker_kinds import worker_kind_names
 
 __all__ = ["dump_job_config", "load_job_config", "package_dir", "parse_overrides"]
@@ -83,7 +83,11 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
             raise FieldValueError(path, f"; {_valid_keys(fields, prefix)}", before="unknown config key ")
         if not isinstance(value, Mapping):
             continue
-        if path in ("actor.worker", "critic.worker"):
+        if path == "monarch" and not prefix:  # a mapping in JobConfig: its keys are MonarchConfig's
+            monarch_config = monarch_config_class()
+            if monarch_config is not None:
+                _check_keys(monarch_config, value, "monarch.", workers)
+        elif path in ("actor.worker", "critic.worker"):
             actor_cls, critic_cls = worker_config_classes(workers)
             _check_keys(actor_cls if path == "actor.worker" else critic_cls, value, path + ".", workers)
         elif (sub := _config_class(hints[key])) is RolloutEngineConfig:
