@@ -55,14 +55,24 @@ def _type_error(path: str, expected: str, value: object) -> FieldTypeError:
     return FieldTypeError(path, f" must be {expected}, got {describe(value)}")
 
 
-def _nested(section: str, build: Callable[[], Any]) -> Any:
-    """Run ``build`` (the construction of a nested config); re-raise its errors under ``section``."""
+def _nested(section: str, build: Callable[[], Any], fields: Sequence[str] = ()) -> Any:
+    """Run ``build`` (the construction of a nested config); re-raise its errors under ``section``.
+
+    ``fields``: the config's field names, for checks written by others (a registered engine's ``__post_init__``
+    raising a plain ``ValueError("gpu_memory_utilization must be ...")``): a message that starts with one of them
+    is re-raised under ``section.<field>``, as the library's own field checks are.
+    """
     try:
         return build()
     except _FieldError as err:
         raise err.within(section).with_traceback(err.__traceback__) from None
     except (TypeError, ValueError) as err:  # a hand-written check that names several fields, or none
         cls = FieldTypeError if isinstance(err, TypeError) else FieldValueError
+        text = str(err)
+        named = [f for f in fields if text.startswith(f"{f} ")]
+        if named:
+            field = max(named, key=len)
+            raise cls(f"{section}.{field}", text[len(field) :]).with_traceback(err.__traceback__) from None
         raise cls(section, f": {err}").with_traceback(err.__traceback__) from None
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "HFRolloutEngine",
     "hf_engine",
     "supports_fast_path",
+    "unsupported_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -482,10 +483,46 @@ def _cached_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention-interface function: ``query [B, H, S, d]``, ``key``/``value [B, G, S, d]`` ->
-    ``[B, S, H, d]`` through the module's current :class:`KVCache`."""
+    ``[B, S, H, d]`` through the module's current :class:`KVCache`, with the layer's sliding window
+    (``sliding_window``) if it has one. What the cache's attention does not compute (soft-capped scores,
+    attention sinks) is refused by name rather than left out (:func:`unsupported_attention` says so before a
+    generation starts, for the models it knows)."""
+    refused = [name for name in _REFUSED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
+    if refused:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) calls its attention with "
+            f"{', '.join(f'{n} ({_REFUSED_ATTENTION_ARGUMENTS[n]})' for n in refused)}, which the hf rollout engine's "
+            "cached attention does not compute; sample this model with the reference engine "
+            "(rollout.engine: reference; SamplingConfig(engine='reference'))"
+        )
     cache: KVCache = module._ppo_core_kv_cache
-    out = cache.attend(module.layer_idx, query, key, value, scaling)
+    out = cache.attend(module.layer_idx, query, key, value, scaling, window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
+
+
+# attention-interface arguments the cached attention does not compute: their meaning, for the refusal
+_REFUSED_ATTENTION_ARGUMENTS = {
+    "softcap": "soft-capped attention scores",
+    "s_aux": "attention sinks",
+}
+
+
+def unsupported_attention(model: nn.Module) -> str | None:
+    """Why the ``hf`` engine cannot sample ``model`` exactly (a ``transformers`` causal LM), or None: its attention
+    soft-caps its scores (Gemma 2's ``attn_logit_softcapping``) or has attention sinks (GPT-OSS's ``sinks``), which
+    the engine's cached attention does not compute. ``auto`` then picks the reference engine (the model's own
+    cache). Sliding windows are computed (:meth:`KVCache.attend`'s ``window``)."""
+    cfg = getattr(model, "config", None)
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"its attention soft-caps its scores (config.attn_logit_softcapping={softcap})"
+    if any(
+        isinstance(getattr(m, "sinks", None), torch.Tensor)
+        for m in model.modules()
+        if hasattr(m, "layer_idx")
+    ):
+        return "its attention has attention sinks (a `sinks` parameter in its attention modules)"
+    return None
 
 
 def _register_attention() -> None:
@@ -543,6 +580,12 @@ class HFRolloutEngine(CachedRolloutEngine):
             )
         model = hf_model
         cfg = model.config
+        reason = unsupported_attention(model)
+        if reason is not None:
+            raise ValueError(
+                f"the hf rollout engine cannot sample {type(model).__name__} exactly: {reason}; use the reference "
+                "engine (rollout.engine: reference, or auto, which picks it for this model)"
+            )
         self.model = model
         self.fast_path = supports_fast_path(model) if fast_path is None else bool(fast_path)
         if self.fast_path and not supports_fast_path(model):

@@ -177,6 +177,7 @@ class KVCache:
         # one additive mask per step, shared by every layer (a boolean mask is converted by every attention call)
         self._filled, mask = _record_and_mask(self.key_valid, slot, fed_valid, self.keys[0].dtype)
         self._decode_mask = mask[:, None, None, :kv_len]
+        self._per_forward.clear()  # a new forward (the caller sets no positions here)
 
     def begin_decode_step(
         self,
@@ -199,7 +200,14 @@ class KVCache:
         return inputs.positions
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Write this forward's keys/values of ``layer`` and attend over the cache.
 
@@ -208,12 +216,61 @@ class KVCache:
             q: ``[B, H, S, d]`` queries (position embedding applied); ``S = P`` in prefill, 1 in decode.
             k, v: ``[B, G, S, d]`` keys (position embedding applied) and values; ``H`` a multiple of ``G``.
             scale: softmax scale (None: ``1 / sqrt(d)``).
+            window: a sliding window of this many slots (``transformers``' ``sliding_window``): the query of slot
+                ``i`` attends only to slots ``j > i - window``, besides the other rules; None: every slot. A
+                window as long as the cache changes nothing and costs nothing.
 
         Returns:
             ``[B, H, S, d]`` attention outputs (``[B, H, 1, d]`` with :attr:`last_query_only`).
         """
         self._write(layer, k, v)
+        if window is not None and window < self.length:
+            return self._attend_window(layer, q, k, v, scale, int(window))
         return self._attend_written(layer, q, k, v, scale)
+
+    def _attend_window(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int
+    ) -> torch.Tensor:
+        """:meth:`attend` with a sliding window shorter than the cache, once the keys and values are written: the
+        same attention with the slots outside the window masked too (one mask per forward and window, shared by
+        the layers that use it; capturable in a CUDA graph, since the step's slot stays on the device)."""
+        if window < 1:
+            raise ValueError(f"a sliding window must be >= 1 slot, got {window}")
+        if self.batch_invariant:
+            raise ValueError("the batch-invariant attention has no sliding window")
+        if self.mode == "prefill":
+            p = k.shape[2]
+            slots = torch.arange(p, device=q.device)
+            near = (slots[:, None] - slots[None, :]) < window  # [P, P]: key j within the window of query i
+
+            def make() -> torch.Tensor:
+                base = self.prefill_mask
+                if base is None:  # no padding: the causal mask
+                    base = torch.ones(p, p, dtype=torch.bool, device=q.device).tril()[None, None]
+                return base & near
+
+            mask = self.per_forward(("window", window, p), make)
+            last_only = self.last_query_only
+            if last_only:
+                q, mask = q[:, :, -1:], mask[:, :, -1:]
+            h, g = q.shape[1], k.shape[1]
+            if g != h:
+                k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+        def make_bias() -> torch.Tensor:
+            slots = torch.arange(self.kv_len, device=q.device)
+            outside = slots <= self.slot - window  # [kv_len]: too far behind the step's slot
+            # a row that ended more than a window ago has no valid slot left in it: it sees its own (padding)
+            # slot, so that its softmax stays finite (its output is never used); a running row's is valid anyway
+            own = slots == self.slot
+            return self._decode_mask.masked_fill(outside, float("-inf")).masked_fill(own, 0.0)
+
+        bias = self.per_forward(("window", window), make_bias)
+        keys, values = self.keys[layer], self.values[layer]
+        return decode_attention(
+            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], bias, scale, self._filled
+        )
 
     def _attend_written(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None

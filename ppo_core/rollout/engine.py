@@ -38,7 +38,11 @@ class RolloutEngine(Protocol):
     first EOS) and ``rollout_log_probs [B, R]``: the log-prob of each sampled token under the sampling
     distribution ``log_softmax(logits / T)`` (``T = 1`` when greedy), before top-p truncation, 0 on masked
     positions: the quantity ``compute_log_prob`` computes for the same tokens, up to the two engines' numerics.
-    ``R`` may be less than ``config.max_new_tokens`` only if every response ended.
+    ``R`` may be less than ``config.max_new_tokens`` only if every response ended. An engine may leave
+    ``rollout_log_probs`` out (the trainer then refuses only the settings that read them:
+    ``rollout.old_log_probs_from_rollout``, the rollout correction's bypass mode). The actor checks the keys, shapes
+    and dtypes of what it gets (:func:`~ppo_core.rollout.layout.check_rollout_output`) and names the engine when
+    they are wrong.
     """
 
     def generate(

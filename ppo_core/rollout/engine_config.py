@@ -50,6 +50,18 @@ class RolloutEngineConfig(ConfigBase):
         fixes at build time (``batch_invariant``) are read there; the others come with every call."""
         raise NotImplementedError(f"{type(self).__name__} must implement build(model, sampling)")
 
+    def build_checked(self, model: nn.Module, sampling: SamplingConfig) -> RolloutEngine:
+        """:meth:`build`, refusing by name what has no ``generate`` (a ``build`` that forgot its ``return``): what
+        ``generate()`` and the actor workers call."""
+        engine = self.build(model, sampling)
+        if not callable(getattr(engine, "generate", None)):
+            raise TypeError(
+                f"rollout engine {self.name or type(self).__name__!r}: {type(self).__name__}.build(model, sampling) "
+                f"returned {type(engine).__name__}, not a RolloutEngine (an object with "
+                "generate(prompts, prompt_mask, config, *, generator))"
+            )
+        return engine
+
 
 @dataclass(kw_only=True)
 class ReferenceEngineConfig(RolloutEngineConfig):

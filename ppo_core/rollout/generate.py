@@ -29,9 +29,10 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from ppo_core.models.hf import positions_from_mask
 from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id, vocab_size_of
-from ppo_core.rollout.registry import AUTO, auto_engine_name
+from ppo_core.rollout.registry import AUTO, auto_engine_name, hf_causal_lm
 from ppo_core.rollout.sampling import SamplingConfig, logits_of, sample_tokens
 
 __all__ = ["engine_for", "generate", "reference_generate"]
@@ -110,6 +111,9 @@ def reference_generate(
     device = prompts.device
     use_cache = config.use_cache and callable(getattr(model, "new_cache", None))
     cache = model.new_cache() if use_cache else None
+    # a transformers causal LM called directly counts positions from 0 at the first column, left padding included:
+    # its position ids are given, counted over the real tokens (a wrapper such as HFCausalLM does this itself)
+    counts_positions = hf_causal_lm(model) is model
     responses = torch.full((B, R), config.pad_token_id, dtype=torch.long, device=device)
     response_mask = torch.zeros(B, R, dtype=torch.long, device=device)
     log_probs = torch.zeros(B, R, dtype=torch.float32, device=device)
@@ -119,6 +123,8 @@ def reference_generate(
     for t in range(R if B else 0):  # B = 0: no row to decode, the empty outputs of the documented shapes
         if cache is not None:
             logits = logits_of(model(step_ids, attention_mask=mask, cache=cache))
+        elif counts_positions:
+            logits = logits_of(model(ids, attention_mask=mask, position_ids=positions_from_mask(mask)))
         else:
             logits = logits_of(model(ids, attention_mask=mask))
         last = logits[:, -1]
@@ -184,6 +190,6 @@ def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
         # an engine built for other options or an old placement is dropped (one engine per model and name)
         for stale in [k for k in slot if k[0] == name]:
             del slot[stale]
-        engine = settings.build(model, config)
+        engine = settings.build_checked(model, config)
         slot[key] = engine
     return engine

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from ppo_core._checks import check_ndim, check_tensor
 from ppo_core.keys import KEYS
 
-__all__ = ["rollout_batch"]
+__all__ = ["check_rollout_output", "rollout_batch"]
 
 
 def rollout_batch(
@@ -46,3 +46,68 @@ def rollout_batch(
     if rollout_log_probs is not None:
         out[KEYS.rollout_log_probs] = rollout_log_probs
     return TensorDict(out, batch_size=[prompts.shape[0]])
+
+
+_OUTPUT_KEYS = (KEYS.prompts, KEYS.responses, KEYS.input_ids, KEYS.attention_mask, KEYS.response_mask)
+"""What every rollout engine returns; ``rollout_log_probs`` is checked where given (the trainer asks for it where a
+setting needs it: ``rollout.old_log_probs_from_rollout``, the rollout correction's bypass mode)."""
+
+
+def check_rollout_output(out: object, rows: int, max_new_tokens: int, engine: str) -> TensorDictBase:
+    """``out``, what rollout engine ``engine`` returned for ``rows`` prompts, if it has the layout of
+    :class:`~ppo_core.rollout.engine.RolloutEngine` (shapes and dtypes only: no device sync); else a ``TypeError``
+    or ``ValueError`` naming the engine and what is wrong. Without it a response one column too wide (its mask and
+    log-probs too) trains on positions that are not the sampled tokens'.
+
+    Example:
+        >>> out = rollout_batch(torch.tensor([[0, 5]]), torch.tensor([[0, 1]]), torch.tensor([[6, 2]]),
+        ...                     torch.tensor([[1, 0]]), torch.zeros(1, 2))
+        >>> check_rollout_output(out, 1, 2, "mine") is out
+        True
+    """
+    what = f"rollout engine {engine}"
+    if not isinstance(out, TensorDictBase):
+        raise TypeError(
+            f"{what} returned {type(out).__name__}; a RolloutEngine returns a TensorDict of batch size [B]"
+        )
+    present = set(out.keys())
+    missing = [k for k in _OUTPUT_KEYS if k not in present]
+    if missing:
+        raise ValueError(
+            f"{what} returned no {', '.join(missing)} (a RolloutEngine returns {', '.join(_OUTPUT_KEYS)} and "
+            f"{KEYS.rollout_log_probs}); it returned {sorted(present)}"
+        )
+    keys = _OUTPUT_KEYS + ((KEYS.rollout_log_probs,) if KEYS.rollout_log_probs in present else ())
+    shapes = {k: tuple(out[k].shape) for k in keys}
+    if any(len(shape) != 2 or shape[0] != rows for shape in shapes.values()) or tuple(out.batch_size[:1]) != (
+        rows,
+    ):
+        raise ValueError(
+            f"{what} returned shapes {shapes} (batch size {list(out.batch_size)}) for {rows} prompts"
+        )
+    p, r = shapes[KEYS.prompts][1], shapes[KEYS.responses][1]
+    expected = {
+        KEYS.input_ids: p + r,
+        KEYS.attention_mask: p + r,
+        KEYS.response_mask: r,
+        KEYS.rollout_log_probs: r,
+    }
+    wrong = {k: shapes[k] for k, width in expected.items() if k in shapes and shapes[k][1] != width}
+    if wrong or r > max_new_tokens:
+        raise ValueError(
+            f"{what} returned responses of {r} columns (at most max_new_tokens={max_new_tokens}) after prompts of {p}; "
+            f"the other keys must match: input_ids and attention_mask {p} + {r}, response_mask and rollout_log_probs "
+            f"{r} (got {shapes})"
+        )
+    # (attention_mask is the caller's prompt mask and the response mask joined: it may take the caller's dtype)
+    floating = [
+        k
+        for k in keys
+        if k != KEYS.attention_mask and (k == KEYS.rollout_log_probs) != out[k].is_floating_point()
+    ]
+    if floating:
+        raise TypeError(
+            f"{what} returned {', '.join(f'{k} of {out[k].dtype}' for k in floating)}: token ids and masks are "
+            "integer (or bool) tensors, rollout_log_probs a floating-point one"
+        )
+    return out

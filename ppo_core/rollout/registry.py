@@ -134,8 +134,9 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
     ``build(model, sampling) -> RolloutEngine``. Deprecated: a function ``factory(model, config) ->
     RolloutEngine`` is accepted too (a warning; wrapped in a config class without settings).
 
-    Raises ``ValueError`` for the reserved name ``auto``, an empty name, or a name already registered (unless
-    ``replace=True``); ``TypeError`` for anything that is neither such a class nor callable.
+    Raises ``ValueError`` for the reserved name ``auto``, an empty name, or a name already registered to another
+    class (unless ``replace=True``; the same class defined again, as a reloaded module does, takes it back);
+    ``TypeError`` for a class that does not subclass ``RolloutEngineConfig`` and for anything else not callable.
 
     Example:
         >>> from dataclasses import dataclass
@@ -159,6 +160,11 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
                     f"rollout engine {name!r}: {item.__name__} must be a @dataclass(kw_only=True)"
                 )
             cls: type[RolloutEngineConfig] = item
+        elif isinstance(item, type):
+            raise TypeError(
+                f"rollout engine {name!r}: {item.__name__} must subclass ppo_core.rollout.RolloutEngineConfig "
+                "(a @dataclass(kw_only=True) of the engine's settings with build(model, sampling))"
+            )
         elif callable(item):
             warnings.warn(
                 f"register_rollout_engine({name!r}) of a factory function is deprecated: register a "
@@ -172,7 +178,7 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
                 f"rollout engine {name!r}: register a RolloutEngineConfig subclass (or, deprecated, a factory "
                 f"function), got {type(item).__name__}"
             )
-        if name in _CONFIGS and not replace:
+        if name in _CONFIGS and not replace and not _same_definition(_CONFIGS[name], cls):
             raise ValueError(
                 f"rollout engine {name!r} is already registered (pass replace=True to replace it)"
             )
@@ -181,6 +187,20 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
         return item
 
     return register
+
+
+def _same_definition(old: type | str, new: type) -> bool:
+    """Whether ``new`` is ``old`` defined again (the same module and qualified name, of the class or of a
+    deprecated factory: a module reloaded, a notebook cell run twice), which may take its name without
+    ``replace``. ``old`` may be a built-in entry's ``"module:Class"`` path."""
+
+    def definition(entry: type | str) -> str:
+        if isinstance(entry, str):
+            return entry
+        made_of = getattr(entry, "factory", entry)  # a factory's wrapper class: the factory
+        return f"{made_of.__module__}:{made_of.__qualname__}"
+
+    return definition(old) == definition(new)
 
 
 def rollout_engine_names() -> tuple[str, ...]:
@@ -229,7 +249,9 @@ def auto_engine_name(model: nn.Module, *, use_cache: bool = True) -> str:
     1. the model's own choice, when it has an ``auto_rollout_engine`` attribute (a string: a model class that
        knows its engine says so);
     2. ``hf`` for a Hugging Face causal LM (a ``transformers.PreTrainedModel`` with an ``lm_head``, or a wrapper
-       holding one as ``.model``) when ``use_cache``;
+       holding one as ``.model``) when ``use_cache``, unless its attention computes what the ``hf`` engine's cached
+       attention does not (soft-capped scores, attention sinks:
+       :func:`ppo_core_decode.hf.unsupported_attention`; logged);
     3. ``reference`` otherwise.
 
     Example:
@@ -240,8 +262,13 @@ def auto_engine_name(model: nn.Module, *, use_cache: bool = True) -> str:
     own = getattr(model, "auto_rollout_engine", None)
     if isinstance(own, str):
         return own
-    if use_cache and hf_causal_lm(model) is not None:
-        return "hf"
+    if use_cache and (hf := hf_causal_lm(model)) is not None:
+        from ppo_core_decode.hf import unsupported_attention
+
+        reason = unsupported_attention(hf)
+        if reason is None:
+            return "hf"
+        logger.info("rollout engine auto: reference for %s (%s)", type(hf).__name__, reason)
     return "reference"
 
 

@@ -128,7 +128,8 @@ class SamplingConfig(ConfigBase):
                     f" must be a {cls.__name__} (the settings of engine={self.engine!r}), got {type(given).__name__}",
                 )
             return given
-        return _nested("engine_config", lambda: cls.from_dict(given or {}))
+        names = [f.name for f in dataclasses.fields(cls)]
+        return _nested("engine_config", lambda: cls.from_dict(given or {}), fields=names)
 
     def sampling_fields(self) -> SamplingConfig:
         """This config's :class:`SamplingConfig` fields as a plain ``SamplingConfig``: how a section that extends it
@@ -161,7 +162,7 @@ class SamplingConfig(ConfigBase):
     def build_engine(self, model: nn.Module, *, auto: str | None = None) -> Any:
         """The rollout engine for ``model`` (:meth:`engine_settings` ``.build(model, self)``): an actor worker calls
         this once and reuses the engine for every step."""
-        return self.engine_settings(model, auto=auto).build(model, self)
+        return self.engine_settings(model, auto=auto).build_checked(model, self)
 
 
 def logits_of(output: object) -> torch.Tensor:

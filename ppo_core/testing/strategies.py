@@ -176,6 +176,15 @@ def group_ids(draw: st.DrawFn, group_sizes: Sequence[int], kind: str | None = No
     return ids
 
 
+def _check_range(name: str, low: int, high: int) -> None:
+    """``0 <= min_<name> <= max_<name>``, else a ``ValueError`` naming both (a strategy would otherwise draw sizes
+    outside what was asked)."""
+    if low < 0 or high < low:
+        raise ValueError(
+            f"ppo_batches: need 0 <= min_{name} <= max_{name}, got min_{name}={low}, max_{name}={high}"
+        )
+
+
 @st.composite
 def ppo_batches(
     draw: st.DrawFn,
@@ -198,8 +207,19 @@ def ppo_batches(
 
     Rewards are an outcome score on the last valid token of each row (``dense_rewards`` adds per-token noise on
     valid tokens too). Log-probs come from three nearby softmax policies over ``vocab_size`` tokens.
+    ``min_batch=0`` draws empty batches (``B = 0``) too, ``min_len=0`` zero-length responses (``T = 0``).
     """
-    drawn = draw(st.lists(st.integers(min_value=1, max_value=max_group_size), min_size=1, max_size=max_batch))
+    _check_range("batch", min_batch, max_batch)
+    _check_range("len", min_len, max_len)
+    if max_group_size < 1:
+        raise ValueError(f"ppo_batches: max_group_size must be >= 1, got {max_group_size}")
+    drawn = draw(
+        st.lists(
+            st.integers(min_value=1, max_value=max_group_size),
+            min_size=0 if min_batch == 0 else 1,
+            max_size=max_batch,
+        )
+    )
     group_sizes: list[int] = []
     for size in drawn:  # keep whole groups while they fit, then top up to min_batch with singletons
         if sum(group_sizes) + size <= max_batch:
@@ -220,7 +240,8 @@ def ppo_batches(
         scores = torch.randn(batch, generator=gen, dtype=torch.float64)
     rewards = torch.zeros(batch, seq_len, dtype=torch.float64)
     positions = torch.arange(seq_len).expand(batch, seq_len)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
+    last = torch.where(mask, positions, torch.full_like(positions, -1))
+    last = last.amax(dim=1) if seq_len else torch.full((batch,), -1, dtype=torch.long)
     has_valid = last >= 0
     rewards[has_valid.nonzero().squeeze(-1), last[has_valid]] = scores[has_valid]
     if dense_rewards:

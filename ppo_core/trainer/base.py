@@ -189,6 +189,44 @@ class BasePPOTrainer(abc.ABC):
                     f"{name} ({group.worker_cls.__name__}) lacks the @register-ed method(s) {missing} the trainer "
                     "calls (see docs/backends.md)"
                 )
+        self._warn_default_mini_batches(needed)
+
+    def _warn_default_mini_batches(self, groups: list[tuple[str, Any, list[str]]]) -> None:
+        """A library PPO worker (:class:`~ppo_core.workers.ppo.PPOWorkerBase`) whose section of the config is a
+        mapping without ``ppo_mini_batch_size`` takes the worker config's default (256), which the config's own
+        check cannot see; where it would not divide a step's responses, say so before the first rollout (a
+        warning: the worker may have been given other settings than the config's) instead of at the first
+        update."""
+        from ppo_core.workers.config import PPOWorkerConfig
+        from ppo_core.workers.ppo import PPOWorkerBase
+
+        cfg = self.config
+        rows = cfg.data.train_batch_size * cfg.rollout.n
+        default = PPOWorkerConfig.ppo_mini_batch_size
+        for name, group, _ in groups:
+            role = "actor" if name == "actor_wg" else "critic"
+            section = getattr(cfg, role).worker
+            worker_cls = getattr(group, "worker_cls", None)
+            if (
+                isinstance(section, Mapping)
+                and "ppo_mini_batch_size" not in section
+                and isinstance(worker_cls, type)
+                and issubclass(worker_cls, PPOWorkerBase)
+                and rows % default
+            ):
+                logger.warning(
+                    "%s.worker.ppo_mini_batch_size is not set, and %s's default (%d) does not divide the responses "
+                    "of a step, data.train_batch_size x rollout.n = %d x %d = %d: its first update will stop "
+                    "there. Set %s.worker.ppo_mini_batch_size to a divisor of %d.",
+                    role,
+                    worker_cls.__name__,
+                    default,
+                    cfg.data.train_batch_size,
+                    cfg.rollout.n,
+                    rows,
+                    role,
+                    rows,
+                )
 
     def shutdown(self) -> None:
         """Shut down every worker group (idempotent)."""

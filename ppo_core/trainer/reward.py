@@ -128,6 +128,11 @@ def _normalize(
         result, extra = result
     uids = list(batch.get("uid").tolist()) if "uid" in batch else None
     size = int(batch.batch_size[0])
+    if result is None or isinstance(result, (str, bytes, Mapping)):
+        raise TypeError(
+            f"the reward function returned {type(result).__name__}; it returns the scores of the {size} responses "
+            "([B] or token-level [B, R] numbers: a tensor, array or list), or (scores, extra_infos)"
+        )
     if width is None:
         token_scores = scores_to_token_level(result, batch["response_mask"], uids)
     else:

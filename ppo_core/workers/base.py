@@ -124,6 +124,19 @@ class Worker:
         ['double']
     """
 
+    _RESERVED = ("worker_layout", "set_dp_layout")
+    """What worker groups call on every worker to learn its layout: a subclass that redefines one (a method of its
+    own that happens to share the name) would break every data-parallel call, so it is refused by name."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        taken = [name for name in Worker._RESERVED if name in vars(cls)]
+        if taken:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(taken)}, which worker groups call on every worker to learn its "
+                "data-parallel layout (Worker's own: call set_dp_layout from __init__ instead); rename the method"
+            )
+
     def __init__(self) -> None:
         ctx = current_worker_context()
         self._rank = ctx.rank

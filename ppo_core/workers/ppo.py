@@ -38,6 +38,7 @@ from ppo_core.keys import KEYS
 from ppo_core.kl import kl_penalty
 from ppo_core.masked import masked_mean
 from ppo_core.rollout.engine import RolloutEngine, WeightReceiver
+from ppo_core.rollout.layout import check_rollout_output
 from ppo_core.workers._common import (
     check_keys,
     global_loss_denominators,
@@ -340,12 +341,14 @@ class PPOActorWorker(PPOWorkerBase):
         if overrides:
             cfg = type(cfg).from_dict({**cfg.to_dict(), **overrides})
         device = self.engine.device
+        prompts = batch[KEYS.input_ids]
         out = self.rollout.generate(
-            batch[KEYS.input_ids].to(device),
+            prompts.to(device),
             batch[KEYS.attention_mask].to(device),
             cfg,
             generator=self.generator,
         )
+        out = check_rollout_output(out, prompts.shape[0], cfg.max_new_tokens, type(self.rollout).__name__)
         return out.cpu() if self.is_collect_rank else None
 
     @register(dispatch=Dispatch.DP_COMPUTE, reads=FORWARD_KEYS)

@@ -109,3 +109,11 @@ def test_scores_to_token_level_rejects_non_finite_scores_naming_rows_and_uids():
         scores_to_token_level([0.0, 1.0, NAN], mask)
     with pytest.raises(ValueError, match=r"uids \[b\] \(rows \[1\]\)"):
         scores_to_token_level(torch.tensor([0.0, INF, 1.0]), mask, uids=["a", "b", "c"])
+
+
+@pytest.mark.parametrize("returned", [None, "0.5", {"score": [1.0, 0.0, 1.0, 0.0]}])
+def test_a_result_that_is_no_scores_says_what_a_reward_function_returns(pool, returned):
+    with pytest.raises(
+        RewardFunctionError, match=rf"returned {type(returned).__name__}; it returns the scores of the 4"
+    ):
+        call_reward_fn(lambda b: returned, _batch(), 7, pool).result()

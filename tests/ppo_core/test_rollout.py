@@ -244,3 +244,22 @@ def test_the_actor_samples_through_the_rollout_engine_it_is_given() -> None:
 
 def test_generate_is_re_exported_by_the_torch_workers() -> None:
     assert torch_generate is generate
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_left_padded_prompt_samples_as_alone_on_a_raw_absolute_position_model(use_cache: bool) -> None:
+    """GPT-2 (learned absolute positions) called directly, not through HFCausalLM: the reference loop (use_cache
+    False) and the hf engine count a row's positions from its first real token, so left padding changes
+    neither the tokens nor their log-probs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ).eval()
+    prompts = torch.tensor([[0, 0, 0, 0, 21, 22], [21, 22, 23, 24, 25, 26]])
+    mask = (prompts != 0).long()
+    config = SamplingConfig(max_new_tokens=4, temperature=0.0, use_cache=use_cache)
+    padded = generate(model, prompts, mask, config)
+    alone = generate(model, prompts[:1, 4:], mask[:1, 4:], config)
+    assert torch.equal(padded["responses"][:1], alone["responses"])
+    torch.testing.assert_close(padded["rollout_log_probs"][:1], alone["rollout_log_probs"])

@@ -31,6 +31,7 @@ from ppo_core.rollout import (
     rollout_engine_config,
     rollout_engine_names,
 )
+from ppo_core.trainer import PPOConfig
 from ppo_core.workers.torch import TorchActorConfig, TorchActorWorker
 
 transformers = pytest.importorskip("transformers")
@@ -106,8 +107,15 @@ def test_registration_errors() -> None:
         register_rollout_engine("auto")
     with pytest.raises(ValueError, match="non-empty"):
         register_rollout_engine("")
+
+    @dataclasses.dataclass(kw_only=True)
+    class OtherConfig(RolloutEngineConfig):
+        pass
+
     with pytest.raises(ValueError, match="already registered"):
-        register_rollout_engine("reference")(ReferenceEngineConfig)
+        register_rollout_engine("reference")(OtherConfig)
+    with pytest.raises(ValueError, match="already registered"):  # another factory under a factory's name
+        register_rollout_engine("hf")(lambda model, sampling: None)
     with pytest.raises(TypeError, match="RolloutEngineConfig subclass"):
         register_rollout_engine("not_callable_test")(42)  # type: ignore[arg-type]
 
@@ -116,6 +124,39 @@ def test_registration_errors() -> None:
 
     with pytest.raises(TypeError, match="dataclass"):
         register_rollout_engine("not_a_dataclass_test")(NotADataclass)
+
+    @dataclasses.dataclass(kw_only=True)
+    class NoBase:  # a settings class that forgot its base: refused at once, not wrapped as a factory
+        def build(self, model, sampling):
+            return None
+
+    with pytest.raises(TypeError, match=r"NoBase must subclass ppo_core\.rollout\.RolloutEngineConfig"):
+        register_rollout_engine("no_base_test")(NoBase)
+    assert "no_base_test" not in rollout_engine_names()
+
+
+def test_the_same_definition_registered_again_keeps_its_name() -> None:
+    """A module reloaded (or a notebook cell run twice) defines its config class again: the new class takes the
+    name without ``replace``; the built-ins' own classes too."""
+    namespace: dict = {}
+    source = (
+        "import dataclasses\n"
+        "from ppo_core.rollout import RolloutEngineConfig, register_rollout_engine\n"
+        "@register_rollout_engine('reloaded_test')\n"
+        "@dataclasses.dataclass(kw_only=True)\n"
+        "class ReloadedConfig(RolloutEngineConfig):\n"
+        "    def build(self, model, sampling):\n"
+        "        return None\n"
+    )
+    try:
+        for _ in range(2):
+            namespace = {"__name__": "reloaded_module"}
+            exec(compile(source, "reloaded_module.py", "exec"), namespace)
+        assert rollout_engine_config("reloaded_test") is namespace["ReloadedConfig"]
+        register_rollout_engine("reference")(ReferenceEngineConfig)  # itself again: nothing changes
+        assert rollout_engine_config("reference") is ReferenceEngineConfig
+    finally:
+        registry._CONFIGS.pop("reloaded_test", None)
     with pytest.raises(ValueError, match=r"valid names: auto, .*hf.*reference"):
         rollout_engine_config("nope")
     with pytest.raises(ValueError, match="auto_engine_name"):
@@ -132,7 +173,7 @@ def test_engine_config_is_checked_once_with_dotted_keys(counting: str) -> None:
         TorchActorConfig.from_dict({"rollout": {"engine": "hf", "engine_config": {"keep_cache": "no"}}})
     with pytest.raises(ValueError, match=r"unknown HFEngineConfig field\(s\) \['kvbucket'\]"):
         SamplingConfig(engine="hf", engine_config={"kvbucket": 64})
-    with pytest.raises(ValueError, match=r"^engine_config: label must not be empty"):
+    with pytest.raises(ValueError, match=r"^engine_config\.label must not be empty"):  # its own check, named
         SamplingConfig(engine=counting, engine_config={"label": ""})
     with pytest.raises(ValueError, match=r"^engine_config is set .* engine='auto'"):
         SamplingConfig(engine_config={"kv_bucket": 64})
@@ -354,3 +395,60 @@ def test_megatron_actor_picks_and_builds_its_engine_through_the_registry(countin
     assert isinstance(workers._default_rollout(*setup(attention="te"), view), ModelRolloutEngine)
     with pytest.raises(TypeError, match="MegatronActorWorker"):
         MegatronEngineConfig().build(view, SamplingConfig())
+
+
+def test_a_build_that_returns_no_engine_is_named() -> None:
+    """A ``build`` that forgot its ``return``: ``generate()`` and the actor's ``build_engine`` say which config
+    built what, instead of failing later on ``None.generate``."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class ForgetfulConfig(RolloutEngineConfig):
+        def build(self, model, sampling):
+            ReferenceEngineConfig().build(model, sampling)  # no return
+
+    register_rollout_engine("forgetful_test")(ForgetfulConfig)
+    try:
+        message = (
+            r"rollout engine 'forgetful_test': ForgetfulConfig\.build\(model, sampling\) returned NoneType"
+        )
+        with pytest.raises(TypeError, match=message):
+            generate(
+                _tiny(), torch.tensor([[1, 2]]), torch.ones(1, 2), SamplingConfig(engine="forgetful_test")
+            )
+        with pytest.raises(TypeError, match=message):
+            SamplingConfig(engine="forgetful_test").build_engine(_tiny())
+    finally:
+        registry._CONFIGS.pop("forgetful_test", None)
+
+
+def test_a_registered_engines_own_check_is_named_by_its_dotted_key() -> None:
+    """The registry's documented ``__post_init__`` raises a plain ``ValueError`` starting with the field's name:
+    the job's error names ``rollout.engine_config.<field>``, as the library's own checks do; a message that names
+    no field stays under the section."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class DocumentedConfig(RolloutEngineConfig):
+        gpu_memory_utilization: float = 0.5
+
+        def __post_init__(self) -> None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(
+                    f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                )
+            if self.gpu_memory_utilization == 0.25:
+                raise ValueError("a quarter of the memory is not enough for the engine")
+
+        def build(self, model, sampling):
+            return ReferenceEngineConfig().build(model, sampling)
+
+    register_rollout_engine("documented_test")(DocumentedConfig)
+    try:
+        section = {"engine": "documented_test"}
+        with pytest.raises(
+            ValueError, match=r"^rollout\.engine_config\.gpu_memory_utilization must be in \(0, 1\]"
+        ):
+            PPOConfig.from_dict({"rollout": {**section, "engine_config": {"gpu_memory_utilization": 2.0}}})
+        with pytest.raises(ValueError, match=r"^rollout\.engine_config: a quarter of the memory"):
+            PPOConfig.from_dict({"rollout": {**section, "engine_config": {"gpu_memory_utilization": 0.25}}})
+    finally:
+        registry._CONFIGS.pop("documented_test", None)

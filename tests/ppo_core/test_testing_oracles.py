@@ -191,3 +191,39 @@ def test_a_failing_property_reports_the_batch_in_a_few_lines():
     report = "\n".join(getattr(info.value, "__notes__", []))
     assert "PPOBatch(B=" in report
     assert len(report.splitlines()) <= 5, report
+
+
+def test_ppo_batches_draw_empty_batches_and_empty_responses_when_asked():
+    """``min_batch=0`` and ``min_len=0`` reach ``B = 0`` and ``T = 0`` (the library handles both; a user's property
+    test should meet them), and every drawn batch stays in the bounds asked for."""
+    seen = {"B=0": 0, "T=0": 0}
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(ppo_batches(min_batch=0, max_batch=3, min_len=0, max_len=2))
+    def draw(batch):
+        assert 0 <= batch.batch_size <= 3 and 0 <= batch.seq_len <= 2
+        assert sum(batch.group_sizes) == batch.batch_size
+        seen["B=0"] += batch.batch_size == 0
+        seen["T=0"] += batch.seq_len == 0
+        compute_gae(batch.token_level_rewards, batch.values, batch.response_mask, gamma=1.0, lam=1.0)
+
+    draw()
+    assert seen["B=0"] > 0 and seen["T=0"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_batch": 5, "max_batch": 3}, "min_batch=5, max_batch=3"),
+        ({"min_len": -1}, "min_len=-1"),
+        ({"max_group_size": 0}, "max_group_size must be >= 1"),
+    ],
+)
+def test_ppo_batches_refuse_bounds_they_cannot_keep(kwargs, message):
+    @settings(max_examples=1, deadline=None, database=None)
+    @given(ppo_batches(**kwargs))
+    def draw(batch):
+        pass
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        draw()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import math
 import os
 from typing import ClassVar
@@ -497,3 +498,32 @@ def test_resume_reproduces_the_uninterrupted_run_with_the_torch_workers(tmp_path
         assert got[step].keys() == reference[step].keys()
         for key, value in reference[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+
+
+def test_a_worker_left_at_the_default_mini_batch_is_warned_about_before_the_first_rollout(tmp_path, caplog):
+    """A config of mappings gives the library workers their default mini-batch (256), which 2 prompts x 2
+    responses do not fill: the warning names the keys at the start, before the run stops at the first update."""
+    cfg = make_config(tmp_path, trainer={"total_epochs": 1, "save_freq": 0})
+    trainer = TinyGPTTrainer(cfg, train_dataset=make_dataset(6), val_dataset=make_dataset(3, offset=1),
+                             reward_fn=reward_first_token)  # fmt: skip
+    try:
+        trainer.init_workers()
+        with caplog.at_level(logging.WARNING, logger="ppo_core.trainer.base"):
+            trainer._check_workers()
+        warned = [
+            r.getMessage() for r in caplog.records if "ppo_mini_batch_size is not set" in r.getMessage()
+        ]
+        assert [m.split(".")[0] for m in warned] == ["actor", "critic"]
+        assert "default (256) does not divide" in warned[0] and "= 2 x 2 = 4" in warned[0]
+        caplog.clear()
+        sized = make_config(
+            tmp_path,
+            actor={"worker": {"ppo_mini_batch_size": 4}},
+            critic={"worker": {"ppo_mini_batch_size": 2}},
+        )
+        trainer.config = sized
+        with caplog.at_level(logging.WARNING, logger="ppo_core.trainer.base"):
+            trainer._check_workers()
+        assert not [r for r in caplog.records if "ppo_mini_batch_size" in r.getMessage()]
+    finally:
+        trainer.shutdown()

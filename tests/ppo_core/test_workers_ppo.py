@@ -517,6 +517,49 @@ def test_generate_uses_the_rollout_engine_and_weights_reach_it() -> None:
     assert torch.equal(weights["table"], actor.engine.module.table)
 
 
+class Miswired(Sampler):
+    """A rollout engine that breaks its contract one way: what the actor says."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def generate(self, prompts, prompt_mask, config, *, generator):  # type: ignore[no-untyped-def]
+        out = super().generate(prompts, prompt_mask, config, generator=generator)
+        if self.fault == "wide":  # one column too many in the responses, their mask and log-probs
+            r = config.max_new_tokens + 1
+            return rollout_batch(
+                prompts, prompt_mask, torch.zeros(len(prompts), r, dtype=torch.long),
+                torch.ones(len(prompts), r, dtype=torch.long), torch.zeros(len(prompts), r),
+            )  # fmt: skip
+        if self.fault == "no_mask":
+            return out.exclude(KEYS.response_mask)
+        if self.fault == "float_mask":
+            out[KEYS.response_mask] = out[KEYS.response_mask].float()
+            return out
+        if self.fault == "dict":
+            return dict(out.items())
+        if self.fault == "short":
+            return out[:-1]
+        raise ValueError(self.fault)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "message"),
+    [
+        ("wide", ValueError, r"responses of 3 columns \(at most max_new_tokens=2\)"),
+        ("no_mask", ValueError, "returned no response_mask"),
+        ("float_mask", TypeError, "response_mask of torch.float32"),
+        ("dict", TypeError, "returned dict; a RolloutEngine returns a TensorDict"),
+        ("short", ValueError, "for 3 prompts"),
+    ],
+)
+def test_a_rollout_engines_output_is_checked_against_its_contract(fault, error, message) -> None:
+    actor = _actor({"rollout": {"max_new_tokens": 2}}, rollout=Miswired(fault))
+    with pytest.raises(error, match=rf"rollout engine Miswired .*{message}"):
+        actor.generate_sequences(_batch(3).select(KEYS.input_ids, KEYS.attention_mask))
+
+
 def test_engines_satisfy_the_protocols() -> None:
     assert isinstance(BigramEngine(), TrainingEngine)
     assert isinstance(BigramEngine(trainable=False), ForwardEngine)

@@ -3,6 +3,8 @@ in rank order. verl's default (``ALL_TO_ALL``) would instead expect one argument
 
 from __future__ import annotations
 
+import pytest
+
 from ppo_core.backends import LocalWorkerGroup
 from ppo_core.workers import Worker, register
 
@@ -16,3 +18,14 @@ class Echo(Worker):
 def test_register_without_a_mode_sends_the_same_arguments_to_every_rank() -> None:
     with LocalWorkerGroup(Echo, world_size=3) as wg:
         assert wg.tag("x") == ["x@0", "x@1", "x@2"]
+
+
+@pytest.mark.parametrize("name", ["worker_layout", "set_dp_layout"])
+def test_a_worker_cannot_redefine_what_groups_call_for_its_layout(name):
+    """A user method that happens to be called ``worker_layout`` would replace the layout every data-parallel call
+    asks for (each call then failing with a message about the layout): the class is refused where it is defined,
+    naming the method."""
+    with pytest.raises(TypeError, match=rf"Shadow defines {name}, which worker groups call"):
+        type("Shadow", (Worker,), {name: register()(lambda self: None)})
+    with pytest.raises(TypeError, match=rf"defines {name}"):  # without @register too
+        type("Shadow", (Worker,), {name: lambda self: None})
