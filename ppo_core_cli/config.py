@@ -491,7 +491,6 @@ class JobConfig(PPOConfig):
         )
 
 
-
 def monarch_config_class() -> type[ConfigBase] | None:
     """:class:`ppo_core_monarch.MonarchConfig`, or None where the ``monarch`` extra is not installed (importing
     ``ppo_core_monarch`` first sets Monarch's supervision poll, as a Monarch run does)."""
@@ -500,6 +499,7 @@ def monarch_config_class() -> type[ConfigBase] | None:
     except ImportError:
         return None
     return MonarchConfig
+
 
 def worker_config_classes(workers: str) -> tuple[type[PPOActorConfig], type[PPOCriticConfig]]:
     """``(actor config class, critic config class)`` of the registered worker kind ``workers``."""

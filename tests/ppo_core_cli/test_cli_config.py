@@ -199,7 +199,11 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
             ValueError,
             "unknown config key monarch.call_timeout; valid keys under monarch: call_timeout_s,",
         ),
-        (["backend=monarch", "monarch.call_timeout_s=abc"], TypeError, "monarch.call_timeout_s must be a float"),
+        (
+            ["backend=monarch", "monarch.call_timeout_s=abc"],
+            TypeError,
+            "monarch.call_timeout_s must be a float",
+        ),
         (["monarch.call_timeout_s=-1"], ValueError, "monarch.call_timeout_s must be a finite number > 0"),
         (["monarch.device=tpu"], ValueError, "unknown monarch.device 'tpu'; valid values: auto, cpu, cuda"),
         (["model.path=${vars.nope}"], ValueError, "model.path: cannot resolve an interpolation"),
