@@ -6,6 +6,9 @@ when they hold NaN or inf.
 
 NaN or inf at a *valid* entry raises ``ValueError`` naming ``values`` and the first such position (verl returns
 NaN). The check costs one host sync per call: it reads back whether the sum the statistic computes anyway is finite.
+Finite float32 (or half-precision) values whose sum, difference or squares overflow the accumulation dtype (values
+near ``3e38``) are not an error: ``masked_mean``, ``masked_var`` and ``masked_whiten`` then compute again in float64
+and round the result to the values' dtype (a variance beyond float32's range is ``inf``, as it is).
 
 Edge cases (a deliberate deviation from verl, see ``docs/semantics.md``):
 
@@ -44,13 +47,27 @@ def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 def _check_finite(total: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
     """One sync: ``total`` (a masked sum of ``values``, or of ``values`` minus a valid one) is non-finite iff a valid
     entry is, or the sum (or a difference) overflowed."""
-    if not bool(torch.isfinite(total).all()):
-        raise_first_nonfinite(
-            {"values": values},
-            mask,
-            "masked statistics need finite values where the mask is 1",
-            " valid (mask=1)",
+    _overflowed(torch.isfinite(total).all(), values, mask)
+
+
+def _overflowed(finite: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
+    """One sync on ``finite`` (whether every statistic came out finite): False when it did; a ``ValueError`` naming
+    the first NaN/inf where ``mask`` is 1; True when the values are finite and a statistic overflowed its
+    accumulation dtype (values near the dtype's largest: the caller computes again in float64)."""
+    if bool(finite):
+        return False
+    raise_first_nonfinite(
+        {"values": values},
+        mask,
+        "masked statistics need finite values where the mask is 1",
+        " valid (mask=1)",
+    )
+    if values.dtype == torch.float64:
+        raise ValueError(
+            "masked statistics of values overflow float64 (every valid value is finite, their sums or squares "
+            "are not); scale the values down"
         )
+    return True
 
 
 def _first_valid_index(mask: torch.Tensor) -> torch.Tensor:
@@ -165,7 +182,8 @@ def masked_mean(
     """
     values, mask = _prepare(values, mask)
     total = _sum_acc(values, mask, dim)
-    _check_finite(total, values, mask)
+    if _overflowed(torch.isfinite(total).all(), values, mask):  # finite values near the dtype's largest
+        return masked_mean(values.double(), mask, dim).to(values.dtype)
     return (total / _count(mask, dim, values.dtype).clamp(min=1)).to(values.dtype)
 
 
@@ -198,8 +216,10 @@ def masked_var(
     """
     values, mask = _prepare(values, mask)
     _, shifted, total = _centred(values.to(_acc_dtype(values.dtype)), mask, dim)
-    _check_finite(total, values, mask)
-    return _var(shifted, mask, total, unbiased, dim).to(values.dtype)
+    var = _var(shifted, mask, total, unbiased, dim)
+    if _overflowed(torch.isfinite(total).all() & torch.isfinite(var).all(), values, mask):
+        return masked_var(values.double(), mask, unbiased, dim).to(values.dtype)
+    return var.to(values.dtype)
 
 
 def _var(
@@ -246,8 +266,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """
     values, mask = _prepare(values, mask)
     reference, shifted, total = _centred(values.to(_acc_dtype(values.dtype)), mask, None)
-    _check_finite(total, values, mask)
     mean = total / _count(mask, None, shifted.dtype).clamp(min=1)  # of the shifted values
     var = _var(shifted, mask, total, True, None)
+    if _overflowed(torch.isfinite(total) & torch.isfinite(var), values, mask):
+        return masked_whiten(values.double(), mask, shift_mean).to(values.dtype)
     whitened = (shifted - mean) * torch.rsqrt(var + WHITEN_EPS)
     return (whitened if shift_mean else whitened + (reference + mean)).to(values.dtype)

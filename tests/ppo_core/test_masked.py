@@ -245,3 +245,31 @@ def test_large_common_offset_keeps_float32_precision() -> None:
     torch.testing.assert_close(
         masked_var(values, mask).double(), torch.tensor(var, dtype=torch.float64), rtol=1e-5, atol=0
     )
+
+
+@given(
+    st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=2, max_size=12),
+    st.floats(1e36, 3.4e38),
+)
+def test_float32_values_near_the_largest_give_the_float64_statistics(unit: list[float], scale: float) -> None:
+    """Finite float32 values whose sums or squares overflow float32: the statistics are computed again in float64
+    (no silent NaN, inf or zeros), then rounded to float32; a NaN at a valid entry still raises."""
+    x = (torch.tensor(unit, dtype=torch.float64) * scale).to(torch.float32)[None]
+    mask = torch.ones_like(x, dtype=torch.bool)
+    wide = x.double()
+    torch.testing.assert_close(masked_mean(x, mask), masked_mean(wide, mask).float())
+    torch.testing.assert_close(
+        masked_var(x, mask), masked_var(wide, mask).float()
+    )  # inf where float32 has none
+    torch.testing.assert_close(
+        masked_whiten(x, mask), masked_whiten(wide, mask).float(), atol=1e-5, rtol=1e-5
+    )
+    x[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"values contains NaN at 1 valid \(mask=1\) position"):
+        masked_whiten(x, mask)
+
+
+def test_float64_overflow_is_named() -> None:
+    x = torch.tensor([1.7e308, -1.7e308, 0.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="overflow float64"):
+        masked_var(x, torch.ones(3, dtype=torch.bool))
