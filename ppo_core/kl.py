@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
-from ppo_core._checks import check_choice, check_floating, check_same_shape
+from ppo_core._checks import check_choice, check_devices_match, check_floating, check_same_shape
 from ppo_core.logprobs import (
     DEFAULT_CHUNK_SIZE,
     _check_chunk_size,
@@ -173,6 +173,7 @@ def kl_penalty(
     logprob = check_floating("logprob", logprob)
     ref_logprob = check_floating("ref_logprob", ref_logprob)
     check_same_shape(logprob=logprob, ref_logprob=ref_logprob)
+    check_devices_match(logprob=logprob, ref_logprob=ref_logprob)
     straight_through = estimator.endswith("+")
     base = estimator.removesuffix("+")
 

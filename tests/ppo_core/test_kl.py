@@ -204,3 +204,10 @@ def test_errors_name_the_argument() -> None:
         kl_penalty(torch.zeros(2, 3, dtype=torch.long), lp, "kl")
     with pytest.raises(TypeError, match="estimator"):
         kl_penalty(lp, lp, None)
+
+
+def test_kl_penalty_names_arguments_on_other_devices():
+    """As the losses do: the two log-probs on different devices is an error naming both (torch's own message names
+    neither)."""
+    with pytest.raises(ValueError, match="ref_logprob is on meta but logprob is on cpu"):
+        kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3, device="meta"), "k1")
