@@ -655,3 +655,24 @@ def test_qk_norm_is_refused_off_the_one_launch_decode_step() -> None:
             model_rounding=False,
             qk_norm=(q[0, 0, 0],) * 2 + (1e-6,),
         )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 5, 40, 100])
+def test_the_decode_kernel_takes_a_sliding_windows_mask(device, window):
+    """The generic path's sliding window (``KVCache.attend(..., window=W)``) reaches the Triton decode kernel as
+    ``-inf`` bias on the slots ``W`` or more behind the step's: whole leading blocks masked, then a partly masked
+    block. The kernel gives SDPA's attention over the same bias."""
+    g = torch.Generator().manual_seed(window)
+    b, h, groups, d, length, slot = 3, 4, 2, 16, 150, 140
+    q = torch.randn(b, h, 1, d, generator=g).to(device)
+    k = torch.randn(b, groups, length, d, generator=g).to(device)
+    v = torch.randn(b, groups, length, d, generator=g).to(device)
+    valid = torch.rand(b, length, generator=g) > 0.2
+    valid[:, slot] = True
+    valid[:, slot + 1 :] = False
+    slots = torch.arange(length)
+    bias = torch.zeros(b, 1, 1, length).masked_fill(~valid[:, None, None, :], float("-inf"))
+    bias = bias.masked_fill(slots <= slot - window, float("-inf")).to(device)
+    out = decode_attention_triton(q, k, v, bias, filled=torch.tensor(slot + 1, device=device))
+    torch.testing.assert_close(out, decode_attention_sdpa(q, k, v, bias), atol=2e-6, rtol=2e-6)
