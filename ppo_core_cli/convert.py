@@ -143,7 +143,8 @@ def convert_gguf(
 ) -> str:
     """Convert ``gguf_file`` into a Hugging Face checkpoint folder ``out_dir`` (see the module docstring).
 
-    An existing ``out_dir`` is replaced only once the new folder is complete.
+    An existing ``out_dir`` is replaced only once the new folder is complete, and only if it is empty or an earlier
+    conversion; a folder holding anything else, or the GGUF file itself, is refused before any work.
 
     Args:
         gguf_file: the ``.gguf`` file.
@@ -155,7 +156,8 @@ def convert_gguf(
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a GGUF file, or one ``transformers`` cannot read (naming the file), or a bad dtype.
+        ValueError: not a GGUF file, one without weight tensors or one ``transformers`` cannot read (naming the
+            file); an output folder that may not be replaced; a bad dtype.
     """
     from ppo_core_cli.tokens import resolve_special_tokens
 
@@ -165,6 +167,8 @@ def convert_gguf(
     if not os.path.isfile(gguf_file):
         raise FileNotFoundError(f"the GGUF file {gguf_file!r} does not exist")
     _check_magic(gguf_file)
+    _check_out_dir(gguf_file, out)
+    _check_has_weights(gguf_file)
     key = _source_key(gguf_file, dtype)
     start = time.perf_counter()
     # transformers' own progress bars are off in the command (one line a run, not one bar a file): say what the
@@ -206,6 +210,48 @@ def convert_gguf(
         time.perf_counter() - start,
     )
     return out
+
+
+def _check_out_dir(gguf_file: str, out: str) -> None:
+    """``out`` may be replaced: a new or empty folder, or an earlier conversion (it holds :data:`CONVERSION_FILE`),
+    and not a folder that holds ``gguf_file`` itself. Anything else is refused before any work: the complete
+    conversion replaces the whole folder."""
+    source = os.path.realpath(gguf_file)
+    target = os.path.realpath(out)
+    if source.startswith(target.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"the output folder {out!r} holds the GGUF file being converted ({gguf_file!r}); the conversion replaces "
+            "its output folder: choose another one"
+        )
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"the output folder {out!r} is a file; choose a new or empty folder")
+    if os.listdir(out) and not os.path.isfile(os.path.join(out, CONVERSION_FILE)):
+        raise ValueError(
+            f"the output folder {out!r} is not empty and holds no earlier conversion ({CONVERSION_FILE}); the "
+            "conversion replaces its output folder, so it refuses to delete what is there: choose a new or empty folder"
+        )
+
+
+def _check_has_weights(gguf_file: str) -> None:
+    """A GGUF file without weight tensors (a vocabulary-only file, such as llama.cpp's ``ggml-vocab-*.gguf``) is
+    refused before anything is allocated: ``transformers`` would build the model its metadata describes with random
+    weights (or run out of memory building a large one). Read with the ``gguf`` package, which maps the file and
+    reads its header only."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers needs it to read the file at all: it says so there
+        return
+    try:
+        tensors = len(GGUFReader(gguf_file, "r").tensors)
+    except Exception as exc:
+        raise ValueError(f"cannot read the GGUF file {gguf_file!r}: {type(exc).__name__}: {exc}") from exc
+    if tensors == 0:
+        raise ValueError(
+            f"the GGUF file {gguf_file!r} holds no weight tensors (a vocabulary-only file?): there is no model to "
+            "convert"
+        )
 
 
 def _replace_dir(new: str, target: str) -> None:

@@ -365,3 +365,50 @@ def test_smollm2_trains_one_step_on_the_arithmetic_task(tmp_path, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(export)
     assert model.config.num_hidden_layers == 30
     assert transformers.GenerationConfig.from_pretrained(export).eos_token_id == 2  # <|im_end|>
+
+
+def test_the_output_folder_is_replaced_only_when_nothing_is_lost(gguf_files, tmp_path, capsys):
+    """The conversion replaces its output folder: a folder holding the GGUF file itself, or anything that is not an
+    earlier conversion, is refused before any work, every file left as it was; a new, empty or earlier-converted
+    folder is written."""
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    inside = holder / "model.gguf"
+    inside.write_bytes(pathlib.Path(gguf_files["f32"]).read_bytes())
+    (holder / "notes.txt").write_text("keep")
+    assert main(["convert", str(holder), str(holder)]) == 2
+    assert "holds the GGUF file being converted" in capsys.readouterr().err
+    assert sorted(os.listdir(holder)) == ["model.gguf", "notes.txt"]
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "results.csv").write_text("1,2")
+    with pytest.raises(ValueError, match=r"busy' is not empty and holds no earlier conversion"):
+        convert_gguf(gguf_files["f32"], busy)
+    assert os.listdir(busy) == ["results.csv"]
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        convert_gguf(gguf_files["f32"], tmp_path / "a_file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert_gguf(gguf_files["f32"], empty)
+    convert_gguf(gguf_files["f32"], empty, dtype="bfloat16")  # an earlier conversion: replaced
+    assert transformers.AutoConfig.from_pretrained(empty).dtype == torch.bfloat16
+
+
+def test_a_gguf_file_without_weights_is_refused_before_anything_is_built(tmp_path):
+    """A vocabulary-only file describes a model but holds no tensor: transformers would build that model with
+    random weights (or run out of memory for a large one)."""
+    import gguf
+
+    path = str(tmp_path / "vocab-only.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(48)
+    w.add_token_list(["a", "b", "c"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"vocab-only\.gguf' holds no weight tensors"):
+        convert_gguf(path, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
