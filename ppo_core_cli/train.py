@@ -236,7 +236,13 @@ def run_train(
     except KeyboardInterrupt:
         interrupted = True
     except ResumeConfigError as exc:  # a rerun changing the run: printed by the command, no traceback
-        raise JobInputError(str(exc)) from exc
+        message = str(exc)
+        if any(key.endswith("worker.hf_checkpoint") for key in exc.differences):
+            message += (
+                "\n(actor.worker.hf_checkpoint and critic.worker.hf_checkpoint are the job's model.path and "
+                "model.critic_path: the checkpoint's weights would train against another model's KL reference)"
+            )
+        raise JobInputError(message) from exc
     except RewardFunctionError as exc:  # the user's scorer failed: one message, the traceback in a file
         trace = write_traceback(exc, os.path.join(job.run_dir, "reward_error.txt"))
         latest = ckpt.find_latest_checkpoint(job.checkpoint_dir)

@@ -13,7 +13,11 @@ differing key with both values, unless ``trainer.resume_allow_changes`` names th
 - ``rollout.n``: responses per prompt (the group size of GRPO-like estimators, and the batch size);
 - ``actor.worker.ppo_mini_batch_size``, ``critic.worker.ppo_mini_batch_size``: the update's batch size;
 - ``actor.worker.model``, ``critic.worker.model`` (every key below them) and ``*.worker.hf_checkpoint``: the model,
-  which the saved weights must fit.
+  which the saved weights must fit (``hf_checkpoint``, the run's ``model.path`` / ``model.critic_path``, with any
+  workers: the frozen KL reference is loaded from it again).
+
+The torch workers' ``hf_checkpoint`` absent from a checkpoint written by an earlier release (:data:`LATER_KEYS`) is
+listed with the other changes, not refused: there is nothing to compare it with.
 
 **Every other difference** (learning rates, KL coefficients, clip ratios, epochs, logging...) is listed in one
 warning and the run continues. :data:`IGNORED_KEYS` (how to resume and how to display progress) are not compared.
@@ -34,6 +38,7 @@ from ppo_core.trainer.aliases import canonical_tree
 
 __all__ = [
     "IGNORED_KEYS",
+    "LATER_KEYS",
     "MEANING_KEYS",
     "ResumeConfigError",
     "check_resume_config",
@@ -215,7 +220,9 @@ def check_resume_config(
         if not (isinstance(a, str) and a == "(not set)" and _at_default(current, key, b))
     }
     refused = {
-        k: v for k, v in differences.items() if _under(k, MEANING_KEYS) and not _under(k, tuple(allow))
+        k: v
+        for k, v in differences.items()
+        if _under(k, MEANING_KEYS) and not _under(k, tuple(allow)) and not _predates(k, v[0])
     }
     if refused:
         keys = ", ".join(f'"{k}"' for k in refused)
@@ -234,6 +241,16 @@ def check_resume_config(
             _lines(differences),
         )
     return differences
+
+
+LATER_KEYS: tuple[str, ...] = ("actor.worker.hf_checkpoint", "critic.worker.hf_checkpoint")
+"""Meaning keys that checkpoints of earlier releases may lack (the torch workers' configs record their model's
+checkpoint since this release): absent from the saved config, they cannot be compared, and are listed with the other
+changes instead of refused."""
+
+
+def _predates(key: str, saved: Any) -> bool:
+    return key in LATER_KEYS and isinstance(saved, str) and saved == "(not set)"
 
 
 def rescale_loader_state(

@@ -257,13 +257,14 @@ def test_float32_values_near_the_largest_give_the_float64_statistics(unit: list[
     x = (torch.tensor(unit, dtype=torch.float64) * scale).to(torch.float32)[None]
     mask = torch.ones_like(x, dtype=torch.bool)
     wide = x.double()
-    torch.testing.assert_close(masked_mean(x, mask), masked_mean(wide, mask).float())
-    torch.testing.assert_close(
-        masked_var(x, mask), masked_var(wide, mask).float()
-    )  # inf where float32 has none
-    torch.testing.assert_close(
-        masked_whiten(x, mask), masked_whiten(wide, mask).float(), atol=1e-5, rtol=1e-5
-    )
+    # float32 rounds terms of size `scale` (a mean may cancel to far less than its terms)
+    tolerance = {"atol": 1e-6 * scale, "rtol": 1e-5}
+    torch.testing.assert_close(masked_mean(x, mask), masked_mean(wide, mask).float(), **tolerance)
+    var = masked_var(x, mask)  # inf where the float64 variance is beyond float32's range
+    assert not torch.isnan(var)
+    torch.testing.assert_close(var, masked_var(wide, mask).float(), rtol=1e-4, atol=0.0)
+    whitened = masked_whiten(x, mask)
+    torch.testing.assert_close(whitened, masked_whiten(wide, mask).float(), atol=1e-4, rtol=1e-4)
     x[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"values contains NaN at 1 valid \(mask=1\) position"):
         masked_whiten(x, mask)

@@ -3,6 +3,7 @@ tokenizer and the checkpoint (megatron shape included), scorers, worker specs th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -92,9 +93,10 @@ def test_torch_workers_get_the_tokenizers_ids_unless_set(tiny):
     actor, critic = complete_workers(job, tok, tiny)
     assert isinstance(actor, TorchActorConfig) and isinstance(critic, TorchCriticConfig)
     assert (actor.rollout.eos_token_id, actor.rollout.pad_token_id) == (7, tok.pad_token_id)
-    assert (
-        critic == job.critic.worker and job.actor.worker.rollout.eos_token_id == 7
-    )  # the job is not modified
+    # the run records the checkpoint the models start from (compared on resume); the job is not modified
+    assert critic == dataclasses.replace(job.critic.worker, hf_checkpoint=tiny)
+    assert actor.hf_checkpoint == tiny and job.actor.worker.hf_checkpoint is None
+    assert job.actor.worker.rollout.eos_token_id == 7
     assert job.rollout.pad_token_id is None
     specs = worker_specs(job, job.ppo_config(actor, critic), tiny)
     assert set(specs) == {"actor", "critic"}

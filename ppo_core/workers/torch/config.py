@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ppo_core._checks import FieldValueError
-from ppo_core.workers.config import PPOActorConfig, PPOCriticConfig
+from ppo_core.workers.config import ModelSource, PPOActorConfig, PPOCriticConfig
 
 __all__ = ["TorchActorConfig", "TorchCriticConfig"]
 
@@ -26,6 +28,18 @@ class TorchActorConfig(PPOActorConfig):
     batch-invariant rollout's values bit for bit, so ``old_log_probs == rollout_log_probs`` and PPO's ratio is 1
     before the first optimiser step; gradients are the model forward's. Needs ``rollout.batch_invariant`` and a
     Llama-family Hugging Face model (:mod:`ppo_core.workers.torch.exact`, docs/semantics.md)."""
+    hf_checkpoint: str | None = None
+    """The checkpoint the run's models start from (the policy, and the frozen reference): set by the run
+    (:meth:`resolved`), not by a job; the workers load their models through their model factory. It is part of the
+    config a checkpoint saves, so that a resumed run whose ``model.path`` changed is refused
+    (:data:`ppo_core.trainer.resume_config.MEANING_KEYS`): the actor's weights would come from the checkpoint and
+    its KL reference from the other model."""
+
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ("hf_checkpoint",)
+
+    def resolved(self, source: ModelSource) -> TorchActorConfig:
+        """This config with ``hf_checkpoint`` set to ``source.checkpoint``."""
+        return dataclasses.replace(self, hf_checkpoint=source.checkpoint)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,3 +63,11 @@ class TorchCriticConfig(PPOCriticConfig):
 
     device: str | None = None
     """Torch device; None picks ``cuda:<local_rank>`` when CUDA is available, else ``cpu``."""
+    hf_checkpoint: str | None = None
+    """The checkpoint the critic starts from (its body; set by the run, compared on resume as the actor's)."""
+
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ("hf_checkpoint",)
+
+    def resolved(self, source: ModelSource) -> TorchCriticConfig:
+        """This config with ``hf_checkpoint`` set to ``source.checkpoint``."""
+        return dataclasses.replace(self, hf_checkpoint=source.checkpoint)
