@@ -81,9 +81,70 @@ def _device(job: JobConfig) -> None:
         )
 
 
+def _cuda_settings(job: JobConfig) -> None:
+    """Settings that need CUDA (the rollout engine's ``cuda_graphs=true``) have it here: said before anything loads,
+    not at the first generation inside a worker."""
+    settings = job.rollout.engine_config
+    if getattr(settings, "cuda_graphs", None) is not True:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "rollout.engine_config.cuda_graphs=true captures the decode steps as CUDA graphs, and "
+            "torch.cuda.is_available() is False here; leave it unset (graphs wherever CUDA runs) or false"
+        )
+
+
+def _attention(job: JobConfig) -> None:
+    """``model.attn_implementation`` is one ``transformers`` knows (``eager`` or a registered attention function),
+    and a FlashAttention one has its package installed: said before anything loads, not by ``transformers`` inside a
+    worker."""
+    name = job.model.attn_implementation
+    if name is None or worker_kind(job.workers).name != "torch":
+        return
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # the model cannot load anyway: transformers says so there
+        return
+    known = sorted({"eager", *AttentionInterface._global_mapping.keys()})
+    if name not in known and not name.startswith("kernels-community/"):
+        raise ValueError(f"unknown model.attn_implementation {name!r}; valid values: {', '.join(known)}")
+    version = {"flash_attention_2": 2, "flash_attention_3": 3, "flash_attention_4": 4}.get(name)
+    if version is not None:
+        import transformers.utils as tf_utils
+
+        available = getattr(tf_utils, f"is_flash_attn_{version}_available", lambda: True)
+        if not available():
+            raise ValueError(
+                f"model.attn_implementation={name} needs the FlashAttention {version} package (and a CUDA GPU), not "
+                "available here; use sdpa (the default) or eager"
+            )
+
+
+def _resume_path(job: JobConfig) -> None:
+    """With ``trainer.resume_mode=path``, ``trainer.resume_from_path`` is a checkpoint folder (``global_step_<k>``
+    holding the trainer's state): said before anything loads (whether its files are intact is checked when the run
+    opens it)."""
+    t = job.trainer
+    if t.resume_mode != "path":
+        return
+    path = t.resume_from_path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"trainer.resume_from_path {path!r} does not exist (or is not a folder)")
+    from ppo_core.trainer.checkpoint import STATE_FILE
+
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise ValueError(
+            f"trainer.resume_from_path {path!r} is not a checkpoint folder (no {STATE_FILE}); name a "
+            "global_step_<k> folder under the run's checkpoints"
+        )
+
+
 def check_train_inputs(job: JobConfig) -> None:
     """The model, tokenizer and critic directories and the prompt files of ``job`` exist; the mini-batch rules
-    hold with the workers' defaults. Raises naming the key (see the module docstring)."""
+    hold with the workers' defaults; a checkpoint named to resume from is one; settings that need CUDA have it.
+    Raises naming the key (see the module docstring)."""
     _model_inputs(job)
     if job.model.critic_path and job.use_critic:
         _model_source("model.critic_path", job.model.critic_path)
@@ -93,6 +154,9 @@ def check_train_inputs(job: JobConfig) -> None:
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
     _device(job)
+    _attention(job)
+    _cuda_settings(job)
+    _resume_path(job)
 
 
 def check_eval_inputs(job: JobConfig) -> None:
@@ -104,6 +168,7 @@ def check_eval_inputs(job: JobConfig) -> None:
     _files("data.val_files", job.data.val_files)
     job.check_before_run()
     _device(job)
+    _attention(job)
 
 
 def check_output_file(option: str, path: str | None) -> None:

@@ -95,7 +95,8 @@ def export_checkpoint(
         os.path.join(step_dir, "actor"),
         out_dir,
         actor_worker=worker,
-        model_dir=model_dir or _job_model_dir(step_dir),
+        # the model the run started from: named, in the job next to the checkpoint, or (torch workers) in its config
+        model_dir=model_dir or _job_model_dir(step_dir) or worker.get("hf_checkpoint"),
         dtype=dtype,
     )
     logger.info("exported the actor of %s to %s", step_dir, out)

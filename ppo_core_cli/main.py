@@ -383,9 +383,24 @@ def _export(args: argparse.Namespace) -> int:
         resolve_checkpoint(args.checkpoint)
     except (ValueError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from exc
-    out = export_checkpoint(
-        args.checkpoint, args.out_dir, model_dir=args.model_dir, dtype=args.dtype, verify=not args.no_verify
-    )
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            model_dir=args.model_dir,
+            dtype=args.dtype,
+            verify=not args.no_verify,
+        )
+    except (ValueError, FileNotFoundError) as exc:  # a corrupt checkpoint, no model to export into...
+        hint = "" if args.model_dir else " (the model the run started from: pass --model-dir DIR)"
+        raise CommandError(f"{exc}{hint if isinstance(exc, FileNotFoundError) else ''}") from exc
+    except RuntimeError as exc:
+        if "size mismatch" not in str(exc) and "Missing key" not in str(exc):
+            raise
+        raise CommandError(
+            f"the actor of {args.checkpoint!r} does not fit the model it is exported into (another shape or "
+            "architecture): pass the model the run started from with --model-dir DIR"
+        ) from exc
     print(f"export: {out}")
     return 0
 

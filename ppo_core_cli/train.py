@@ -35,6 +35,7 @@ import torch
 
 from ppo_core.trainer import checkpoint as ckpt
 from ppo_core.trainer import read_metrics_jsonl
+from ppo_core.trainer.manifest import CheckpointCorruptError
 from ppo_core.trainer.plot import plot_run, validation_mean
 from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError
@@ -192,9 +193,10 @@ def run_train(
         torch.set_num_threads(job.torch_threads)
     job = resolve_model_dirs(job)
     model_dir = job.model.path
-    tokenizer = load_tokenizer(job)
-    check_tokenizer_fits(job, tokenizer)
-    tokens = special_tokens(job, tokenizer)
+    with _input_errors():  # the tokenizer and its special tokens (model.eos_token...) named in one line
+        tokenizer = load_tokenizer(job)
+        check_tokenizer_fits(job, tokenizer)
+        tokens = special_tokens(job, tokenizer)
     with _input_errors():
         train, val = load_datasets(job, tokenizer)
     actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
@@ -235,6 +237,8 @@ def run_train(
             result.extra["peak_memory_gib"] = _peak_memory(trainer)
     except KeyboardInterrupt:
         interrupted = True
+    except CheckpointCorruptError as exc:  # nothing intact to resume from: what to do, no traceback
+        raise JobInputError(str(exc)) from exc
     except ResumeConfigError as exc:  # a rerun changing the run: printed by the command, no traceback
         message = str(exc)
         if any(key.endswith("worker.hf_checkpoint") for key in exc.differences):

@@ -247,7 +247,8 @@ def find_intact_checkpoint(root: str | os.PathLike[str]) -> tuple[str, dict[str,
     raise CheckpointCorruptError(
         f"no intact checkpoint under {root}; tried, newest first:\n  "
         + "\n  ".join(skipped)
-        + '\nRemove or repair them, point trainer.resume_from_path at a good one, or set resume_mode="disable"',
+        + "\nRemove or repair them, resume from a good one (trainer.resume_mode=path trainer.resume_from_path=DIR), "
+        "or start again without resuming (trainer.resume_mode=disable)",
         checkpoint=root,
     )
 

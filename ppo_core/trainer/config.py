@@ -218,6 +218,12 @@ class TrainerConfig(ConfigBase):
         check_int("console_every", self.console_every, 1)
         if self.resume_mode == "path" and not self.resume_from_path:
             raise FieldValueError("resume_from_path", " must be set when resume_mode is 'path'")
+        if self.resume_from_path and self.resume_mode != "path":
+            raise FieldValueError(
+                "resume_from_path",
+                f"={self.resume_from_path!r} is set but resume_mode is {self.resume_mode!r}, which does not read it; "
+                "set resume_mode: path to resume from it (or remove it)",
+            )
         self.resume_allow_changes = _dotted_keys("trainer.resume_allow_changes", self.resume_allow_changes)
         if self.max_ckpt_to_keep is not None:
             check_int("max_ckpt_to_keep", self.max_ckpt_to_keep, 1)

@@ -76,12 +76,38 @@ def _error(capsys, *argv: str) -> str:
             "rollout.engine=megatron",
             "rollout.engine='megatron' samples with the megatron actor's policy: it needs the megatron workers",
         ),
+        (
+            "model.attn_implementation=bogus",
+            "unknown model.attn_implementation 'bogus'; valid values: eager,",
+        ),
+        (
+            "trainer.resume_from_path={r}/model",
+            "trainer.resume_from_path='{r}/model' is set but resume_mode is 'auto', which does not read it",
+        ),
+        (
+            "trainer.resume_mode=path trainer.resume_from_path={r}/nope",
+            "trainer.resume_from_path '{r}/nope' does not exist",
+        ),
+        (
+            "trainer.resume_mode=path trainer.resume_from_path={r}/model",
+            "trainer.resume_from_path '{r}/model' is not a checkpoint folder (no trainer_state.pt)",
+        ),
     ],
 )
 def test_train_names_the_key_before_anything_loads(root, capsys, override, expected):
     r = str(root)
-    assert _error(capsys, "train", TINY, f"vars.root={r}", override.format(r=r)).startswith(
-        expected.format(r=r)
+    overrides = override.format(r=r).split(" ")
+    assert _error(capsys, "train", TINY, f"vars.root={r}", *overrides).startswith(expected.format(r=r))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the check for a machine without CUDA")
+def test_settings_that_need_cuda_are_refused_without_it_before_anything_loads(root, capsys):
+    r = str(root)
+    message = _error(
+        capsys, "train", TINY, f"vars.root={r}", "rollout.engine=hf", "rollout.engine_config.cuda_graphs=true"
+    )
+    assert message.startswith(
+        "rollout.engine_config.cuda_graphs=true captures the decode steps as CUDA graphs"
     )
 
 

@@ -4,6 +4,7 @@ the whole traceback in the run's ``reward_error.txt`` (``ppo_core_cli.failures``
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 import sys
 
 import pytest
@@ -12,6 +13,8 @@ from ppo_core.rewards.reward_fn import ScorerError
 from ppo_core.trainer.reward import RewardFunctionError
 from ppo_core_cli.failures import reward_failure_message, user_frame, write_traceback
 from ppo_core_cli.main import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCORER = "def score(solution_str, ground_truth, extra_info=None, **kwargs):\n    return 1.0 / 0\n"
 
@@ -136,3 +139,59 @@ def test_train_stops_on_a_raising_scorer_with_one_message(
     assert "scorer boom_reward.score of data_source" in lines[0] and "(step 1)" in lines[0]
     assert f"at {tmp_path / 'boom_reward.py'}:2 in score" in lines[0]
     assert (tmp_path / "run" / "reward_error.txt").is_file()
+
+
+def _argv(data, run_dir, *extra):
+    return [
+        "-q",
+        "train",
+        str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
+        f"model.path={data}/model",
+        f"data.train_files=[{data}/data/train.parquet]",
+        f"data.val_files=[{data}/data/test.parquet]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "rollout.max_new_tokens=4",
+        "actor.worker.ppo_mini_batch_size=4",
+        "critic.worker.ppo_mini_batch_size=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-core: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return err[err.index("ppo-core: error: ") :]
+
+
+def test_rerunning_off_the_path_ends_in_one_message(example, tmp_path, capsys):
+    """A run, then: a rerun with another model (the KL reference would change under the checkpoint's weights), a
+    tokenizer without the named EOS, every checkpoint truncated (train and export): one ``ppo-core: error:``
+    message each, exit 2, no traceback."""
+    data, run = example / "ex", tmp_path / "run"
+    assert main(_argv(data, run, "trainer.total_training_steps=1", "trainer.save_freq=1")) == 0
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert main(["-q", "make-data", str(other), "--n-train", "16", "--n-test", "4", "--seed", "7"]) == 0
+    capsys.readouterr()
+    more = ("trainer.total_training_steps=2", "trainer.save_freq=1")
+    assert main(_argv(data, run, *more, f"model.path={other}/model")) == 2
+    message = _one_error(capsys)
+    assert "actor.worker.hf_checkpoint:" in message and "are the job's model.path" in message
+    assert main(_argv(data, run, *more, "model.eos_token=<|nope|>")) == 2
+    assert "model.eos_token='<|nope|>' is not a token of the tokenizer" in _one_error(capsys)
+    for rank_file in run.glob("checkpoints/global_step_*/actor/rank_0.pt"):
+        rank_file.write_bytes(rank_file.read_bytes()[:100])
+    assert main(_argv(data, run, *more)) == 2
+    message = _one_error(capsys)
+    assert (
+        message.startswith("ppo-core: error: no intact checkpoint under")
+        and "trainer.resume_mode=disable" in message
+    )
+    step = next(run.glob("checkpoints/global_step_*"))
+    assert main(["export", str(step), str(tmp_path / "out")]) == 2
+    assert "has 100 bytes but" in _one_error(capsys)
