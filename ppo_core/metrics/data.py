@@ -44,9 +44,9 @@ def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, f
     }
 
 
-def _length_metrics(lengths: _Lengths) -> dict[str, float]:
+def _length_metrics(lengths: _Lengths, max_prompt_length: int | None = None) -> dict[str, float]:
     """``response_length/*``, ``response_length_non_aborted/*``, ``response/aborted_ratio`` and, with prompt
-    lengths, ``prompt_length/*`` of a batch's lengths."""
+    lengths, ``prompt_length/*`` of a batch's lengths (``prompt_length/clip_ratio`` with ``max_prompt_length``)."""
     non_aborted = lengths.response > 0
     all_rows = torch.ones_like(non_aborted)
     clipped = (lengths.response == lengths.response_width).to(torch.float64)
@@ -57,8 +57,11 @@ def _length_metrics(lengths: _Lengths) -> dict[str, float]:
     metrics["response/aborted_ratio"] = float(masked_mean((~non_aborted).to(torch.float64), all_rows))
     if lengths.prompt is not None:
         metrics |= _stats("prompt_length", lengths.prompt, all_rows)
-        prompt_clipped = (lengths.prompt == lengths.prompt_width).to(torch.float64)
-        metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
+        if (
+            max_prompt_length is not None
+        ):  # at the cap; a batch's own width is its longest prompt, not the cap
+            prompt_clipped = (lengths.prompt >= max_prompt_length).to(torch.float64)
+            metrics["prompt_length/clip_ratio"] = float(masked_mean(prompt_clipped, all_rows))
     return metrics
 
 
@@ -87,7 +90,9 @@ def _check_finite(batch: TensorDictBase, keys: list[str], mask: torch.Tensor, ro
     )
 
 
-def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict[str, float]:
+def compute_data_metrics(
+    batch: TensorDictBase, use_critic: bool = True, max_prompt_length: int | None = None
+) -> dict[str, float]:
     """Scalar metrics of a training batch, under verl's names.
 
     Batch keys (``B`` rows, ``T`` response tokens):
@@ -102,7 +107,10 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
         critic, ``critic/values/*`` over valid tokens; ``critic/vf_explained_var = 1 - Var(R - V) / (Var(R) +
         1e-5)`` (unbiased, valid tokens; 0.0 with fewer than two); ``response_length/{mean,max,min,clip_ratio}``
         over all rows (clip: length == ``T``); ``response_length_non_aborted/*``; ``response/aborted_ratio``;
-        ``prompt_length/{mean,max,min,clip_ratio}`` with an attention mask (clip: length == ``P``);
+        ``prompt_length/{mean,max,min}`` with an attention mask, and ``prompt_length/clip_ratio`` with
+        ``max_prompt_length`` too (the share of prompts of at least that length: cut to the cap; verl's "length ==
+        ``P``" counts the same where prompts are padded to the cap, but a batch padded to its longest prompt would
+        count that prompt);
         ``num_turns/{min,max,mean}`` with ``__num_turns__``. Masked positions (NaN or inf included) never reach
         a token-level metric, and no metric is NaN because of masking.
 
@@ -148,7 +156,7 @@ def compute_data_metrics(batch: TensorDictBase, use_critic: bool = True) -> dict
             batch.get(KEYS.returns), batch.get(KEYS.values), mask
         )
 
-    metrics |= _length_metrics(lengths)
+    metrics |= _length_metrics(lengths, max_prompt_length)
     if KEYS.num_turns in batch:
         turns = batch.get(KEYS.num_turns)
         if is_non_tensor(turns):

@@ -157,7 +157,9 @@ def _token_metrics(prefix: str, stats: Sequence[TokenStats]) -> dict[str, float]
     }
 
 
-def reduce_data_metric_parts(parts: Sequence[DataMetricParts], use_critic: bool = True) -> dict[str, float]:
+def reduce_data_metric_parts(
+    parts: Sequence[DataMetricParts], use_critic: bool = True, max_prompt_length: int | None = None
+) -> dict[str, float]:
     """:func:`~ppo_core.metrics.compute_data_metrics` of the batch the ``parts`` (in dp order) were cut from.
 
     ``num_turns/*`` is not part of it (the trainer adds it from the prompts' field when they carry one).
@@ -177,4 +179,4 @@ def reduce_data_metric_parts(parts: Sequence[DataMetricParts], use_critic: bool 
         metrics["critic/vf_explained_var"] = (
             0.0 if returns.count < 2 else 1.0 - residual.var() / (returns.var() + VF_EXPLAINED_VAR_EPS)
         )
-    return metrics | _length_metrics(lengths)
+    return metrics | _length_metrics(lengths, max_prompt_length)

@@ -81,12 +81,18 @@ class DataConfig(ConfigBase):
     """Reshuffle the training prompts every epoch (a permutation drawn from ``seed`` and the epoch)."""
     seed: int = 0
     """Seed of the shuffling; the order depends only on (seed, epoch), so a resumed run sees the same data."""
+    max_prompt_length: int | None = None
+    """The prompts' length cap in tokens, for the ``prompt_length/clip_ratio`` metric (the share of prompts at the
+    cap: cut to it, or exactly that long); None: that metric is not reported (a batch's padded width is its longest
+    prompt, not the cap). ``ppo-core`` jobs set it from ``data.max_prompt_length``."""
 
     def __post_init__(self) -> None:
         check_int("train_batch_size", self.train_batch_size, 1)
         if self.val_batch_size is not None:
             check_int("val_batch_size", self.val_batch_size, 1)
         check_int("seed", self.seed, 0)  # numpy rejects negative seeds
+        if self.max_prompt_length is not None:
+            check_int("max_prompt_length", self.max_prompt_length, 1)
 
 
 @dataclass(kw_only=True)

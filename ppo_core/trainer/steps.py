@@ -162,12 +162,20 @@ def step_end_metrics(
     metrics = {"training/global_step": float(step), "training/epoch": float(epoch)}
     n_gpus = config.actor.world_size
     if parts is None:
-        metrics.update(compute_data_metrics(batch, use_critic=config.use_critic))
+        metrics.update(
+            compute_data_metrics(
+                batch, use_critic=config.use_critic, max_prompt_length=config.data.max_prompt_length
+            )
+        )
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughput_metrics(batch, timing, n_gpus=n_gpus))
     else:
         lengths = lengths_of_parts(parts)
-        metrics.update(reduce_data_metric_parts(parts, use_critic=config.use_critic))
+        metrics.update(
+            reduce_data_metric_parts(
+                parts, use_critic=config.use_critic, max_prompt_length=config.data.max_prompt_length
+            )
+        )
         if batch is not None and KEYS.num_turns in batch:
             metrics.update(_num_turns_metrics(batch))
         metrics.update(compute_timing_metrics(None, timing, lengths=lengths))

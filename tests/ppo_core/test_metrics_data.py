@@ -64,7 +64,7 @@ def _unbiased_var(xs):
     return sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
 
 
-def oracle(batch, use_critic=True):
+def oracle(batch, use_critic=True, max_prompt_length=None):
     size, width = batch["response_mask"].shape
     mask = batch["response_mask"].tolist()
     if "attention_mask" in batch:
@@ -109,17 +109,22 @@ def oracle(batch, use_critic=True):
         out |= dict(
             zip([f"prompt_length/{s}" for s in ("mean", "max", "min")], _stats(prompt_len), strict=True)
         )
-        out["prompt_length/clip_ratio"] = (
-            sum(1 for x in prompt_len if x == prompt_width) / size if size else 0.0
-        )
+        if max_prompt_length is not None:  # prompts at the cap (the batch's width is its longest prompt)
+            out["prompt_length/clip_ratio"] = (
+                sum(1 for x in prompt_len if x >= max_prompt_length) / size if size else 0.0
+            )
     return out
 
 
 @FEW
-@given(st.booleans().flatmap(lambda p: data_batches(with_prompt=p)), st.booleans())
-def test_matches_loop_oracle_and_is_finite(batch, use_critic):
-    got = compute_data_metrics(batch, use_critic=use_critic)
-    want = oracle(batch, use_critic)
+@given(
+    st.booleans().flatmap(lambda p: data_batches(with_prompt=p)),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_matches_loop_oracle_and_is_finite(batch, use_critic, max_prompt_length):
+    got = compute_data_metrics(batch, use_critic=use_critic, max_prompt_length=max_prompt_length)
+    want = oracle(batch, use_critic, max_prompt_length)
     assert set(got) == set(want)
     for key, value in want.items():
         assert math.isfinite(got[key]), key
@@ -209,3 +214,32 @@ def test_num_turns_and_missing_key_errors():
         ValueError, match=r"key 'advantages' has shape \(2, 3\) but 'response_mask' has shape \(2, 2\)"
     ):
         compute_data_metrics(bad, use_critic=False)
+
+
+def test_prompt_clip_ratio_counts_prompts_at_the_cap_not_the_batchs_longest():
+    """Prompts of 2, 3 and 3 tokens padded to the batch's longest (3) under a cap of 64: none was cut (verl's
+    "length == P" would count two of three); two prompts at a cap of 3 are."""
+    from tensordict import TensorDict
+
+    prompt = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    response = torch.ones(3, 2, dtype=torch.long)
+    zeros = torch.zeros(3, 2)
+    batch = TensorDict(
+        dict(
+            response_mask=response,
+            attention_mask=torch.cat([prompt, response], 1),
+            token_level_scores=zeros,
+            token_level_rewards=zeros,
+            advantages=zeros,
+            returns=zeros,
+        ),
+        batch_size=[3],
+    )
+    assert (
+        compute_data_metrics(batch, use_critic=False, max_prompt_length=64)["prompt_length/clip_ratio"] == 0.0
+    )
+    assert (
+        compute_data_metrics(batch, use_critic=False, max_prompt_length=3)["prompt_length/clip_ratio"]
+        == 2 / 3
+    )
+    assert "prompt_length/clip_ratio" not in compute_data_metrics(batch, use_critic=False)
