@@ -390,6 +390,25 @@ class JobConfig(PPOConfig):
         if monarch_config is not None:
             _nested("monarch", lambda: monarch_config.from_dict(self.monarch))
 
+    def _check_half_precision_optimiser(self) -> None:
+        """The torch workers train the model's own parameters, in ``model.dtype``, with AdamW: in float16 an
+        ``optim.eps`` below float16's smallest normal number (6.1e-5; the default 1e-8 rounds to 0) leaves Adam's
+        denominator 0 where a gradient's second moment underflows, and the first update is NaN."""
+        if self.model.dtype != "float16" or self.workers != "torch":
+            return
+        smallest = 6.1e-5
+        roles = ("actor", "critic") if self.use_critic else ("actor",)
+        for role in roles:
+            optim = getattr(getattr(self, role).worker, "optim", None)
+            eps = getattr(optim, "eps", None)
+            if isinstance(eps, float) and eps < smallest:
+                raise FieldValueError(
+                    "model.dtype",
+                    f"=float16 trains the torch workers' float16 parameters with float16 Adam state, and "
+                    f"{role}.worker.optim.eps={eps:g} rounds to 0 in float16 (the first update is NaN); use "
+                    f"model.dtype=bfloat16 (the same memory) or float32, or set {role}.worker.optim.eps >= 1e-4",
+                )
+
     def _check_worker_relations(self) -> None:
         actor = self.actor.worker
         if self.use_reference and not actor.use_reference:
@@ -399,6 +418,7 @@ class JobConfig(PPOConfig):
                 f"=false, but {need} needs the reference policy's log-probs (the actor worker keeps the "
                 "reference)",
             )
+        self._check_half_precision_optimiser()
         for role, size in self.effective_mini_batch_sizes().items():
             section = getattr(self, role)
             dp = _nested(f"{role}.worker", lambda s=section: s.worker.data_parallel_size(s.world_size))

@@ -206,6 +206,18 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
         ),
         (["monarch.call_timeout_s=-1"], ValueError, "monarch.call_timeout_s must be a finite number > 0"),
         (["monarch.device=tpu"], ValueError, "unknown monarch.device 'tpu'; valid values: auto, cpu, cuda"),
+        (  # float16 Adam state with the default eps: NaN at the first update
+            ["model.dtype=float16"],
+            ValueError,
+            "model.dtype=float16 trains the torch workers' float16 parameters with float16 Adam state, and "
+            "actor.worker.optim.eps=1e-08 rounds to 0",
+        ),
+        (
+            ["model.dtype=float16", "actor.worker.optim.eps=1e-4"],
+            ValueError,
+            "model.dtype=float16 trains the torch workers' float16 parameters with float16 Adam state, and "
+            "critic.worker.optim.eps=1e-08",
+        ),
         (["model.path=${vars.nope}"], ValueError, "model.path: cannot resolve an interpolation"),
         (["trainer.seed"], ValueError, "override 'trainer.seed' must be a dotted key, '=' and a YAML value"),
         (["=5"], ValueError, "override '=5' must be a dotted key"),
