@@ -90,6 +90,7 @@ def evaluate_job(job: JobConfig, *, scorers: Mapping[str, Any] | None = None) ->
     from ppo_core_cli.job import (
         build_reward,
         build_trainer,
+        check_data_sources,
         check_tokenizer_fits,
         complete_workers,
         load_prompts,
@@ -118,6 +119,11 @@ def evaluate_job(job: JobConfig, *, scorers: Mapping[str, Any] | None = None) ->
     actor_worker, critic_worker = complete_workers(job, tokenizer, job.model.path, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     reward = build_reward(job, tokenizer, scorers)
+    try:
+        check_data_sources(reward, {"data.val_files": val})
+    except BaseException:
+        reward.close()
+        raise
     trainer = build_trainer(
         job,
         ppo,

@@ -273,6 +273,27 @@ def build_reward(job: JobConfig, tokenizer: Any, scorers: Mapping[str, Any] | No
     )
 
 
+def check_data_sources(reward: Any, datasets: Mapping[str, Any]) -> None:
+    """Every ``data_source`` of the prompt datasets (``{config key: dataset}``) has a scorer in ``reward`` (a
+    :class:`~ppo_core.rewards.RuleBasedReward`): one that has none is named with the file key and what to add to the
+    job, before any model loads (the run would otherwise stop at the first step scoring it)."""
+    registry = getattr(reward, "registry", None)
+    if registry is None:
+        return
+    for key, dataset in datasets.items():
+        if dataset is None:
+            continue
+        sources = sorted({str(item.get("data_source")) for item in dataset})
+        missing = [source for source in sources if registry.find(source) is None]
+        if missing:
+            raise ValueError(
+                f"{key}: no scorer for data_source {', '.join(repr(m) for m in missing)}; give one in the job, "
+                f"reward.scorers: {{{missing[0]!r}: {{function: my_module:score}}}} (a function of "
+                f"(solution_str, ground_truth, extra_info) in a file next to the job), or use a data_source "
+                f"scored out of the box: {', '.join(registry.patterns())}"
+            )
+
+
 def complete_workers(
     job: JobConfig, tokenizer: Any, model_dir: str, tokens: SpecialTokens | None = None
 ) -> tuple[PPOActorConfig, PPOCriticConfig]:

@@ -46,6 +46,7 @@ from ppo_core_cli.failures import reward_failure_message, write_traceback
 from ppo_core_cli.job import (
     build_reward,
     build_trainer,
+    check_data_sources,
     check_tokenizer_fits,
     complete_workers,
     load_datasets,
@@ -205,6 +206,12 @@ def run_train(
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
     reward = build_reward(job, tokenizer, scorers)
+    try:
+        with _input_errors():  # a data_source without a scorer: named now, not at the first step
+            check_data_sources(reward, {"data.train_files": train, "data.val_files": val})
+    except BaseException:
+        reward.close()
+        raise
     try:
         with _input_errors():  # the trainer checks the prompts against the batch size
             trainer = build_trainer(

@@ -195,3 +195,46 @@ def test_rerunning_off_the_path_ends_in_one_message(example, tmp_path, capsys):
     step = next(run.glob("checkpoints/global_step_*"))
     assert main(["export", str(step), str(tmp_path / "out")]) == 2
     assert "has 100 bytes but" in _one_error(capsys)
+
+
+def test_a_data_source_without_a_scorer_is_named_before_any_model_loads(
+    example, tmp_path, capsys, monkeypatch
+):
+    """Prompts whose data_source no scorer matches: train and eval name the file key, the source and what to add
+    to the job, before the models load (the run used to stop at the first step, after validation)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ppo_core_cli.job as job_module
+
+    data = example / "ex"
+    table = pq.read_table(data / "data" / "train.parquet")
+    column = table.schema.get_field_index("data_source")
+    table = table.set_column(column, "data_source", pa.array(["mystery"] * table.num_rows))
+    pq.write_table(table, tmp_path / "mystery.parquet")
+    import ppo_core_cli.train as train_module
+
+    loaded = []
+    build = job_module.build_trainer
+    for module in (
+        job_module,
+        train_module,
+    ):  # eval imports it from the job module when it runs, train at import
+        monkeypatch.setattr(module, "build_trainer", lambda *a, **k: loaded.append(1) or build(*a, **k))
+    mystery = f"[{tmp_path}/mystery.parquet]"
+    assert (
+        main(_argv(data, tmp_path / "run", "trainer.total_training_steps=1", f"data.train_files={mystery}"))
+        == 2
+    )
+    message = _one_error(capsys)
+    assert message.startswith("ppo-core: error: data.train_files: no scorer for data_source 'mystery'")
+    assert "reward.scorers: {'mystery': {function: my_module:score}}" in message and "openai/gsm8k" in message
+    eval_argv = [
+        "-q",
+        "eval",
+        str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
+        f"model.path={data}/model",
+    ]
+    assert main([*eval_argv, f"data.val_files={mystery}", "data.max_prompt_length=64"]) == 2
+    assert "data.val_files: no scorer for data_source 'mystery'" in _one_error(capsys)
+    assert loaded == []  # no worker was built
