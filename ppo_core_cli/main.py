@@ -328,6 +328,12 @@ def _config(args: argparse.Namespace) -> int:
         sys.stdout.write(render_markdown())
         return 0
     if args.defaults:
+        files = [a for a in args.args if not _is_override(a)]
+        if files:
+            raise CommandError(
+                f"config --defaults takes no job file ({files[0]!r}): it prints the defaults with the overrides; "
+                "drop one of the two"
+            )
         args.config, args.overrides = None, list(args.args)
     elif not args.args or _is_override(args.args[0]):
         raise CommandError(
@@ -463,6 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # overrides may also follow the options (``train job.yaml --timings-json t.json trainer.seed=1``), as in Hydra
     if extra and getattr(args, "overrides", None) is not None and all(_is_override(a) for a in extra):
         args.overrides = [*args.overrides, *extra]
+    elif extra and args.command == "config" and all(_is_override(a) for a in extra):
+        args.args = [*args.args, *extra]  # config's job file and overrides share one list
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(

@@ -176,6 +176,13 @@ def test_the_config_command(capsys, tmp_path):
     assert main(["config", "--defaults", "trainer.sed=1"]) == 2
     assert "unknown config key trainer.sed" in capsys.readouterr().err
     assert main(["config", "--markdown", "trainer.seed=1"]) == 2
+    capsys.readouterr()
+    # options between the job file and its overrides, as train and eval take them
+    assert main(["config", str(job), "--no-comments", "trainer.total_epochs=3"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["trainer"]["total_epochs"] == 3 and "# Seeds" not in out
+    assert main(["config", str(job), "--defaults"]) == 2
+    assert f"config --defaults takes no job file ({str(job)!r})" in capsys.readouterr().err
 
 
 def test_train_help_says_where_the_reference_is(capsys):
