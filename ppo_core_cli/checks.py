@@ -101,7 +101,7 @@ def _attention(job: JobConfig) -> None:
     and a FlashAttention one has its package installed: said before anything loads, not by ``transformers`` inside a
     worker."""
     name = job.model.attn_implementation
-    if name is None or worker_kind(job.workers).name != "torch":
+    if name is None or not worker_kind(job.workers).loads_with_attn_implementation:
         return
     try:
         from transformers import AttentionInterface

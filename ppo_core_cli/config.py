@@ -391,10 +391,10 @@ class JobConfig(PPOConfig):
             _nested("monarch", lambda: monarch_config.from_dict(self.monarch))
 
     def _check_half_precision_optimiser(self) -> None:
-        """The torch workers train the model's own parameters, in ``model.dtype``, with AdamW: in float16 an
+        """Workers that train in ``model.dtype`` with their Adam state in it (the torch workers): in float16 an
         ``optim.eps`` below float16's smallest normal number (6.1e-5; the default 1e-8 rounds to 0) leaves Adam's
         denominator 0 where a gradient's second moment underflows, and the first update is NaN."""
-        if self.model.dtype != "float16" or self.workers != "torch":
+        if self.model.dtype != "float16" or not worker_kind(self.workers).optimizer_in_model_dtype:
             return
         smallest = 6.1e-5
         roles = ("actor", "critic") if self.use_critic else ("actor",)
@@ -404,7 +404,7 @@ class JobConfig(PPOConfig):
             if isinstance(eps, float) and eps < smallest:
                 raise FieldValueError(
                     "model.dtype",
-                    f"=float16 trains the torch workers' float16 parameters with float16 Adam state, and "
+                    f"=float16 trains the {self.workers} workers' float16 parameters with float16 Adam state, and "
                     f"{role}.worker.optim.eps={eps:g} rounds to 0 in float16 (the first update is NaN); use "
                     f"model.dtype=bfloat16 (the same memory) or float32, or set {role}.worker.optim.eps >= 1e-4",
                 )

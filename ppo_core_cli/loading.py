@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import numbers
 import os
@@ -73,6 +74,12 @@ def _valid_keys(fields: set[str], prefix: str) -> str:
     return text
 
 
+def _did_you_mean(key: str, fields: set[str], prefix: str) -> str:
+    """`` (did you mean <prefix>X?)`` for a key one typo (or a plural) away from a field, else ``""``."""
+    close = difflib.get_close_matches(str(key), sorted(fields), n=1, cutoff=0.75)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, workers: str) -> None:
     """Raise ``ValueError`` naming the first key of ``data`` (at any depth) that ``cls`` has no field for."""
     hints = typing.get_type_hints(cls)
@@ -80,7 +87,11 @@ def _check_keys(cls: type[ConfigBase], data: Mapping[str, Any], prefix: str, wor
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            raise FieldValueError(path, f"; {_valid_keys(fields, prefix)}", before="unknown config key ")
+            raise FieldValueError(
+                path,
+                f"{_did_you_mean(key, fields, prefix)}; {_valid_keys(fields, prefix)}",
+                before="unknown config key ",
+            )
         if not isinstance(value, Mapping):
             continue
         if path == "monarch" and not prefix:  # a mapping in JobConfig: its keys are MonarchConfig's

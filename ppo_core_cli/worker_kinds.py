@@ -53,6 +53,12 @@ class WorkerKind:
     needs_cuda: bool = False
     """The workers train on CUDA devices only (megatron-core's DDP and optimizer allocate their buffers there):
     ``ppo-core train`` and ``eval`` refuse the job on a machine without CUDA before anything loads."""
+    optimizer_in_model_dtype: bool = False
+    """The workers train the model's own parameters in ``model.dtype`` with their optimiser state in it too (no
+    float32 master copy): a float16 job needs an ``optim.eps`` that float16 represents, checked when it is read."""
+    loads_with_attn_implementation: bool = False
+    """The workers load ``transformers`` models with ``model.attn_implementation``: an unknown one, or one whose
+    package is missing, is refused before anything loads."""
 
     def config_class(self, role: str) -> type[PPOActorConfig] | type[PPOCriticConfig]:
         """The config class of ``role`` (``actor`` or ``critic``)."""
@@ -128,6 +134,8 @@ register_worker_kind(
         TorchCriticConfig,
         _torch_specs,
         "any Hugging Face causal LM, DDP",
+        optimizer_in_model_dtype=True,
+        loads_with_attn_implementation=True,
     )
 )
 register_worker_kind(
