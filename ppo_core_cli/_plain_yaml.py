@@ -102,6 +102,8 @@ def read(path: str | None, overrides: list[tuple[str, str]]) -> tuple[dict, Call
                 tree = yaml.load(f, Loader=_loader()) or {}
             except yaml.YAMLError as exc:
                 raise ValueError(f"cannot read the config {path}: {exc}") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"cannot read the config {path}: not a text (YAML) file") from None
     if not isinstance(tree, dict):
         raise TypeError(f"the config must be a mapping of sections, got a list ({path})")
     for key, text in overrides:

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import typing
 from collections.abc import Mapping
@@ -311,6 +312,7 @@ class JobConfig(PPOConfig):
         super().__post_init__()  # the trainer's cross-section rules (mini-batches, estimator and critic...)
         self._check_worker_relations()
         self._check_monarch()
+        self._check_resume_allow_changes()
 
     # ----- typed worker sections ------------------------------------------------------------------------------
     def _typed_role(self, role: str) -> JobActorConfig | JobCriticConfig:
@@ -379,6 +381,48 @@ class JobConfig(PPOConfig):
         """The rules a job that is built may still break only through the workers' defaults (a job built from a
         few keys is fine to inspect, not to run): checked by ``ppo-core train`` before anything loads."""
         self.check_mini_batches(dict(self.effective_mini_batch_sizes()))
+
+    def _check_resume_allow_changes(self) -> None:
+        """Each ``trainer.resume_allow_changes`` entry names a key or section of the job (or a key the run sets,
+        such as ``actor.worker.hf_checkpoint``): a misspelt one would allow nothing, silently."""
+        from ppo_core.trainer.resume_config import MEANING_KEYS
+
+        allowed = self.trainer.resume_allow_changes
+        if not allowed:
+            return
+        keys: set[str] = set()
+
+        def walk(value: Any, prefix: str) -> None:
+            if prefix:
+                keys.add(prefix)
+            if isinstance(value, Mapping):
+                for name, item in value.items():
+                    walk(item, f"{prefix}.{name}" if prefix else str(name))
+
+        walk(super().to_dict(), "")
+        for entry in allowed:
+            known = entry in keys or any(entry == k or entry.startswith(k + ".") for k in MEANING_KEYS)
+            if not known:
+                close = difflib.get_close_matches(entry, sorted(keys), n=1, cutoff=0.8)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise FieldValueError(
+                    "trainer.resume_allow_changes",
+                    f" names {entry!r}, which is no key of the job{hint}: it would allow nothing",
+                )
+
+    def _run_allow_changes(self) -> tuple[str, ...]:
+        """``trainer.resume_allow_changes`` as the trainer compares it: ``model.path`` (``model``) and
+        ``model.critic_path`` also allow the worker keys the run sets from them (``*.worker.hf_checkpoint``)."""
+        out = list(self.trainer.resume_allow_changes)
+        runs = {
+            "model.path": ("actor.worker.hf_checkpoint", "critic.worker.hf_checkpoint"),
+            "model.critic_path": ("critic.worker.hf_checkpoint",),
+        }
+        for entry in list(out):
+            for key, implied in runs.items():
+                if key == entry or key.startswith(entry + "."):
+                    out.extend(k for k in implied if k not in out)
+        return tuple(out)
 
     def _check_monarch(self) -> None:
         """The ``monarch`` settings as :class:`ppo_core_monarch.MonarchConfig` checks them (errors name
@@ -489,7 +533,10 @@ class JobConfig(PPOConfig):
         worker configs (``actor_worker`` / ``critic_worker`` replace them when given: the resolved ones,
         :meth:`resolved_workers`)."""
         trainer = dataclasses.replace(
-            self.trainer, default_local_dir=self.checkpoint_dir, log_dir=self.log_dir
+            self.trainer,
+            default_local_dir=self.checkpoint_dir,
+            log_dir=self.log_dir,
+            resume_allow_changes=self._run_allow_changes(),
         )
         actor = ActorConfig(
             world_size=self.actor.world_size,

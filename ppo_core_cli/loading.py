@@ -175,6 +175,8 @@ def _read_with_omegaconf(path: str | None, overrides: list[tuple[str, str]]) -> 
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
     except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ValueError(f"cannot read the config {where}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read the config {where}: not a text (YAML) file") from None
     if not OmegaConf.is_dict(base):
         raise TypeError(f"the config must be a mapping of sections, got a list ({where})")
     try:

@@ -40,6 +40,7 @@ from ppo_core.trainer.plot import plot_run, validation_mean
 from ppo_core.trainer.resume_config import ResumeConfigError
 from ppo_core.trainer.reward import RewardFunctionError
 from ppo_core.trainer.tracking import usable_loggers
+from ppo_core.workers.errors import WorkerCallError
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
 from ppo_core_cli.failures import reward_failure_message, write_traceback
@@ -108,6 +109,13 @@ def _input_errors() -> Iterator[None]:
         yield
     except (ValueError, TypeError, FileNotFoundError) as exc:
         raise JobInputError(str(exc)) from exc
+
+
+def _weights_do_not_fit(exc: WorkerCallError) -> bool:
+    """Whether a worker failed to load a checkpoint's weights into its model (``load_state_dict``'s shape or key
+    mismatch): a resumed run given a model of another shape."""
+    method = exc.method.rsplit(".", 1)[-1]
+    return method == "load_checkpoint" and ("size mismatch" in exc.message or "Missing key" in exc.message)
 
 
 class TrainInterrupted(Exception):
@@ -246,12 +254,26 @@ def run_train(
         interrupted = True
     except CheckpointCorruptError as exc:  # nothing intact to resume from: what to do, no traceback
         raise JobInputError(str(exc)) from exc
+    except WorkerCallError as exc:
+        if not _weights_do_not_fit(exc):
+            raise
+        detail = next(
+            line.strip()
+            for line in exc.message.splitlines()
+            if "size mismatch" in line or "Missing key" in line
+        )
+        raise JobInputError(
+            f"the checkpoint's weights do not fit the model of model.path={model_dir!r} (another shape or "
+            f"architecture: {detail[:240]}); resume with the model the run started from, or start a new run "
+            "(trainer.resume_mode=disable, or another run_dir)"
+        ) from exc
     except ResumeConfigError as exc:  # a rerun changing the run: printed by the command, no traceback
         message = str(exc)
         if any(key.endswith("worker.hf_checkpoint") for key in exc.differences):
             message += (
                 "\n(actor.worker.hf_checkpoint and critic.worker.hf_checkpoint are the job's model.path and "
-                "model.critic_path: the checkpoint's weights would train against another model's KL reference)"
+                "model.critic_path: the checkpoint's weights would train against another model's KL reference; "
+                "trainer.resume_allow_changes: [model.path] allows it)"
             )
         raise JobInputError(message) from exc
     except RewardFunctionError as exc:  # the user's scorer failed: one message, the traceback in a file

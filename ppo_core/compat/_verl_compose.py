@@ -50,6 +50,8 @@ def load_verl_tree(path: str | os.PathLike[str], overrides: Sequence[str] = ()) 
     from omegaconf import OmegaConf
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"verl config {path!r} is a folder; name the YAML file (e.g. ppo_trainer.yaml)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"verl config {path!r} does not exist")
     choices: dict[str, str] = {}
@@ -86,8 +88,11 @@ def _compose(path: str, package: str, choices: dict[str, str], *, top: bool = Fa
             f"verl config {path!r} (named in a defaults list) does not exist: keep the file in verl's config folder "
             "(verl/trainer/config), or pass the composed config (python -m verl.trainer.main_ppo --cfg job)"
         )
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read the verl config {str(path)!r}: not a text (YAML) file") from None
     header = _GLOBAL_HEADER.search(text)
     if header and not top:
         package = "" if header.group(1) == "_global_" else header.group(1)

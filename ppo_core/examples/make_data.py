@@ -282,6 +282,9 @@ def _task(args: argparse.Namespace) -> ArithTaskConfig | ArithmeticConfig:
 def run(args: argparse.Namespace) -> ExampleData:
     """Make the example from parsed :func:`add_arguments` options (``ValueError`` for options that conflict)."""
     n_train, n_test = _TASK_DEFAULTS[args.task]
+    for flag, value, least in (("--n-train", args.n_train, 1), ("--n-test", args.n_test, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     return make_example_data(
         args.out_dir,
         seed=args.seed,

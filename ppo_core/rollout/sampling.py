@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppo_core._checks import FieldTypeError, FieldValueError, check_int, check_positive, check_unit_interval
+from ppo_core._checks import FieldTypeError, FieldValueError, check_int, check_number, check_positive
 from ppo_core._config_base import ConfigBase, _nested
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout.engine_config import RolloutEngineConfig
@@ -91,14 +91,16 @@ class SamplingConfig(ConfigBase):
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_positive("temperature", self.temperature, allow_zero=True)
-        check_unit_interval("top_p", self.top_p)
+        if self.top_p == 0:
+            raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
+        check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise FieldValueError("top_p", f" must be in (0, 1], got {self.top_p}")
         check_int("top_k", self.top_k, 0)
         try:
             check_engine_name(self.engine)
         except ValueError as err:
             raise FieldValueError("engine", str(err).removeprefix("engine")) from None
-        if self.top_p == 0:
-            raise FieldValueError("top_p", " must be > 0 (use temperature=0 for greedy decoding)")
         generic = self.engine == "reference" or (self.engine == AUTO and not self.use_cache)
         if self.batch_invariant and generic:  # the generic loop refuses it at every step: say so now
             raise FieldValueError(

@@ -295,3 +295,22 @@ def test_convert_verl_into_a_folder_is_one_line(tmp_path, capsys):
     assert _error(capsys, "convert-verl", str(verl), "-o", str(tmp_path)) == (
         f"-o {str(tmp_path)!r} is a directory; name the file to write"
     )
+
+
+def test_small_off_path_messages(tmp_path, capsys):
+    """Each one ``ppo-core: error:`` line naming what is wrong (they were a decode error without a file name, a
+    "does not exist" for a folder that exists, an empty training set written, a range that did not match the
+    check)."""
+    binary = tmp_path / "prompts.parquet"
+    binary.write_bytes(b"PAR1\x80\x81\x00\xff")
+    assert _error(capsys, "train", str(binary)) == f"cannot read the config {binary}: not a text (YAML) file"
+    assert _error(capsys, "convert-verl", str(binary)).endswith("not a text (YAML) file")
+    assert "is a folder; name the YAML file" in _error(capsys, "convert-verl", str(tmp_path))
+    assert (
+        _error(capsys, "make-data", str(tmp_path / "d"), "--n-train", "0") == "--n-train must be >= 1, got 0"
+    )
+    assert (
+        _error(capsys, "make-data", str(tmp_path / "d"), "--n-test", "-5") == "--n-test must be >= 0, got -5"
+    )
+    assert not (tmp_path / "d").exists()
+    assert _error(capsys, "config", TINY, "rollout.top_p=1.5") == "rollout.top_p must be in (0, 1], got 1.5"

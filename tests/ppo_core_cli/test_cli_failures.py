@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -182,6 +183,25 @@ def test_rerunning_off_the_path_ends_in_one_message(example, tmp_path, capsys):
     assert main(_argv(data, run, *more, f"model.path={other}/model")) == 2
     message = _one_error(capsys)
     assert "actor.worker.hf_checkpoint:" in message and "are the job's model.path" in message
+    assert "trainer.resume_allow_changes: [model.path] allows it" in message
+    allowed = "trainer.resume_allow_changes=[model.path]"
+    assert (
+        main(_argv(data, tmp_path / "fresh", "trainer.total_training_steps=1", allowed)) == 0
+    )  # accepted key
+    capsys.readouterr()
+    assert main(_argv(data, run, *more, "trainer.resume_allow_changes=[model.pth]")) == 2
+    assert "names 'model.pth', which is no key of the job (did you mean model.path?)" in _one_error(capsys)
+    # allowed: resumes; a model of another shape (its own vocabulary) then cannot take the checkpoint's weights
+    assert main(_argv(data, run, *more, f"model.path={other}/model", allowed)) == 2
+    message = _one_error(capsys)
+    assert (
+        "the checkpoint's weights do not fit the model of model.path=" in message
+        and "size mismatch" in message
+    )
+    same = tmp_path / "same"
+    shutil.copytree(data / "model", same)
+    assert main(_argv(data, run, *more, f"model.path={same}", allowed)) == 0
+    assert "(resumed)" in capsys.readouterr().out
     assert main(_argv(data, run, *more, "model.eos_token=<|nope|>")) == 2
     assert "model.eos_token='<|nope|>' is not a token of the tokenizer" in _one_error(capsys)
     for rank_file in run.glob("checkpoints/global_step_*/actor/rank_0.pt"):
