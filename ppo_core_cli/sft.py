@@ -116,6 +116,16 @@ def load_sft_pairs(
             default_data_source="sft",
         )
         response = row.get(response_key)
+        if (
+            response_key not in row
+        ):  # as the prompt's column: the row's own columns, and the key that names it
+            columns = ", ".join(sorted(map(str, row))) or "none"
+            raise PromptSchemaError(
+                origin,
+                response_key,
+                f"missing: the row has no such column (its columns: {columns}); sft.response_key names the "
+                "responses' column (a prompt file of the training's data has none: give the warm-up's pairs)",
+            )
         if not isinstance(response, str) or not response:
             raise PromptSchemaError(origin, response_key, f"must be a non-empty string, got {response!r}")
         pair = tokenize_sft_pair(tokenizer, record.messages, response, eos_token_id=eos_token_id)

@@ -111,6 +111,22 @@ def _input_errors() -> Iterator[None]:
         raise JobInputError(str(exc)) from exc
 
 
+def _warn_fresh_start_over_a_run(job: JobConfig) -> None:
+    """``trainer.resume_mode=disable`` into a run folder holding an earlier run's checkpoints: that run's metrics
+    file is replaced and its checkpoints overwritten as this one saves; said once, before anything is written."""
+    if job.trainer.resume_mode != "disable":
+        return
+    latest = ckpt.find_latest_checkpoint(job.checkpoint_dir)
+    if latest:
+        logger.warning(
+            "trainer.resume_mode=disable: a new run in %s, which holds an earlier run's checkpoints (newest: %s); "
+            "its metrics.jsonl is replaced and its checkpoints are overwritten as this run saves (another run_dir "
+            "keeps them)",
+            job.run_dir,
+            latest,
+        )
+
+
 def _weights_do_not_fit(exc: WorkerCallError) -> bool:
     """Whether a worker failed to load a checkpoint's weights into its model (``load_state_dict``'s shape or key
     mismatch): a resumed run given a model of another shape."""
@@ -211,6 +227,7 @@ def run_train(
     actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     ppo = dataclasses.replace(ppo, trainer=dataclasses.replace(ppo.trainer, loggers=loggers))
+    _warn_fresh_start_over_a_run(job)
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
     reward = build_reward(job, tokenizer, scorers)

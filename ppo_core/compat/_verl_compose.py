@@ -51,7 +51,9 @@ def load_verl_tree(path: str | os.PathLike[str], overrides: Sequence[str] = ()) 
 
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise FileNotFoundError(f"verl config {path!r} is a folder; name the YAML file (e.g. ppo_trainer.yaml)")
+        raise FileNotFoundError(
+            f"verl config {path!r} is a folder; name the YAML file (e.g. ppo_trainer.yaml)"
+        )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"verl config {path!r} does not exist")
     choices: dict[str, str] = {}

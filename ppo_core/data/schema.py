@@ -3,7 +3,8 @@
 A row is a mapping with
 
 - ``prompt`` (the key is configurable): a non-empty list of chat messages, each a mapping with string ``role``
-  and ``content`` (other message keys, e.g. ``name``, are kept for the chat template),
+  and ``content`` (other message keys, e.g. ``name``, are kept for the chat template), or a plain non-empty string,
+  read as the user's one message (``[{"role": "user", "content": prompt}]``),
 - ``data_source``: a non-empty string; the rule-based reward picks its scorer by it,
 - ``reward_model``: a mapping whose ``ground_truth`` is the reference answer (any non-null value; a number must be
   finite: a NaN, as a null in a float column reads, is an error),
@@ -67,11 +68,11 @@ def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str, key_name: str
     value = row.get(key)
     if value is None:
         raise _missing(origin, row, key, f"; {key_name} names the column of chat messages")
-    if (
-        isinstance(value, (str, bytes, Mapping))
-        or not hasattr(value, "__len__")
-        or not hasattr(value, "__iter__")
-    ):
+    if isinstance(value, str):  # a plain prompt: the user's one message
+        if not value:
+            raise PromptSchemaError(origin, key, "must be a non-empty prompt, got an empty string")
+        return [{"role": "user", "content": value}]
+    if isinstance(value, (bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
         raise PromptSchemaError(
             origin, key, f"must be a list of chat messages ({{'role', 'content'}}), got {_type_name(value)}"
         )

@@ -202,7 +202,8 @@ class TrainerConfig(ConfigBase):
     """Seeds the controller's torch, numpy and python RNGs at the start of a run (restored on resume)."""
     loggers: tuple[Logger, ...] = ("console", "jsonl")
     """Metric sinks among ``console``, ``jsonl``, ``tensorboard`` and ``wandb`` (a sink whose package is missing
-    is skipped with a warning)."""
+    is skipped with a warning). ``ppo-core train`` writes ``metrics.jsonl`` whatever this says: its summary, plot
+    and timings read it."""
     log_dir: str | None = None
     """Where ``metrics.jsonl``, ``completions.jsonl`` and TensorBoard events go; None: ``default_local_dir``."""
     console_every: int = 1

@@ -228,7 +228,7 @@ BAD_ROWS = [
     ({"prompt": [{"role": "user", "content": "a"}, {"content": "b"}]}, "prompt[1].role missing"),
     ({"prompt": [{"role": "user"}]}, "prompt[0].content missing"),
     ({"prompt": [{"role": "user", "content": 3}]}, "prompt[0].content must be a string, got int"),
-    ({"prompt": "What is 2 + 2?"}, "prompt must be a list of chat messages"),
+    ({"prompt": ""}, "prompt must be a non-empty prompt, got an empty string"),
     ({"prompt": {"role": "user", "content": "a"}}, "prompt must be a list of chat messages"),
     ({"prompt": []}, "prompt must hold at least one message"),
     ({"prompt": ["hi"]}, "prompt[0] must be a mapping"),
@@ -420,3 +420,17 @@ def test_config_round_trips_and_loads(tmp_path):
         PromptDatasetConfig.from_dict({"truncation": "cut"})
     with pytest.raises(ValueError, match="unknown PromptDatasetConfig field"):
         PromptDatasetConfig.from_dict({"max_length": 3})
+
+
+def test_a_plain_string_prompt_is_the_users_one_message(tmp_path):
+    """A prompt column of plain strings (not chat messages) reads as the user's one message each: the same tokens as
+    the messages written out."""
+    plain = [{**_row(i), "prompt": f"What is {i} + 1?"} for i in range(3)]
+    messages = [{**_row(i), "prompt": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(3)]
+    got = load_prompt_dataset(
+        _jsonl(tmp_path / "plain.jsonl", plain), CountingTokenizer(), max_prompt_length=100
+    )
+    want = load_prompt_dataset(
+        _jsonl(tmp_path / "msgs.jsonl", messages), CountingTokenizer(), max_prompt_length=100
+    )
+    assert [item["input_ids"].tolist() for item in got] == [item["input_ids"].tolist() for item in want]

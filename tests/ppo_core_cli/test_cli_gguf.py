@@ -97,6 +97,8 @@ def test_dtype_is_the_written_weights(gguf_files, tmp_path):
 
     with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+    # every file readable by others alike (the weights were written 0600)
+    assert {os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)} == {0o644}
     with pytest.raises(ValueError, match="dtype must be"):
         convert_gguf(gguf_files["f32"], tmp_path / "x", dtype="int8")
 

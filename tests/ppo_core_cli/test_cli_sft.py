@@ -118,6 +118,14 @@ def test_pairs_file_errors_name_the_row_and_field(tokenizer, tmp_path):
         "sft.prompt_key names the column of chat messages"
     )
     assert len(load_sft_pairs(path, tokenizer, prompt_key="question")) == 1
+    # a prompt file of the training (no responses): the row's columns and the setting, as for the prompt
+    path = write_parquet([{"prompt": good["prompt"], "data_source": "x"}], tmp_path / "prompts_only.parquet")
+    with pytest.raises(ValueError) as err:
+        load_sft_pairs(path, tokenizer)
+    assert str(err.value).startswith(
+        f"{path} row 0: response missing: the row has no such column (its columns: data_source, prompt); "
+        "sft.response_key names the responses' column"
+    )
     # a data source is not needed, nor refused when null
     path = write_parquet([{**good, "data_source": None}], tmp_path / "null_source.parquet")
     assert len(load_sft_pairs(path, tokenizer)) == 1
