@@ -111,6 +111,38 @@ def _input_errors() -> Iterator[None]:
         raise JobInputError(str(exc)) from exc
 
 
+LOCK_FILE = ".ppo-core.lock"
+"""In a run folder while a ``train`` writes to it: a second run into the same folder is refused."""
+
+
+def _lock_run_dir(run_dir: str) -> Any:
+    """Take the run folder's lock (an exclusive ``flock`` on :data:`LOCK_FILE`, released when its file closes or
+    the process ends, a crash included): two runs writing one folder's checkpoints and metrics would corrupt each
+    other. ``JobInputError`` naming the holder's pid when another run has it. Where ``fcntl`` does not exist
+    (Windows), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, LOCK_FILE), "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise JobInputError(
+            f"another ppo-core run (pid {holder}) is writing to {run_dir}; wait for it, or give this run another "
+            "run_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def _warn_fresh_start_over_a_run(job: JobConfig) -> None:
     """``trainer.resume_mode=disable`` into a run folder holding an earlier run's checkpoints: that run's metrics
     file is replaced and its checkpoints overwritten as this one saves; said once, before anything is written."""
@@ -227,6 +259,7 @@ def run_train(
     actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     ppo = dataclasses.replace(ppo, trainer=dataclasses.replace(ppo.trainer, loggers=loggers))
+    lock = _lock_run_dir(job.run_dir)  # held until this process ends (its file closes with the result)
     _warn_fresh_start_over_a_run(job)
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
@@ -329,6 +362,8 @@ def run_train(
     result.plot = plot_run(records, os.path.join(job.log_dir, "reward_kl.png"), title)
     if timings_json:
         result.timings_json = _write_timings(timings_json, job, records, result, warmup_steps)
+    if lock is not None:
+        lock.close()
     return result
 
 

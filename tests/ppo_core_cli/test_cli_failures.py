@@ -258,3 +258,17 @@ def test_a_data_source_without_a_scorer_is_named_before_any_model_loads(
     assert main([*eval_argv, f"data.val_files={mystery}", "data.max_prompt_length=64"]) == 2
     assert "data.val_files: no scorer for data_source 'mystery'" in _one_error(capsys)
     assert loaded == []  # no worker was built
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path):
+    """Two runs writing one folder's checkpoints and metrics would corrupt each other: the second is refused naming
+    the first's pid, and the folder is free again once the first has closed its lock (or ended)."""
+    import os
+
+    from ppo_core_cli.train import JobInputError, _lock_run_dir
+
+    first = _lock_run_dir(str(tmp_path / "run"))
+    with pytest.raises(JobInputError, match=rf"another ppo-core run \(pid {os.getpid()}\) is writing to "):
+        _lock_run_dir(str(tmp_path / "run"))
+    first.close()
+    _lock_run_dir(str(tmp_path / "run")).close()
