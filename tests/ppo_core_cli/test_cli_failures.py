@@ -107,46 +107,13 @@ def example(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_train_stops_on_a_raising_scorer_with_one_message(
-    example, tmp_path, capsys, monkeypatch, num_workers
-):
-    (tmp_path / "boom_reward.py").write_text(SCORER)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    config = tmp_path / "job.yaml"
-    config.write_text("reward:\n  scorers: { '*': { function: boom_reward:score } }\n")
-    data = example / "ex"
-    argv = [
-        "-q",
-        "train",
-        str(config),
-        f"model.path={data}/model",
-        f"data.train_files=[{data}/data/train.parquet]",
-        f"data.val_files=[{data}/data/test.parquet]",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=64",
-        "rollout.max_new_tokens=4",
-        "actor.worker.ppo_mini_batch_size=4",
-        "critic.worker.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        f"reward.num_workers={num_workers}",
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("ppo-core: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert "scorer boom_reward.score of data_source" in lines[0] and "(step 1)" in lines[0]
-    assert f"at {tmp_path / 'boom_reward.py'}:2 in score" in lines[0]
-    assert (tmp_path / "run" / "reward_error.txt").is_file()
-
-
-def _argv(data, run_dir, *extra):
+def _argv(data, run_dir, *extra, config=None):
+    """``ppo-core -q train`` of ``config`` (None: the tiny example's) on the example's ``data`` folder: 4 prompts a
+    step, 4 new tokens, no validation before training (``extra`` overrides last)."""
     return [
         "-q",
         "train",
-        str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
+        str(config or ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
         f"model.path={data}/model",
         f"data.train_files=[{data}/data/train.parquet]",
         f"data.val_files=[{data}/data/test.parquet]",
@@ -167,6 +134,24 @@ def _one_error(capsys) -> str:
     lines = [line for line in err.splitlines() if line.startswith("ppo-core: error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return err[err.index("ppo-core: error: ") :]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_stops_on_a_raising_scorer_with_one_message(
+    example, tmp_path, capsys, monkeypatch, num_workers
+):
+    (tmp_path / "boom_reward.py").write_text(SCORER)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    config = tmp_path / "job.yaml"
+    config.write_text("reward:\n  scorers: { '*': { function: boom_reward:score } }\n")
+    extra = ("trainer.total_training_steps=1", f"reward.num_workers={num_workers}")
+    assert main(_argv(example / "ex", tmp_path / "run", *extra, config=config)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-core: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "scorer boom_reward.score of data_source" in lines[0] and "(step 1)" in lines[0]
+    assert f"at {tmp_path / 'boom_reward.py'}:2 in score" in lines[0]
+    assert (tmp_path / "run" / "reward_error.txt").is_file()
 
 
 def test_rerunning_off_the_path_ends_in_one_message(example, tmp_path, capsys):
