@@ -233,3 +233,23 @@ def test_an_attention_call_with_what_the_cache_does_not_compute_is_refused(argum
         ValueError, match=rf"layer 3\) calls its attention with {argument} \({meaning}.*reference"
     ):
         _cached_attention(module, q, q, q, None, **{argument: torch.ones(2) if argument == "s_aux" else 30.0})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_windows_on_cuda_in_graphs_sample_what_the_model_samples(kind):
+    """On CUDA the generic path's decode steps are CUDA graphs around the Triton decode attention: the window's
+    mask is made inside each captured step from the step's device slot. Greedy tokens equal the model's own
+    (``transformers.generate``) in float32, over more steps than the window and past a cache bucket."""
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    model = _model(kind).cuda()
+    ids, mask = (t.cuda() for t in _left_padded(seed=3))
+    engine = HFRolloutEngine(model, kv_bucket=8)
+    out = engine.generate(ids, mask, SamplingConfig(max_new_tokens=12, temperature=0.0), generator=None)
+    assert engine.stats.cuda_graphs
+    truth = model.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[:, ids.shape[1] :]
+    assert torch.equal(out["responses"], truth)
