@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ppo_core.trainer.config import worker_setting
@@ -15,11 +17,21 @@ from ppo_core.workers.megatron.config import (
 from ppo_core.workers.torch.config import TorchActorConfig, TorchCriticConfig
 
 
-def test_torch_configs_need_nothing_from_the_run():
+def test_torch_configs_take_only_their_checkpoint_from_the_run():
+    """The torch workers load their models through their factories; the run records the checkpoint they start from
+    (``hf_checkpoint``, compared when a run resumes), which a job may not set."""
     cfg = TorchActorConfig.unresolved({"ppo_mini_batch_size": 4})
-    assert cfg == TorchActorConfig(ppo_mini_batch_size=4) and TorchActorConfig.RUN_KEYS == ()
-    assert cfg.resolved(ModelSource(checkpoint="/m", dtype="bfloat16")) is cfg
-    assert cfg.data_parallel_size(3) == 3 and cfg.job_keys() == cfg.to_dict()
+    assert cfg == TorchActorConfig(ppo_mini_batch_size=4) and TorchActorConfig.RUN_KEYS == ("hf_checkpoint",)
+    resolved = cfg.resolved(ModelSource(checkpoint="/m", dtype="bfloat16"))
+    assert resolved == dataclasses.replace(cfg, hf_checkpoint="/m") and cfg.hf_checkpoint is None
+    assert (
+        resolved.job_keys()
+        == cfg.job_keys()
+        == {k: v for k, v in cfg.to_dict().items() if k != "hf_checkpoint"}
+    )
+    assert cfg.data_parallel_size(3) == 3
+    with pytest.raises(ValueError, match="hf_checkpoint is set by the run from the model's checkpoint"):
+        TorchActorConfig.unresolved({"hf_checkpoint": "/x"})
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         cfg.data_parallel_size(0)
 
