@@ -289,6 +289,10 @@ def run_train(
     weights = os.path.join(job.run_dir, "final_actor")
     interrupted = False
     try:
+        try:  # the workers, built from the job here (an engine setting their model does not support...): one line
+            trainer.init_workers()
+        except (ValueError, TypeError) as exc:
+            raise JobInputError(f"the workers cannot be built from this job: {exc}") from exc
         trainer.fit()
         result.steps = trainer.global_steps
         result.start_step = trainer.start_step

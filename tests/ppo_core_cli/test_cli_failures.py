@@ -257,3 +257,23 @@ def test_a_second_run_into_the_same_folder_is_refused(tmp_path):
         _lock_run_dir(str(tmp_path / "run"))
     first.close()
     _lock_run_dir(str(tmp_path / "run")).close()
+
+
+def test_workers_that_cannot_be_built_from_the_job_are_one_line(example, tmp_path, capsys):
+    """An engine setting the model does not support (the fused path forced for a GPT-2) stops where the workers
+    are built, in one line naming the setting's complaint."""
+    import transformers
+
+    data = example / "ex"
+    gpt2 = tmp_path / "gpt2"
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=512, n_embd=16, n_layer=1, n_head=2, n_positions=128)
+    )
+    model.save_pretrained(gpt2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data / "model" / name, gpt2 / name)
+    extra = ("trainer.total_training_steps=1", "rollout.engine=hf", "rollout.engine_config.fast_path=true")
+    assert main(_argv(data, tmp_path / "run", f"model.path={gpt2}", *extra)) == 2
+    assert _one_error(capsys).startswith(
+        "ppo-core: error: the workers cannot be built from this job: fast_path=True but GPT2LMHeadModel is not"
+    )
