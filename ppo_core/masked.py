@@ -46,8 +46,21 @@ def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _check_finite(total: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
     """One sync: ``total`` (a masked sum of ``values``, or of ``values`` minus a valid one) is non-finite iff a valid
-    entry is, or the sum (or a difference) overflowed."""
-    _overflowed(torch.isfinite(total).all(), values, mask)
+    entry is, or the sum (or a difference) overflowed; only the first raises (a sum past the dtype's range is
+    ``inf``, as it is)."""
+    if not bool(torch.isfinite(total).all()):
+        _raise_nonfinite(values, mask)
+
+
+def _raise_nonfinite(values: torch.Tensor, mask: torch.Tensor) -> None:
+    """``ValueError`` naming the first NaN/inf of ``values`` where ``mask`` is 1 (several syncs); returns quietly
+    when there is none."""
+    raise_first_nonfinite(
+        {"values": values},
+        mask,
+        "masked statistics need finite values where the mask is 1",
+        " valid (mask=1)",
+    )
 
 
 def _overflowed(finite: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -56,12 +69,7 @@ def _overflowed(finite: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) 
     accumulation dtype (values near the dtype's largest: the caller computes again in float64)."""
     if bool(finite):
         return False
-    raise_first_nonfinite(
-        {"values": values},
-        mask,
-        "masked statistics need finite values where the mask is 1",
-        " valid (mask=1)",
-    )
+    _raise_nonfinite(values, mask)
     if values.dtype == torch.float64:
         raise ValueError(
             "masked statistics of values overflow float64 (every valid value is finite, their sums or squares "

@@ -108,9 +108,17 @@ def _attention(job: JobConfig) -> None:
     except ImportError:  # the model cannot load anyway: transformers says so there
         return
     known = sorted({"eager", *AttentionInterface._global_mapping.keys()})
-    if name not in known and not name.startswith("kernels-community/"):
-        raise ValueError(f"unknown model.attn_implementation {name!r}; valid values: {', '.join(known)}")
-    version = {"flash_attention_2": 2, "flash_attention_3": 3, "flash_attention_4": 4}.get(name)
+    base = name.removeprefix("paged|")  # transformers' paged variants of the same functions
+    if (
+        "/" in base
+    ):  # a kernel from the Hugging Face hub (org/repo[:function]): transformers fetches and checks it
+        return
+    if name not in known and base not in known:
+        raise ValueError(
+            f"unknown model.attn_implementation {name!r}; valid values: {', '.join(known)} (or a hub kernel, "
+            "org/repo)"
+        )
+    version = {"flash_attention_2": 2, "flash_attention_3": 3, "flash_attention_4": 4}.get(base)
     if version is not None:
         import transformers.utils as tf_utils
 

@@ -436,8 +436,9 @@ class JobConfig(PPOConfig):
 
     def _check_half_precision_optimiser(self) -> None:
         """Workers that train in ``model.dtype`` with their Adam state in it (the torch workers): in float16 an
-        ``optim.eps`` below float16's smallest normal number (6.1e-5; the default 1e-8 rounds to 0) leaves Adam's
-        denominator 0 where a gradient's second moment underflows, and the first update is NaN."""
+        ``optim.eps`` below float16's smallest normal number (6.1e-5) is refused: the default 1e-8 rounds to 0 and
+        leaves Adam's denominator 0 where a gradient's second moment underflows (the first update is NaN), and a
+        subnormal one is barely better (a huge step)."""
         if self.model.dtype != "float16" or not worker_kind(self.workers).optimizer_in_model_dtype:
             return
         smallest = 6.1e-5
@@ -449,8 +450,9 @@ class JobConfig(PPOConfig):
                 raise FieldValueError(
                     "model.dtype",
                     f"=float16 trains the {self.workers} workers' float16 parameters with float16 Adam state, and "
-                    f"{role}.worker.optim.eps={eps:g} rounds to 0 in float16 (the first update is NaN); use "
-                    f"model.dtype=bfloat16 (the same memory) or float32, or set {role}.worker.optim.eps >= 1e-4",
+                    f"{role}.worker.optim.eps={eps:g} is below float16's smallest normal number ({smallest:g}; the "
+                    "default 1e-8 rounds to 0, and the first update is NaN); use model.dtype=bfloat16 (the same "
+                    f"memory) or float32, or set {role}.worker.optim.eps >= {smallest:g}",
                 )
 
     def _check_worker_relations(self) -> None:

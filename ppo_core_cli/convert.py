@@ -198,10 +198,10 @@ def convert_gguf(
         with open(os.path.join(tmp, CONVERSION_FILE), "w", encoding="utf-8") as f:
             json.dump({"key": key, "eos_token": tokens.eos_token, "pad_token": tokens.pad_token}, f, indent=2)
             f.write("\n")
-        for name in os.listdir(
-            tmp
-        ):  # the weights file is written 0600 (a temporary file renamed): as the others
-            os.chmod(os.path.join(tmp, name), 0o644)
+        # the weights file is written 0600 (a temporary file renamed): give it the mode the others got (the umask's)
+        mode = os.stat(os.path.join(tmp, CONVERSION_FILE)).st_mode & 0o777
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), mode)
         _replace_dir(tmp, out)
     except BaseException:  # Ctrl-C included: no half folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)

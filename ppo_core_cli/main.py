@@ -401,7 +401,7 @@ def _export(args: argparse.Namespace) -> int:
         hint = "" if args.model_dir else " (the model the run started from: pass --model-dir DIR)"
         raise CommandError(f"{exc}{hint if isinstance(exc, FileNotFoundError) else ''}") from exc
     except RuntimeError as exc:
-        if "size mismatch" not in str(exc) and "Missing key" not in str(exc):
+        if not any(m in str(exc) for m in ("size mismatch", "Missing key", "Unexpected key")):
             raise
         raise CommandError(
             f"the actor of {args.checkpoint!r} does not fit the model it is exported into (another shape or "

@@ -116,7 +116,7 @@ LOCK_FILE = ".ppo-core.lock"
 
 
 def _lock_run_dir(run_dir: str) -> Any:
-    """Take the run folder's lock (an exclusive ``flock`` on :data:`LOCK_FILE`, released when its file closes or
+    """Take a run folder's lock (an exclusive ``flock`` on :data:`LOCK_FILE`, released when its file closes or
     the process ends, a crash included): two runs writing one folder's checkpoints and metrics would corrupt each
     other. ``JobInputError`` naming the holder's pid when another run has it. Where ``fcntl`` does not exist
     (Windows), no lock."""
@@ -159,11 +159,15 @@ def _warn_fresh_start_over_a_run(job: JobConfig) -> None:
         )
 
 
+_MISMATCH = ("size mismatch", "Missing key", "Unexpected key")
+"""What ``load_state_dict`` says of weights that do not fit a model (another width, fewer or more layers)."""
+
+
 def _weights_do_not_fit(exc: WorkerCallError) -> bool:
     """Whether a worker failed to load a checkpoint's weights into its model (``load_state_dict``'s shape or key
     mismatch): a resumed run given a model of another shape."""
     method = exc.method.rsplit(".", 1)[-1]
-    return method == "load_checkpoint" and ("size mismatch" in exc.message or "Missing key" in exc.message)
+    return method == "load_checkpoint" and any(m in exc.message for m in _MISMATCH)
 
 
 class TrainInterrupted(Exception):
@@ -234,6 +238,9 @@ def run_train(
 ) -> TrainResult:
     """Run the job (see the module docstring) and return where everything is.
 
+    The run holds its folders' lock (:func:`_lock_run_dir`: ``run_dir``, and the checkpoint folder where it lies
+    elsewhere) from before it writes anything until it returns or raises.
+
     Args:
         job: the job.
         scorers: ``reward.scorers`` already resolved (:func:`~ppo_core_cli.job.resolve_scorers`); None: resolve
@@ -241,6 +248,19 @@ def run_train(
         timings_json: also write the step-time breakdown, tokens/s and peak memory to this file.
         warmup_steps: steps left out of the breakdown's means (one-time costs).
     """
+    with contextlib.ExitStack() as locks:
+        return _run_train(job, locks, scorers=scorers, timings_json=timings_json, warmup_steps=warmup_steps)
+
+
+def _run_train(
+    job: JobConfig,
+    locks: contextlib.ExitStack,
+    *,
+    scorers: Mapping[str, Any] | None,
+    timings_json: str | None,
+    warmup_steps: int,
+) -> TrainResult:
+    """:func:`run_train`'s body; the folders' locks are entered on ``locks`` (closed by the caller)."""
     start = time.perf_counter()
     if scorers is None:
         scorers = resolve_scorers(job)
@@ -259,7 +279,14 @@ def run_train(
     actor_worker, critic_worker = complete_workers(job, tokenizer, model_dir, tokens)
     ppo = job.ppo_config(actor_worker, critic_worker)
     ppo = dataclasses.replace(ppo, trainer=dataclasses.replace(ppo.trainer, loggers=loggers))
-    lock = _lock_run_dir(job.run_dir)  # held until this process ends (its file closes with the result)
+    folders = [job.run_dir]
+    checkpoints = os.path.abspath(job.checkpoint_dir)
+    if not checkpoints.startswith(os.path.abspath(job.run_dir).rstrip(os.sep) + os.sep):
+        folders.append(checkpoints)  # a checkpoint folder elsewhere: two runs would share it
+    for folder in folders:
+        lock = _lock_run_dir(folder)
+        if lock is not None:
+            locks.callback(lock.close)
     _warn_fresh_start_over_a_run(job)
     for folder in (job.run_dir, job.checkpoint_dir):
         dump_job_config(job, os.path.join(folder, JOB_FILE))
@@ -292,7 +319,9 @@ def run_train(
         try:  # the workers, built from the job here (an engine setting their model does not support...): one line
             trainer.init_workers()
         except (ValueError, TypeError) as exc:
-            raise JobInputError(f"the workers cannot be built from this job: {exc}") from exc
+            trace = write_traceback(exc, os.path.join(job.run_dir, "worker_error.txt"))
+            where = f" (traceback: {trace})" if trace else ""
+            raise JobInputError(f"the workers cannot be built from this job: {exc}{where}") from exc
         trainer.fit()
         result.steps = trainer.global_steps
         result.start_step = trainer.start_step
@@ -311,11 +340,7 @@ def run_train(
     except WorkerCallError as exc:
         if not _weights_do_not_fit(exc):
             raise
-        detail = next(
-            line.strip()
-            for line in exc.message.splitlines()
-            if "size mismatch" in line or "Missing key" in line
-        )
+        detail = next(line.strip() for line in exc.message.splitlines() if any(m in line for m in _MISMATCH))
         raise JobInputError(
             f"the checkpoint's weights do not fit the model of model.path={model_dir!r} (another shape or "
             f"architecture: {detail[:240]}); resume with the model the run started from, or start a new run "
@@ -366,8 +391,6 @@ def run_train(
     result.plot = plot_run(records, os.path.join(job.log_dir, "reward_kl.png"), title)
     if timings_json:
         result.timings_json = _write_timings(timings_json, job, records, result, warmup_steps)
-    if lock is not None:
-        lock.close()
     return result
 
 

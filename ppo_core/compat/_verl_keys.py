@@ -219,6 +219,19 @@ def _resume_mode(value: Any, get: Reader) -> Any:
     return modes[value]
 
 
+def _resume_from_path(value: Any, get: Reader) -> Any:
+    # verl reads it only with resume_mode: resume_path; ppo-core refuses a path its mode would not read
+    if value is not None and get("trainer.resume_mode") != "resume_path":
+        logger.warning(
+            "trainer.resume_from_path %r: dropped, verl reads it only with resume_mode: resume_path (the config's "
+            "resume_mode is %r)",
+            value,
+            get("trainer.resume_mode"),
+        )
+        return SKIP
+    return value
+
+
 def _loggers(value: Any, get: Reader) -> Any:
     # Other remote trackers (swanlab, mlflow...) become metrics.jsonl: the metrics are still recorded, locally.
     kept = ("console", "tensorboard", "wandb")
@@ -831,7 +844,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("trainer.save_freq", -1, ("trainer.save_freq",), _disabled_as_zero, "-1 (off): 0"),
     Rule("trainer.resume_mode", "auto", ("trainer.resume_mode",), _resume_mode, "`resume_path`: `path`"),
-    Rule("trainer.resume_from_path", None, ("trainer.resume_from_path",)),
+    Rule(
+        "trainer.resume_from_path",
+        None,
+        ("trainer.resume_from_path",),
+        _resume_from_path,
+        "dropped unless `resume_mode: resume_path` (verl reads it only then)",
+    ),
     Rule("trainer.val_before_train", True, ("trainer.val_before_train",)),
     Rule("trainer.val_only", False, convert=_only(False, reason="call BasePPOTrainer's validation yourself")),
     Rule(

@@ -4,7 +4,8 @@ A row is a mapping with
 
 - ``prompt`` (the key is configurable): a non-empty list of chat messages, each a mapping with string ``role``
   and ``content`` (other message keys, e.g. ``name``, are kept for the chat template), or a plain non-empty string,
-  read as the user's one message (``[{"role": "user", "content": prompt}]``),
+  read as the user's one message (``[{"role": "user", "content": prompt}]``; text already templated, or a JSON
+  list of messages stored as text, is refused: it would be templated twice),
 - ``data_source``: a non-empty string; the rule-based reward picks its scorer by it,
 - ``reward_model``: a mapping whose ``ground_truth`` is the reference answer (any non-null value; a number must be
   finite: a NaN, as a null in a float column reads, is an error),
@@ -64,6 +65,11 @@ def _missing(origin: RowOrigin, row: Mapping[str, Any], key: str, hint: str = ""
     )
 
 
+_TEMPLATE_MARKERS = ("<|im_start|>", "<|start_header_id|>", "<|begin_of_text|>", "[INST]", "<start_of_turn>")
+"""Chat-template markers (ChatML, Llama 3, Mistral, Gemma) a plain-string prompt must not hold: it would be
+templated twice."""
+
+
 def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str, key_name: str) -> list[dict[str, Any]]:
     value = row.get(key)
     if value is None:
@@ -71,6 +77,21 @@ def _messages(origin: RowOrigin, row: Mapping[str, Any], key: str, key_name: str
     if isinstance(value, str):  # a plain prompt: the user's one message
         if not value:
             raise PromptSchemaError(origin, key, "must be a non-empty prompt, got an empty string")
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]") and '"role"' in text:
+            raise PromptSchemaError(
+                origin,
+                key,
+                "is text that looks like a JSON list of chat messages: store the messages as a list",
+            )
+        marker = next((m for m in _TEMPLATE_MARKERS if m in text), None)
+        if marker is not None:
+            raise PromptSchemaError(
+                origin,
+                key,
+                f"is text that holds the chat-template marker {marker!r}, as an already templated prompt does: the "
+                "tokenizer's chat template is applied to every prompt, so give the user's text (or the messages)",
+            )
         return [{"role": "user", "content": value}]
     if isinstance(value, (bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
         raise PromptSchemaError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -47,6 +49,11 @@ def rollout_batch(
         out[KEYS.rollout_log_probs] = rollout_log_probs
     return TensorDict(out, batch_size=[prompts.shape[0]])
 
+
+logger = logging.getLogger(__name__)
+
+_WARNED_FLOAT_MASK: set[str] = set()
+"""Engines already told that their float response mask is read as an integer one (once each)."""
 
 _OUTPUT_KEYS = (KEYS.prompts, KEYS.responses, KEYS.input_ids, KEYS.attention_mask, KEYS.response_mask)
 """What every rollout engine returns; ``rollout_log_probs`` is checked where given (the trainer asks for it where a
@@ -99,6 +106,16 @@ def check_rollout_output(out: object, rows: int, max_new_tokens: int, engine: st
             f"the other keys must match: input_ids and attention_mask {p} + {r}, response_mask and rollout_log_probs "
             f"{r} (got {shapes})"
         )
+    mask = out[KEYS.response_mask]
+    if mask.is_floating_point():  # 0/1 in floats: read as the integer mask it means (one check of its values)
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise TypeError(f"{what} returned a response_mask of {mask.dtype} with values other than 0 and 1")
+        if engine not in _WARNED_FLOAT_MASK:
+            _WARNED_FLOAT_MASK.add(engine)
+            logger.warning(
+                "%s returned a %s response_mask: read as int64 (return an integer mask)", what, mask.dtype
+            )
+        out[KEYS.response_mask] = mask.long()
     # (attention_mask is the caller's prompt mask and the response mask joined: it may take the caller's dtype)
     floating = [
         k

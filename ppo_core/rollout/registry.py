@@ -136,7 +136,8 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
 
     Raises ``ValueError`` for the reserved name ``auto``, an empty name, or a name already registered to another
     class (unless ``replace=True``; the same class defined again, as a reloaded module does, takes it back);
-    ``TypeError`` for a class that does not subclass ``RolloutEngineConfig`` and for anything else not callable.
+    ``TypeError`` for a class that neither subclasses ``RolloutEngineConfig`` nor has a ``generate`` (a settings
+    class that forgot its base), and for anything else not callable.
 
     Example:
         >>> from dataclasses import dataclass
@@ -160,7 +161,8 @@ def register_rollout_engine(name: str, *, replace: bool = False) -> Callable[[C]
                     f"rollout engine {name!r}: {item.__name__} must be a @dataclass(kw_only=True)"
                 )
             cls: type[RolloutEngineConfig] = item
-        elif isinstance(item, type):
+        elif isinstance(item, type) and not callable(getattr(item, "generate", None)):
+            # a settings class that forgot its base (an engine class with generate() is a deprecated factory)
             raise TypeError(
                 f"rollout engine {name!r}: {item.__name__} must subclass ppo_core.rollout.RolloutEngineConfig "
                 "(a @dataclass(kw_only=True) of the engine's settings with build(model, sampling))"
@@ -200,6 +202,10 @@ def _same_definition(old: type | str, new: type) -> bool:
         made_of = getattr(entry, "factory", entry)  # a factory's wrapper class: the factory
         return f"{made_of.__module__}:{made_of.__qualname__}"
 
+    if "<" in definition(
+        new
+    ):  # a lambda or a class made in a function: names that do not identify a definition
+        return False
     return definition(old) == definition(new)
 
 

@@ -125,16 +125,19 @@ class Worker:
     """
 
     _RESERVED = ("worker_layout", "set_dp_layout")
-    """What worker groups call on every worker to learn its layout: a subclass that redefines one (a method of its
-    own that happens to share the name) would break every data-parallel call, so it is refused by name."""
+    """What worker groups call on every worker to learn its layout. A subclass may override them (returning a
+    :class:`WorkerLayout`), but a group-callable method of its own under one of these names (``@register``: a
+    method that happens to share the name) would replace the layout every data-parallel call reads, so that is
+    refused by name."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        taken = [name for name in Worker._RESERVED if name in vars(cls)]
+        taken = [name for name in Worker._RESERVED if get_registration(vars(cls).get(name)) is not None]
         if taken:
             raise TypeError(
-                f"{cls.__name__} defines {', '.join(taken)}, which worker groups call on every worker to learn its "
-                "data-parallel layout (Worker's own: call set_dp_layout from __init__ instead); rename the method"
+                f"{cls.__name__} registers {', '.join(taken)} (@register), a name worker groups call on every worker "
+                "to learn its data-parallel layout (Worker's own; call set_dp_layout from __init__ to change it); "
+                "rename the method"
             )
 
     def __init__(self) -> None:

@@ -229,6 +229,14 @@ BAD_ROWS = [
     ({"prompt": [{"role": "user"}]}, "prompt[0].content missing"),
     ({"prompt": [{"role": "user", "content": 3}]}, "prompt[0].content must be a string, got int"),
     ({"prompt": ""}, "prompt must be a non-empty prompt, got an empty string"),
+    (
+        {"prompt": "<|im_start|>user\nHi<|im_end|>"},
+        "prompt is text that holds the chat-template marker '<|im_start|>'",
+    ),
+    (
+        {"prompt": '[{"role": "user", "content": "hi"}]'},
+        "prompt is text that looks like a JSON list of chat messages",
+    ),
     ({"prompt": {"role": "user", "content": "a"}}, "prompt must be a list of chat messages"),
     ({"prompt": []}, "prompt must hold at least one message"),
     ({"prompt": ["hi"]}, "prompt[0] must be a mapping"),

@@ -452,3 +452,28 @@ def test_a_registered_engines_own_check_is_named_by_its_dotted_key() -> None:
             PPOConfig.from_dict({"rollout": {**section, "engine_config": {"gpu_memory_utilization": 0.25}}})
     finally:
         registry._CONFIGS.pop("documented_test", None)
+
+
+def test_an_engine_class_registered_as_its_own_factory_still_works() -> None:
+    """The deprecated factory API took any ``factory(model, config) -> engine``: an engine class whose constructor
+    has that signature is one (a warning), unlike a settings class that forgot its base."""
+
+    class OwnFactory:
+        def __init__(self, model, config) -> None:
+            self.inner = ModelRolloutEngine(model)
+
+        def generate(self, prompts, prompt_mask, config, *, generator):
+            return self.inner.generate(prompts, prompt_mask, config, generator=generator)
+
+    try:
+        with pytest.warns(DeprecationWarning, match="factory function is deprecated"):
+            register_rollout_engine("own_factory_test")(OwnFactory)
+        out = generate(
+            _tiny(),
+            torch.tensor([[1, 2]]),
+            torch.ones(1, 2),
+            SamplingConfig(engine="own_factory_test", max_new_tokens=2, temperature=0),
+        )
+        assert out["responses"].shape == (1, 2)
+    finally:
+        registry._CONFIGS.pop("own_factory_test", None)

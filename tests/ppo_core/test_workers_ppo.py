@@ -534,8 +534,11 @@ class Miswired(Sampler):
             )  # fmt: skip
         if self.fault == "no_mask":
             return out.exclude(KEYS.response_mask)
-        if self.fault == "float_mask":
-            out[KEYS.response_mask] = out[KEYS.response_mask].float()
+        if self.fault == "float_mask":  # not 0/1: refused (a 0/1 float mask is read as an integer one)
+            out[KEYS.response_mask] = out[KEYS.response_mask].float() * 0.5
+            return out
+        if self.fault == "float_ids":
+            out[KEYS.responses] = out[KEYS.responses].float()
             return out
         if self.fault == "dict":
             return dict(out.items())
@@ -549,7 +552,8 @@ class Miswired(Sampler):
     [
         ("wide", ValueError, r"responses of 3 columns \(at most max_new_tokens=2\)"),
         ("no_mask", ValueError, "returned no response_mask"),
-        ("float_mask", TypeError, "response_mask of torch.float32"),
+        ("float_mask", TypeError, "response_mask of torch.float32 with values other than 0 and 1"),
+        ("float_ids", TypeError, "responses of torch.float32: token ids and masks are integer"),
         ("dict", TypeError, "returned dict; a RolloutEngine returns a TensorDict"),
         ("short", ValueError, "for 3 prompts"),
     ],
@@ -638,3 +642,19 @@ def test_metrics_are_step_means_of_micro_batch_shares() -> None:
         )
         fractions.append(float(m["pg_clipfrac"]))
     assert one_step["actor/pg_clipfrac"] == pytest.approx(sum(fractions) / 4, rel=1e-6)
+
+
+def test_a_zero_one_float_mask_from_an_engine_is_read_as_integers(caplog) -> None:
+    """Engines written before the output check returned float masks of 0 and 1: they keep working (a warning)."""
+
+    class FloatMask(Sampler):
+        def generate(self, prompts, prompt_mask, config, *, generator):  # type: ignore[no-untyped-def]
+            out = super().generate(prompts, prompt_mask, config, generator=generator)
+            out[KEYS.response_mask] = out[KEYS.response_mask].float()
+            return out
+
+    actor = _actor({"rollout": {"max_new_tokens": 2}}, rollout=FloatMask())
+    with caplog.at_level("WARNING"):
+        out = actor.generate_sequences(_batch(3).select(KEYS.input_ids, KEYS.attention_mask))
+    assert out[KEYS.response_mask].dtype == torch.int64 and (out[KEYS.response_mask] == 1).all()
+    assert "read as int64" in caplog.text

@@ -217,7 +217,7 @@ def test_overrides_set_exactly_their_keys(tiny_dict, values):
             ["model.dtype=float16"],
             ValueError,
             "model.dtype=float16 trains the torch workers' float16 parameters with float16 Adam state, and "
-            "actor.worker.optim.eps=1e-08 rounds to 0",
+            "actor.worker.optim.eps=1e-08 is below float16's smallest normal number (6.1e-05;",
         ),
         (
             ["model.dtype=float16", "actor.worker.optim.eps=1e-4"],

@@ -234,6 +234,15 @@ def test_a_data_source_without_a_scorer_is_named_before_any_model_loads(
     message = _one_error(capsys)
     assert message.startswith("ppo-core: error: data.train_files: no scorer for data_source 'mystery'")
     assert "reward.scorers: {'mystery': {function: my_module:score}}" in message and "openai/gsm8k" in message
+    # in-process: the run's folder lock is released though the caller keeps the exception (and its traceback)
+    from ppo_core_cli.loading import load_job_config
+    from ppo_core_cli.train import JobInputError, _lock_run_dir, run_train
+
+    argv = _argv(data, tmp_path / "run", f"data.train_files={mystery}")
+    with pytest.raises(JobInputError) as kept:
+        run_train(load_job_config(argv[2], argv[3:]))
+    _lock_run_dir(str(tmp_path / "run")).close()  # not refused: the failed run let go of it
+    assert "no scorer for data_source" in str(kept.value)
     eval_argv = [
         "-q",
         "eval",

@@ -97,8 +97,10 @@ def test_dtype_is_the_written_weights(gguf_files, tmp_path):
 
     with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
-    # every file readable by others alike (the weights were written 0600)
-    assert {os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)} == {0o644}
+    # every file with the mode the umask gives (the weights were written 0600 whatever it was)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)} == {0o666 & ~umask}
     with pytest.raises(ValueError, match="dtype must be"):
         convert_gguf(gguf_files["f32"], tmp_path / "x", dtype="int8")
 
