@@ -721,3 +721,13 @@ def test_overrides_apply_as_in_hydra(tmp_path):
     assert convert_verl({}, ["data.train_batch_size=512"]).settings["data"]["train_batch_size"] == 512
     with pytest.raises(ValueError, match=r"override 'nonsense'"):
         convert_verl(path, ["nonsense"])
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("resume_path", True), ("auto", False), ("disable", False)])
+def test_a_resume_path_verl_would_not_read_is_dropped(mode, kept, caplog):
+    """verl reads ``resume_from_path`` only with ``resume_mode: resume_path``; ppo-core refuses a path its mode would
+    not read, so a verl config with a leftover path converts with the path dropped (a warning)."""
+    path = "ckpts/global_step_50"
+    cfg = ppo_config_from_verl({"trainer": {"resume_mode": mode, "resume_from_path": path}})
+    assert cfg.trainer.resume_from_path == (path if kept else None)
+    assert ("dropped, verl reads it only with resume_mode: resume_path" in caplog.text) is not kept
