@@ -224,67 +224,37 @@ class KVCache:
             ``[B, H, S, d]`` attention outputs (``[B, H, 1, d]`` with :attr:`last_query_only`).
         """
         self._write(layer, k, v)
-        if window is not None and window < self.length:
-            return self._attend_window(layer, q, k, v, scale, int(window))
-        return self._attend_written(layer, q, k, v, scale)
-
-    def _attend_window(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int
-    ) -> torch.Tensor:
-        """:meth:`attend` with a sliding window shorter than the cache, once the keys and values are written: the
-        same attention with the slots outside the window masked too (one mask per forward and window, shared by
-        the layers that use it; capturable in a CUDA graph, since the step's slot stays on the device)."""
-        if window < 1:
+        if window is not None and window < 1:
             raise ValueError(f"a sliding window must be >= 1 slot, got {window}")
-        if self.batch_invariant:
-            raise ValueError("the batch-invariant attention has no sliding window")
-        if self.mode == "prefill":
-            p = k.shape[2]
-            slots = torch.arange(p, device=q.device)
-            near = (slots[:, None] - slots[None, :]) < window  # [P, P]: key j within the window of query i
-
-            def make() -> torch.Tensor:
-                base = self.prefill_mask
-                if base is None:  # no padding: the causal mask
-                    base = torch.ones(p, p, dtype=torch.bool, device=q.device).tril()[None, None]
-                return base & near
-
-            mask = self.per_forward(("window", window, p), make)
-            last_only = self.last_query_only
-            if last_only:
-                q, mask = q[:, :, -1:], mask[:, :, -1:]
-            h, g = q.shape[1], k.shape[1]
-            if g != h:
-                k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-        def make_bias() -> torch.Tensor:
-            slots = torch.arange(self.kv_len, device=q.device)
-            outside = slots <= self.slot - window  # [kv_len]: too far behind the step's slot
-            # a row that ended more than a window ago has no valid slot left in it: it sees its own (padding)
-            # slot, so that its softmax stays finite (its output is never used); a running row's is valid anyway
-            own = slots == self.slot
-            return self._decode_mask.masked_fill(outside, float("-inf")).masked_fill(own, 0.0)
-
-        bias = self.per_forward(("window", window), make_bias)
-        keys, values = self.keys[layer], self.values[layer]
-        return decode_attention(
-            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], bias, scale, self._filled
-        )
+        if window is not None and window >= self.length:  # no two slots of the cache are that far apart
+            window = None
+        return self._attend_written(layer, q, k, v, scale, window)
 
     def _attend_written(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """:meth:`attend` once this forward's keys and values ``k``/``v`` (``[B, G, S, d]``, the cache's slots or
-        the tensors written there) are in the cache."""
+        the tensors written there) are in the cache; ``window``: a sliding window shorter than the cache, or None."""
         last_only = self.mode == "prefill" and self.last_query_only
         if last_only:
             q = q[:, :, -1:]
         if self.batch_invariant:
+            if window is not None:
+                raise ValueError("the batch-invariant attention has no sliding window")
             return self._attend_invariant(layer, q, scale, written=k.shape[2])
         if self.mode == "prefill":
             h, g = q.shape[1], k.shape[1]
-            mask = self.prefill_mask
+            mask = (
+                self.prefill_mask
+                if window is None
+                else self._window_prefill_mask(window, k.shape[2], q.device)
+            )
             # no padding: causal (the last query alone sees every key), and the flash kernel shares the key/value
             # heads among their query heads
             if mask is None:
@@ -296,7 +266,37 @@ class KVCache:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask[:, :, -1:] if last_only else mask, scale=scale
             )
-        return self._decode_attention(layer, q, scale)
+        bias = None if window is None else self._window_decode_bias(window, q.device)
+        return self._decode_attention(layer, q, scale, bias)
+
+    def _window_prefill_mask(self, window: int, p: int, device: torch.device) -> torch.Tensor:
+        """The prefill's mask (:attr:`prefill_mask`, or the causal one without padding) with the keys ``window`` or
+        more slots behind each query masked too: ``[B or 1, 1, P, P]`` bool, made once per forward and window and
+        shared by the layers that use it."""
+
+        def make() -> torch.Tensor:
+            slots = torch.arange(p, device=device)
+            near = (slots[:, None] - slots[None, :]) < window  # [P, P]: key j within the window of query i
+            base = self.prefill_mask
+            if base is None:  # no padding: the causal mask
+                base = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None, None]
+            return base & near
+
+        return self.per_forward(("window", window, p), make)
+
+    def _window_decode_bias(self, window: int, device: torch.device) -> torch.Tensor:
+        """The step's additive mask with the slots ``window`` or more behind the step's slot masked too (made once
+        per forward and window from the step's device slot, so a captured CUDA graph makes it anew each replay)."""
+
+        def make() -> torch.Tensor:
+            slots = torch.arange(self.kv_len, device=device)
+            outside = slots <= self.slot - window  # [kv_len]: too far behind the step's slot
+            # a row that ended more than a window ago has no valid slot left in it: it sees its own (padding)
+            # slot, so that its softmax stays finite (its output is never used); a running row's is valid anyway
+            own = slots == self.slot
+            return self._decode_mask.masked_fill(outside, float("-inf")).masked_fill(own, 0.0)
+
+        return self.per_forward(("window", window), make)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this forward's keys and values of ``layer``: the first ``S`` slots in prefill, the step's slot in
@@ -424,11 +424,15 @@ class KVCache:
             and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa"
         )
 
-    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _decode_attention(
+        self, layer: int, q: torch.Tensor, scale: float | None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The step's attention over the first ``kv_len`` slots with ``bias`` (None: the step's mask)."""
         keys, values = self.keys[layer], self.values[layer]
         # nothing past this step's slot is filled yet: the kernel stops there within the bucket's kv_len
+        mask = self._decode_mask if bias is None else bias
         return decode_attention(
-            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], self._decode_mask, scale, self._filled
+            q, keys[:, :, : self.kv_len], values[:, :, : self.kv_len], mask, scale, self._filled
         )
 
     def _attend_invariant(
