@@ -16,7 +16,7 @@ import traceback
 from ppo_core.rewards.reward_fn import ScorerError
 from ppo_core.trainer.reward import RewardFunctionError
 
-__all__ = ["reward_failure_message", "user_frame", "write_traceback"]
+__all__ = ["reward_failure_message", "user_frame", "weight_mismatch", "write_traceback"]
 
 _OURS = tuple(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
@@ -81,3 +81,18 @@ def reward_failure_message(exc: RewardFunctionError, traceback_file: str | None 
     if traceback_file:
         parts.append(f"traceback: {traceback_file}")
     return "; ".join(parts)
+
+
+_MISMATCH = ("size mismatch", "Missing key", "Unexpected key")
+"""What ``load_state_dict`` says of weights that do not fit a model (another width, fewer or more layers)."""
+
+
+def weight_mismatch(message: str) -> str | None:
+    """The line of ``message`` (an error's text) in which ``load_state_dict`` says weights do not fit the model
+    (a checkpoint loaded into a model of another shape), stripped; None when it says no such thing.
+
+    Example:
+        >>> weight_mismatch("  size mismatch for w: copying [2] into [3]."), weight_mismatch("CUDA out of memory")
+        ('size mismatch for w: copying [2] into [3].', None)
+    """
+    return next((line.strip() for line in message.splitlines() if any(m in line for m in _MISMATCH)), None)

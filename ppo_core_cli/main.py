@@ -401,7 +401,9 @@ def _export(args: argparse.Namespace) -> int:
         hint = "" if args.model_dir else " (the model the run started from: pass --model-dir DIR)"
         raise CommandError(f"{exc}{hint if isinstance(exc, FileNotFoundError) else ''}") from exc
     except RuntimeError as exc:
-        if not any(m in str(exc) for m in ("size mismatch", "Missing key", "Unexpected key")):
+        from ppo_core_cli.failures import weight_mismatch
+
+        if weight_mismatch(str(exc)) is None:
             raise
         raise CommandError(
             f"the actor of {args.checkpoint!r} does not fit the model it is exported into (another shape or "

@@ -43,7 +43,7 @@ from ppo_core.trainer.tracking import usable_loggers
 from ppo_core.workers.errors import WorkerCallError
 from ppo_core_cli.config import JobConfig
 from ppo_core_cli.export import JOB_FILE, export_actor_weights, write_generation_ids
-from ppo_core_cli.failures import reward_failure_message, write_traceback
+from ppo_core_cli.failures import reward_failure_message, weight_mismatch, write_traceback
 from ppo_core_cli.job import (
     build_reward,
     build_trainer,
@@ -157,17 +157,6 @@ def _warn_fresh_start_over_a_run(job: JobConfig) -> None:
             job.run_dir,
             latest,
         )
-
-
-_MISMATCH = ("size mismatch", "Missing key", "Unexpected key")
-"""What ``load_state_dict`` says of weights that do not fit a model (another width, fewer or more layers)."""
-
-
-def _weights_do_not_fit(exc: WorkerCallError) -> bool:
-    """Whether a worker failed to load a checkpoint's weights into its model (``load_state_dict``'s shape or key
-    mismatch): a resumed run given a model of another shape."""
-    method = exc.method.rsplit(".", 1)[-1]
-    return method == "load_checkpoint" and any(m in exc.message for m in _MISMATCH)
 
 
 class TrainInterrupted(Exception):
@@ -338,9 +327,10 @@ def _run_train(
     except CheckpointCorruptError as exc:  # nothing intact to resume from: what to do, no traceback
         raise JobInputError(str(exc)) from exc
     except WorkerCallError as exc:
-        if not _weights_do_not_fit(exc):
+        # a worker could not load the checkpoint's weights into its model: a resume given a model of another shape
+        detail = weight_mismatch(exc.message) if exc.method.rsplit(".", 1)[-1] == "load_checkpoint" else None
+        if detail is None:
             raise
-        detail = next(line.strip() for line in exc.message.splitlines() if any(m in line for m in _MISMATCH))
         raise JobInputError(
             f"the checkpoint's weights do not fit the model of model.path={model_dir!r} (another shape or "
             f"architecture: {detail[:240]}); resume with the model the run started from, or start a new run "
