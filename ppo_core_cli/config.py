@@ -385,7 +385,7 @@ class JobConfig(PPOConfig):
     def _check_resume_allow_changes(self) -> None:
         """Each ``trainer.resume_allow_changes`` entry names a key or section of the job (or a key the run sets,
         such as ``actor.worker.hf_checkpoint``): a misspelt one would allow nothing, silently."""
-        from ppo_core.trainer.resume_config import MEANING_KEYS
+        from ppo_core.trainer.resume_config import MEANING_KEYS, _under
 
         allowed = self.trainer.resume_allow_changes
         if not allowed:
@@ -401,8 +401,7 @@ class JobConfig(PPOConfig):
 
         walk(super().to_dict(), "")
         for entry in allowed:
-            known = entry in keys or any(entry == k or entry.startswith(k + ".") for k in MEANING_KEYS)
-            if not known:
+            if entry not in keys and not _under(entry, MEANING_KEYS):  # a key of the job, or one the run sets
                 close = difflib.get_close_matches(entry, sorted(keys), n=1, cutoff=0.8)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise FieldValueError(
