@@ -109,9 +109,7 @@ def _attention(job: JobConfig) -> None:
         return
     known = sorted({"eager", *AttentionInterface._global_mapping.keys()})
     base = name.removeprefix("paged|")  # transformers' paged variants of the same functions
-    if (
-        "/" in base
-    ):  # a kernel from the Hugging Face hub (org/repo[:function]): transformers fetches and checks it
+    if "/" in base:  # a hub kernel (org/repo[:function]): transformers fetches and checks it
         return
     if name not in known and base not in known:
         raise ValueError(

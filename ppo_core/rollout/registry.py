@@ -202,11 +202,9 @@ def _same_definition(old: type | str, new: type) -> bool:
         made_of = getattr(entry, "factory", entry)  # a factory's wrapper class: the factory
         return f"{made_of.__module__}:{made_of.__qualname__}"
 
-    if "<" in definition(
-        new
-    ):  # a lambda or a class made in a function: names that do not identify a definition
-        return False
-    return definition(old) == definition(new)
+    again = definition(new)
+    # a lambda or a class made in a function: a name that does not identify a definition
+    return "<" not in again and definition(old) == again
 
 
 def rollout_engine_names() -> tuple[str, ...]:
