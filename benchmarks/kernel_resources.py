@@ -124,6 +124,13 @@ def hopper_choices() -> Iterator[None]:
         linear.pdl_enabled, fused.pdl_enabled, linear.decode_linear_available = saved
 
 
+def triton_tools() -> Path:
+    """The folder of ``cuobjdump`` and ``nvdisasm`` in Triton's NVIDIA backend (Triton must be importable)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
 def machine_code(kernel: Any, tools: Path) -> dict[str, Any]:
     """Resources of one compiled kernel, read from its binary."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,9 +201,7 @@ def cases(family: str, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
         "attention_one_launch_split4": lambda: rotate_write_attend_triton(
             q, k, v, cos, sin, keys, values, slot, bias, split=4, **attend
         ),
-        "rotate_and_write": lambda: rotate_and_write_triton(
-            q, k, v, cos, sin, keys, values, slot, model_rounding=True
-        ),
+        "rotate_and_write": lambda: rotate_and_write_triton(q, k, v, cos, sin, keys, values, slot, **attend),
         "attention_two_launch": lambda: decode_attention_triton(q, keys, values, bias, filled=slot + 1),
         "out_product": lambda: decode_linear(empty(b, heads * d), empty(hidden, heads * d), residual=h),
         "gate_up_product": lambda: decode_linear(x, empty(2 * inner, hidden), sumsq=sumsq, swiglu=True),
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import triton
     except ImportError:
         parser.error("needs Triton with its NVIDIA backend: pip install triton")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tools = triton_tools()
     if not (tools / "cuobjdump").exists():
         parser.error(f"needs Triton's NVIDIA backend (no {tools / 'cuobjdump'})")
     families = [f.strip() for f in args.families.split(",") if f.strip()]

@@ -28,9 +28,10 @@ the tensor cores straight from shared memory):
 - **persistent launch** (``DecodeLinearConfig.tiles_per_program``, the output layer's default): one program per SM
   streams an equal share of the weight's rows, its tiles' ``K`` loops flattened into one software pipeline (a
   product without residual, SwiGLU or split);
-- **programmatic dependent launch** on Hopper with ``PPO_CORE_PDL=1`` (:mod:`ppo_core_decode.pdl`): a program loads
-  its first weight tile, then waits for the previous kernel, and lets the next kernel start once its main loop is
-  done.
+- **programmatic dependent launch** on Hopper (:mod:`ppo_core_decode.pdl`; ``PPO_CORE_PDL=0`` turns it off): a
+  program loads its first weight tile and, for a weight of at most :data:`PREFETCH_MAX_BYTES`, fetches the rest of
+  its slice into the L2 (``prefetch.global.L2``, no registers held), then waits for the previous kernel and lets
+  the next one launch at once: the next kernel's weight reads overlap this kernel's work, not its end.
 
 Roundings: the residual add and the SwiGLU steps round as the models' eager forwards do (the product rounded to the
 model dtype, then the add in it; the gate and up products, SiLU and their product each rounded). The norm does not:
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core_decode.pdl import pdl_enabled
+from ppo_core_decode.pdl import pdl_enabled, prefetch_l2
 from ppo_core_decode.split_launch import arrival_counters, sm_count
 
 try:
@@ -67,6 +68,7 @@ except ImportError:  # Triton is optional
 
 __all__ = [
     "MAX_ROWS",
+    "PREFETCH_MAX_BYTES",
     "DecodeLinearConfig",
     "DecodeLinearOutput",
     "decode_linear",
@@ -74,12 +76,24 @@ __all__ = [
     "decode_linear_reference",
     "fold_norm_weight",
     "fold_norm_weights",
+    "prefetches_weight",
     "row_sumsq",
     "row_sumsq_scaled",
 ]
 
 MAX_ROWS = 64
 """Most rows a call multiplies (one block of rows: every program reads the weight once for all of them)."""
+
+PREFETCH_MAX_BYTES = 16 * 2**20
+"""Largest weight whose programs fetch their whole slice into the L2 before they wait for the previous kernel (with
+PDL): a thin layer's products (4-13 MB at Qwen3-0.6B's shape) then stream from the L2 once the wait ends; a larger
+weight's lines would start to evict each other in a 50 MB L2 before they are read (``docs/performance.md``)."""
+
+
+def prefetches_weight(weight: torch.Tensor) -> bool:
+    """Whether :func:`decode_linear`'s grid launch prefetches ``weight`` into the L2 (where it launches with PDL):
+    at most :data:`PREFETCH_MAX_BYTES`."""
+    return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 
 
 class DecodeLinearOutput(NamedTuple):
@@ -388,6 +402,7 @@ def decode_linear(
         HAS_BIAS=bias is not None,
         UPCAST=_interpreting(),
         PDL=pdl,
+        PREFETCH=pdl and prefetches_weight(weight),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -527,6 +542,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
         PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -547,7 +563,14 @@ if triton is not None:
         if SWIGLU:
             w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
         if PDL:
+            if PREFETCH:
+                # the rest of this program's weight slice into the L2 while the previous kernel finishes
+                _prefetch_rows(W, cols, col_in, k_start + BLOCK_K, k_end, stride_w, BLOCK_K)
+                if SWIGLU:
+                    _prefetch_rows(W, cols + N, col_in, k_start + BLOCK_K, k_end, stride_w, BLOCK_K)
             tl.extra.cuda.gdc_wait()
+            # the next kernel may launch now: until its own wait it reads only what no kernel of the step writes
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(
             X + rows[:, None] * stride_x + ks[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0
         )
@@ -566,8 +589,6 @@ if triton is not None:
             if SWIGLU:
                 w_up = tl.load(W + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
                 acc_up = _dot(acc_up, x, w_up, UPCAST)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         last = True  # whether this program runs the epilogue: every program unless K is split
         if SPLIT > 1:
             # publish this split's partials; the last program of the column block to arrive sums them in order
@@ -756,6 +777,17 @@ if triton is not None:
             w = tl.where(mine[:, None], w3, w)
         y = (w.to(tl.float32) * scale[None, :]).to(dtype)
         tl.store(Out + rows[:, None] * K + cols[None, :], y, mask=ok)
+
+    @triton.jit
+    def _prefetch_rows(W, rows, row_in, k_from, k_end, stride_w, BLOCK_K: tl.constexpr):
+        """``prefetch.global.L2`` of columns ``k_from .. k_end`` of weight rows ``rows``: one prefetch per 128-byte
+        line (64 half-precision entries; one per ``BLOCK_K`` entries for narrower blocks, a line fetched twice);
+        rows outside ``row_in`` fetch row 0's lines again (always in the buffer)."""
+        LINE: tl.constexpr = min(BLOCK_K, 64)
+        line = tl.arange(0, BLOCK_K // LINE) * LINE
+        base = W + tl.where(row_in, rows, 0).to(tl.int64)[:, None] * stride_w
+        for k0 in range(k_from, k_end, BLOCK_K):
+            prefetch_l2(base + tl.minimum(k0 + line, k_end - 1)[None, :])
 
     @triton.jit
     def _dot(acc, x, w, UPCAST: tl.constexpr):

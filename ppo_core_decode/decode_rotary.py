@@ -8,6 +8,10 @@ slot held in a device scalar (so the launch is captured in the step's CUDA graph
 ``S`` tokens in one launch of one program per (token, row), token ``s`` going to slot ``s``
 (:func:`rotate_and_write_prompt_triton`); the attention then reads the keys and values from the cache.
 
+Qwen3's per-head RMSNorms of the queries and keys (``qk_norm``) run in the same launch, before the rotation, in the
+model's roundings (their sum of squares in the kernel's order): a prefill then reads and writes its queries and keys
+once a layer instead of twice.
+
 Two roundings of ``t cos + rotate_half(t) sin`` (``rotate_half([t1, t2]) = [-t2, t1]``):
 
 - ``model_rounding=False``: in fp32, rounded once to the model dtype (:func:`ppo_core.kernels.fused.apply_rotary`,
@@ -29,7 +33,7 @@ import torch
 
 from ppo_core.kernels.fused import apply_rotary
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core_decode.eager_rounding import rotary_as_model
+from ppo_core_decode.eager_rounding import rms_norm_as_model, rotary_as_model
 
 try:
     import triton
@@ -58,6 +62,7 @@ def rotate_and_write(
     slot: torch.Tensor,
     *,
     model_rounding: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v`` into the cache at ``slot``; return the rotated ``q``.
 
@@ -67,6 +72,8 @@ def rotate_and_write(
         keys, values: the layer's ``[B, G, L, d]`` cache buffers (written at ``slot``).
         slot: ``[]`` int64 device scalar.
         model_rounding: round as a model's eager forward does (see the module docstring).
+        qk_norm: ``(q_weight [d], k_weight [d], eps)``: first normalise each query head and key head (RMSNorm per
+            head in the model's roundings, Qwen3's ``q_norm`` and ``k_norm``); weights in ``q``'s dtype.
 
     Returns:
         ``[B, H, 1, d]`` rotated queries.
@@ -79,11 +86,23 @@ def rotate_and_write(
         >>> cache_v[0, 0, 1].tolist(), bool(torch.equal(out, q))
         ([3.0, 3.0, 3.0, 3.0], True)
     """
+    q, k = _head_norms_first(q, k, qk_norm)
     rotate = rotary_as_model if model_rounding else apply_rotary
     q, k = rotate(q, k, cos[:, None, None, :], sin[:, None, None, :])
     keys.index_copy_(2, slot.view(1), k)
     values.index_copy_(2, slot.view(1), v)
     return q
+
+
+def _head_norms_first(
+    q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` with each head normalised by ``qk_norm`` (the model's RMSNorm); as they are without."""
+    if qk_norm is None:
+        return q, k
+    check_qk_norm(qk_norm, q)
+    q_weight, k_weight, eps = qk_norm
+    return rms_norm_as_model(q, q_weight, eps), rms_norm_as_model(k, k_weight, eps)
 
 
 def rotate_and_write_triton_available(q: torch.Tensor) -> bool:
@@ -125,6 +144,19 @@ if triton is not None:
         return (t.to(tl.float32) * cos + half * sin).to(dtype)
 
     @triton.jit
+    def _head_norms(t, tp, w, wp, eps, D: tl.constexpr):
+        """The RMSNorm of each row of ``t [R, D]`` (a head) with weight ``w [D]``, in the model's roundings: the row
+        times ``1 / sqrt(mean(t^2) + eps)`` in fp32 rounded to the model dtype, then times the weight rounded again;
+        ``tp`` and ``wp`` are the same rows and weight at the partner entries (half a row away), which the rotation
+        reads, normalised by the same row statistic."""
+        dtype = t.dtype
+        tf = t.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tf * tf, axis=1) / D + eps)[:, None]
+        a = (tf * inv).to(dtype).to(tl.float32)
+        ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
+        return (w.to(tl.float32)[None, :] * a).to(dtype), (wp.to(tl.float32)[None, :] * ap).to(dtype)
+
+    @triton.jit
     def _rotate_rows(
         ptr,
         stride_b,
@@ -137,11 +169,17 @@ if triton is not None:
         sign,
         cos,
         sin,
+        Norm,
+        norm_eps,
+        D: tl.constexpr,
         MODEL_ROUNDING: tl.constexpr,
+        NORM: tl.constexpr,
     ):
         ok = heads[:, None] < n_heads
         t = tl.load(ptr + b * stride_b + heads[:, None] * stride_h + d[None, :], mask=ok, other=0.0)
         tp = tl.load(ptr + b * stride_b + heads[:, None] * stride_h + partner[None, :], mask=ok, other=0.0)
+        if NORM:  # each head's RMSNorm before the rotation (Qwen3's q_norm / k_norm)
+            t, tp = _head_norms(t, tp, tl.load(Norm + d), tl.load(Norm + partner), norm_eps, D)
         return _rotary(t, tp, sign[None, :], cos[None, :], sin[None, :], MODEL_ROUNDING), ok
 
     @triton.jit
@@ -155,6 +193,9 @@ if triton is not None:
         KCache,
         VCache,
         Slot,
+        QNorm,
+        KNorm,
+        norm_eps,
         sq_b,
         sq_h,
         sq_s,
@@ -182,6 +223,7 @@ if triton is not None:
         D: tl.constexpr,
         MODEL_ROUNDING: tl.constexpr,
         PROMPT: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         # one program per (row, token): a decode step's row b = program_id(0), its token to the slot held in Slot;
         # a prompt's token s = program_id(0) (the grid's long axis: any prompt length) of row b = program_id(1), to
@@ -200,10 +242,44 @@ if triton is not None:
         cos = tl.load(Cos + b * sc_b + s * sc_s + d).to(tl.float32)
         sin = tl.load(Sin + b * sc_b + s * sc_s + d).to(tl.float32)
         qh = tl.arange(0, HP)
-        q, q_ok = _rotate_rows(Q + s * sq_s, sq_b, sq_h, b, qh, H, d, partner, sign, cos, sin, MODEL_ROUNDING)
+        q, q_ok = _rotate_rows(
+            Q + s * sq_s,
+            sq_b,
+            sq_h,
+            b,
+            qh,
+            H,
+            d,
+            partner,
+            sign,
+            cos,
+            sin,
+            QNorm,
+            norm_eps,
+            D,
+            MODEL_ROUNDING,
+            QK_NORM,
+        )
         tl.store(QOut + b * so_b + s * so_s + qh[:, None] * so_h + d[None, :], q, mask=q_ok)
         gh = tl.arange(0, GP)
-        k, k_ok = _rotate_rows(K + s * sk_s, sk_b, sk_g, b, gh, G, d, partner, sign, cos, sin, MODEL_ROUNDING)
+        k, k_ok = _rotate_rows(
+            K + s * sk_s,
+            sk_b,
+            sk_g,
+            b,
+            gh,
+            G,
+            d,
+            partner,
+            sign,
+            cos,
+            sin,
+            KNorm,
+            norm_eps,
+            D,
+            MODEL_ROUNDING,
+            QK_NORM,
+        )
         tl.store(KCache + b * skc_b + gh[:, None] * skc_g + slot * skc_l + d[None, :], k, mask=k_ok)
         v = tl.load(V + b * sv_b + s * sv_s + gh[:, None] * sv_g + d[None, :], mask=k_ok, other=0.0)
         tl.store(VCache + b * svc_b + gh[:, None] * svc_g + slot * svc_l + d[None, :], v, mask=k_ok)
@@ -211,6 +287,28 @@ if triton is not None:
 
 _MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second dimension."""
+
+
+def check_qk_norm(qk_norm: tuple[torch.Tensor, torch.Tensor, float], q: torch.Tensor) -> None:
+    """``qk_norm`` is ``(q_weight, k_weight, eps)`` with ``[d]`` contiguous weights of ``q``'s dtype and device."""
+    if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
+        raise ValueError(f"qk_norm must be (q_weight, k_weight, eps), got {type(qk_norm).__name__}")
+    d = q.shape[-1]
+    for name, w in zip(("q_weight", "k_weight"), qk_norm[:2], strict=True):
+        if (
+            not isinstance(w, torch.Tensor)
+            or tuple(w.shape) != (d,)
+            or w.dtype != q.dtype
+            or w.device != q.device
+        ):
+            got = (
+                f"{tuple(w.shape)} {w.dtype} on {w.device}"
+                if isinstance(w, torch.Tensor)
+                else type(w).__name__
+            )
+            raise ValueError(f"qk_norm's {name} must be [{d}] {q.dtype} on {q.device}, got {got}")
+        if not w.is_contiguous():
+            raise ValueError(f"qk_norm's {name} must be contiguous")
 
 
 def _check_layouts(caller: str, **tensors: torch.Tensor) -> None:
@@ -240,10 +338,12 @@ def _launch(
     *,
     model_rounding: bool,
     prompt: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
 ) -> None:
     """``_rotate_write_kernel`` over ``grid``; q/k/v ``[B, heads, S, d]``, ``table_strides`` (row, position) of
     cos/sin, ``out_strides`` (row, head, position) of the rotated queries."""
     h, d, g = q.shape[1], q.shape[3], k.shape[1]
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     _rotate_write_kernel[grid](
         q,
         k,
@@ -254,6 +354,9 @@ def _launch(
         keys,
         values,
         slot,
+        q_norm,
+        k_norm,
+        float(eps),
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -278,6 +381,7 @@ def _launch(
         D=d,
         MODEL_ROUNDING=model_rounding,
         PROMPT=prompt,
+        QK_NORM=qk_norm is not None,
         num_warps=4,
     )
 
@@ -293,14 +397,19 @@ def rotate_and_write_triton(
     slot: torch.Tensor,
     *,
     model_rounding: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """:func:`rotate_and_write` in one Triton launch (shapes and meaning as there; the last dimension of every
-    tensor contiguous, ``cos``/``sin`` rows contiguous, a power-of-two head width >= 16)."""
+    tensor contiguous, ``cos``/``sin`` rows contiguous, a power-of-two head width >= 16). With ``qk_norm`` the
+    heads' norms run in the same launch (the sum of squares in another order than the model's: outputs within one
+    step of the dtype)."""
     if triton is None:
         raise RuntimeError("rotate_and_write_triton needs Triton")
     _check_layouts("rotate_and_write_triton", q=q, k=k, v=v, cos=cos, sin=sin, keys=keys, values=values)
     if slot.numel() != 1:
         raise ValueError(f"slot must be a device scalar, got shape {tuple(slot.shape)}")
+    if qk_norm is not None:
+        check_qk_norm(qk_norm, q)
     b, h, _, d = q.shape
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     if b == 0:
@@ -320,6 +429,7 @@ def rotate_and_write_triton(
         (out.stride(0), out.stride(1), 0),
         model_rounding=model_rounding,
         prompt=False,
+        qk_norm=qk_norm,
     )
     return out
 
@@ -334,15 +444,17 @@ def rotate_and_write_prompt(
     values: torch.Tensor,
     *,
     model_rounding: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """A prefill's :func:`rotate_and_write`: rotate the ``S`` prompt tokens' ``q`` and ``k`` by their own tables,
-    write the rotated ``k`` and ``v`` into cache slots ``[0, S)``; return the rotated ``q``.
+    """A prefill's :func:`rotate_and_write`: rotate the ``S`` prompt tokens' ``q`` and ``k`` by their own tables
+    (each head normalised first with ``qk_norm``), write the rotated ``k`` and ``v`` into cache slots ``[0, S)``;
+    return the rotated ``q``.
 
     Args:
         q: ``[B, H, S, d]``; k, v: ``[B, G, S, d]`` (any strides).
         cos, sin: ``[B, S, d]`` tables at each token's position.
         keys, values: the layer's ``[B, G, L, d]`` cache buffers, ``L >= S``.
-        model_rounding: as in :func:`rotate_and_write`.
+        model_rounding, qk_norm: as in :func:`rotate_and_write`.
 
     Returns:
         ``[B, H, S, d]`` rotated queries.
@@ -355,6 +467,7 @@ def rotate_and_write_prompt(
         >>> cache_v[0, 0, :, 0].tolist(), bool(torch.equal(out, q))
         ([3.0, 3.0, 0.0], True)
     """
+    q, k = _head_norms_first(q, k, qk_norm)
     rotate = rotary_as_model if model_rounding else apply_rotary
     q, k = rotate(q, k, cos[:, None], sin[:, None])
     s = q.shape[2]
@@ -373,9 +486,10 @@ def rotate_and_write_prompt_triton(
     values: torch.Tensor,
     *,
     model_rounding: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """:func:`rotate_and_write_prompt` in one Triton launch of one program per (token, row) (the same kernel and
-    rounding as a decode step's :func:`rotate_and_write_triton`; layouts as there). The rotated queries are
+    rounding as a decode step's :func:`rotate_and_write_triton`, ``qk_norm`` too; layouts as there). The rotated queries are
     returned as a ``[B, H, S, d]`` view of a ``[B, S, H, d]`` tensor: each token's heads side by side, as the
     projection gave them, which the attention kernels read as they read the projection's views."""
     if triton is None:
@@ -390,6 +504,8 @@ def rotate_and_write_prompt_triton(
         )
     if tuple(cos.shape) != (b, s, d):
         raise ValueError(f"cos and sin must be [B, S, d] = {[b, s, d]}, got {list(cos.shape)}")
+    if qk_norm is not None:
+        check_qk_norm(qk_norm, q)
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     if b == 0 or s == 0:
         return out
@@ -411,5 +527,6 @@ def rotate_and_write_prompt_triton(
             (out.stride(0), out.stride(1), out.stride(2)),
             model_rounding=model_rounding,
             prompt=True,
+            qk_norm=qk_norm,
         )
     return out

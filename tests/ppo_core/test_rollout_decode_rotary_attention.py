@@ -637,14 +637,15 @@ def test_qk_norm_weights_are_checked(device) -> None:
             )
 
 
-def test_qk_norm_is_refused_off_the_one_launch_decode_step() -> None:
-    """The norms go into the one launch only: asked of another path (here the CPU's), the caller must normalise."""
+def test_qk_norm_is_refused_off_the_rotation_kernels() -> None:
+    """The norms go into a rotation kernel only: asked of another path (here the CPU's), the caller must
+    normalise."""
     cache = KVCache.allocate(
         layers=1, batch=1, kv_heads=1, head_dim=4, length=4, dtype=torch.float32, device="cpu"
     )
     q = k = v = torch.zeros(1, 1, 1, 4)
-    assert not cache.one_launch_decode(q, k, v)
-    with pytest.raises(ValueError, match="one-launch decode step only"):
+    assert not cache.rotates_in_kernel(q, k, v)
+    with pytest.raises(ValueError, match="rotation kernels only"):
         cache.attend_rotated(
             0,
             q,

@@ -97,9 +97,10 @@ def test_qwen3_engine_with_one_norm_kernel_is_the_models_modules() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_qwen3_decode_steps_take_the_norms_into_the_attention_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a Qwen3 decode step passes its q/k norms to the one-launch attention (a launch a layer less), and
-    draws what the step with the norms before that launch draws (greedy), log-probs within bf16 noise."""
+def test_qwen3_rollouts_take_the_norms_into_the_rotation_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a Qwen3 prefill passes its q/k norms to its rotation launch and a decode step to the one-launch
+    attention (a launch a layer less each), and the rollout draws what it draws with the norms before those
+    launches (greedy), log-probs within bf16 noise."""
     transformers = pytest.importorskip("transformers")
     from ppo_core.rollout import SamplingConfig
     from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
@@ -118,7 +119,7 @@ def test_qwen3_decode_steps_take_the_norms_into_the_attention_launch(monkeypatch
 
     monkeypatch.setattr(_LlamaFamilyForward, "_qk_norm_in_kernel", recording)
     fused = HFRolloutEngine(model, cuda_graphs=False).generate(prompts, mask, greedy)
-    assert any(chosen) and not all(chosen)  # the decode steps, not the prefill
+    assert chosen and all(chosen)  # the prefill's layers and the decode steps
     monkeypatch.setattr(_LlamaFamilyForward, "_qk_norm_in_kernel", lambda self, *args: None)
     before = HFRolloutEngine(model, cuda_graphs=False).generate(prompts, mask, greedy)
     assert torch.equal(fused["responses"], before["responses"])
