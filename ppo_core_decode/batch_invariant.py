@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm
+from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
@@ -266,7 +267,7 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps, stages = LINEAR_TILES[x.dtype]
-    _linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    _linear_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
         x,
         weight,
         bias.contiguous() if bias is not None else weight,  # unused pointer without a bias
@@ -494,7 +495,7 @@ def invariant_rms_norm(
         float(eps),
         ADD=delta is not None,
         MODEL_ROUNDING=model_rounding,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=next_power_of_2(d),
         num_warps=4 if d <= 4096 else 8,
     )
     normed = out.reshape(x.shape)
@@ -533,7 +534,7 @@ def _attention_triton(
         s,
         float(scale),
         REP=rep,
-        REP_PAD=max(16, triton.next_power_of_2(rep)),
+        REP_PAD=max(16, next_power_of_2(rep)),
         D=d,
         BLOCK=BLOCK_L,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16,

@@ -33,6 +33,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ppo_core.kernels.launch_sizes import next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -209,7 +211,7 @@ def decode_attention_triton(
         float(scale if scale is not None else d**-0.5),
         HAS_FILLED=filled is not None,
         REP=rep,
-        REP_PAD=max(16, triton.next_power_of_2(rep)),
+        REP_PAD=max(16, next_power_of_2(rep)),
         D=d,
         BLOCK_L=block_l or default_block_l(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
+from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.pdl import pdl_enabled, prefetch_l2
 from ppo_core_decode.split_launch import arrival_counters, sm_count
@@ -206,7 +207,7 @@ def _fold_norm_weights_triton(
     ends = list(itertools.accumulate(w.shape[0] for w in weights)) + [n] * (FOLD_MAX_WEIGHTS - len(weights))
     padded = list(weights) + [weights[0]] * (FOLD_MAX_WEIGHTS - len(weights))
     block_r, block_k = 16, 256
-    _fold_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_k))](
+    _fold_kernel[(cdiv(n, block_r), cdiv(k, block_k))](
         out,
         scale,
         *padded,
@@ -343,7 +344,7 @@ def decode_linear(
             f"sumsq must be [P, {m}] float32 on {x.device}, got {tuple(sumsq.shape)} {sumsq.dtype} on {sumsq.device}"
         )
     cfg = config or _default_config(width, k, swiglu, x.device, plain=residual is None)
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, next_power_of_2(m))
     x = x if x.stride(-1) == 1 else x.contiguous()
     if sumsq is not None and not sumsq.is_contiguous():
         sumsq = sumsq.contiguous()
@@ -358,7 +359,7 @@ def decode_linear(
         residual = residual.contiguous()
     y = torch.empty(m, width, dtype=x.dtype, device=x.device)
     scaled = torch.empty_like(y) if next_norm_weight is not None else None
-    n_blocks = triton.cdiv(width, cfg.block_n)
+    n_blocks = cdiv(width, cfg.block_n)
     sumsq_out = torch.empty(n_blocks, m, device=x.device) if residual is not None else None
     split = cfg.split_k
     if split > 1:
@@ -366,7 +367,7 @@ def decode_linear(
         counters = arrival_counters(x.device, n_blocks)
     else:
         parts = counters = y  # unused
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    k_per_split = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
     p_in = sumsq.shape[0] if sumsq is not None else 1
     pdl = pdl_enabled(x.device)
     _decode_linear_kernel[(n_blocks, split)](
@@ -393,7 +394,7 @@ def decode_linear(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        BLOCK_P=triton.next_power_of_2(p_in),
+        BLOCK_P=next_power_of_2(p_in),
         SPLIT=split,
         NORM=sumsq is not None,
         RESIDUAL=residual is not None,
@@ -454,7 +455,7 @@ def _persistent(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        BLOCK_P=triton.next_power_of_2(p_in),
+        BLOCK_P=next_power_of_2(p_in),
         PROGRAMS=progs,
         STAGES=cfg.num_stages,
         NORM=sumsq is not None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ppo_core.kernels.fused import apply_rotary
+from ppo_core.kernels.launch_sizes import next_power_of_2
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.eager_rounding import rms_norm_as_model, rotary_as_model
 
@@ -376,8 +377,8 @@ def _launch(
         *out_strides,
         H=h,
         G=g,
-        HP=triton.next_power_of_2(h),
-        GP=triton.next_power_of_2(g),
+        HP=next_power_of_2(h),
+        GP=next_power_of_2(g),
         D=d,
         MODEL_ROUNDING=model_rounding,
         PROMPT=prompt,

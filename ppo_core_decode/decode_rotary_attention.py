@@ -77,6 +77,7 @@ import os
 
 import torch
 
+from ppo_core.kernels.launch_sizes import next_power_of_2
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.decode_attention import default_block_l
 from ppo_core_decode.decode_rotary import check_qk_norm, rotate_and_write_triton_available
@@ -476,7 +477,7 @@ def rotate_write_attend_triton(
         float(scale if scale is not None else d**-0.5),
         float(qk_norm[2]) if qk_norm is not None else 0.0,
         REP=rep,
-        REP_PAD=max(16, triton.next_power_of_2(rep)),
+        REP_PAD=max(16, next_power_of_2(rep)),
         D=d,
         BLOCK_L=block_l,
         MODEL_ROUNDING=model_rounding,

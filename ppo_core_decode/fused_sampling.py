@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core_decode.pdl import pdl_enabled
 
 try:
@@ -311,7 +312,7 @@ def _launch_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first kernel: per-block partials ``[B, n_blocks, 3]``, indices ``[B, n_blocks]`` and the step's copy."""
     rows, vocab = logits.shape
-    n_blocks = triton.cdiv(vocab, BLOCK_V)
+    n_blocks = cdiv(vocab, BLOCK_V)
     parts = torch.empty(rows, n_blocks, 3, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, n_blocks, dtype=torch.int32, device=logits.device)
     step_copy = torch.empty(1, dtype=torch.int64, device=logits.device)
@@ -386,7 +387,7 @@ def _launch_combine(
         HAS_EOS=False,
         CDF=mode == _KERNEL_NOISE and not given,
         GIVEN=given,
-        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
+        BLOCKS=max(16, next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
         PDL=pdl,
         num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
@@ -534,7 +535,7 @@ def fused_sample_record(
         HAS_EOS=eos_token_id is not None,
         CDF=mode == _KERNEL_NOISE,
         GIVEN=False,
-        BLOCKS=max(16, triton.next_power_of_2(n_blocks)),
+        BLOCKS=max(16, next_power_of_2(n_blocks)),
         BLOCK=BLOCK_V,
         PDL=pdl,
         num_warps=_COMBINE_WARPS[mode == _KERNEL_NOISE],
@@ -598,7 +599,7 @@ def fused_sampling_uniforms(seed: torch.Tensor, step: torch.Tensor, rows: int) -
     _check_scalar("step", step, seed.device)
     out = torch.empty(rows, 2, dtype=torch.float32, device=seed.device)
     if rows:
-        _uniforms_kernel[(triton.cdiv(rows, 1024),)](seed, step, out, rows, BLOCK_R=1024)
+        _uniforms_kernel[(cdiv(rows, 1024),)](seed, step, out, rows, BLOCK_R=1024)
     return out
 
 

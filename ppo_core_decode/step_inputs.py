@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ppo_core.kernels.compiled import cuda_compiled
+from ppo_core.kernels.launch_sizes import next_power_of_2
 from ppo_core.kernels.triton_scan import _interpreting
 
 try:
@@ -145,7 +146,7 @@ def decode_step_inputs(
         length,
         prompt_width,
         RECORD=fed_valid is not None,
-        BLOCK_L=min(_BLOCK_L, triton.next_power_of_2(length)),
+        BLOCK_L=min(_BLOCK_L, next_power_of_2(length)),
         num_warps=4,
     )
     return DecodeStepInputs(slot, positions, filled, mask)

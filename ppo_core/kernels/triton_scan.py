@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ppo_core._config_base import ConfigBase
+from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.masked import WHITEN_EPS
 
@@ -88,21 +89,11 @@ def is_available(device: torch.device | str | None = None) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv / next_power_of_2 are ConstexprFunctions, slow to call on the host: a noticeable share of a
-    # public estimator's few tens of microseconds beyond its kernels
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=256)
 def _default_launch(length: int) -> ScanLaunch:
     # One row per program, chunks of up to 512 steps, 4 elements per thread: the fastest shape of a sweep at
     # 1024 x 8192 (benchmarks/advantages.py --sweep); short rows get shorter chunks and fewer warps.
-    block_t = min(512, max(128, _next_pow2(length)))
+    block_t = min(512, max(128, next_power_of_2(length)))
     return ScanLaunch(block_b=1, block_t=block_t, num_warps=block_t // 128, num_stages=3)
 
 
@@ -375,7 +366,7 @@ def _acc(dtype: torch.dtype, accumulate_fp64: bool) -> object:
 
 
 def _grid(batch: int, launch: ScanLaunch) -> tuple[int]:
-    return (_cdiv(batch, launch.block_b),)
+    return (cdiv(batch, launch.block_b),)
 
 
 def _flag_words(
@@ -505,7 +496,7 @@ def _whiten(
     """``out = (values - mean) * rsqrt(var + eps)`` at valid positions, 0 elsewhere, from a scan's row moments."""
     batch, length = values.shape
     if values.numel():
-        block_t = min(2048, max(128, _next_pow2(length)))
+        block_t = min(2048, max(128, next_power_of_2(length)))
         _whiten_launcher(
             (min(batch, _whiten_programs(values.device)),),
             values,
@@ -516,7 +507,7 @@ def _whiten(
             length,
             WHITEN_EPS,
             ACC=acc,
-            BLOCK_S=min(1024, max(16, _next_pow2(batch))),
+            BLOCK_S=min(1024, max(16, next_power_of_2(batch))),
             BLOCK_T=block_t,
             num_warps=4,
         )

@@ -536,13 +536,6 @@ def test_estimators_leave_grad_mode_as_they_found_it(name: str, grad: bool) -> N
         assert torch.is_grad_enabled() is grad
 
 
-@given(a=st.integers(0, 10**9), b=st.integers(1, 10**6), n=st.integers(0, 2**40))
-def test_host_cdiv_and_next_power_of_two(a: int, b: int, n: int) -> None:
-    assert triton_scan._cdiv(a, b) == (a + b - 1) // b
-    p = triton_scan._next_pow2(n)
-    assert p >= max(n, 1) and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
-
-
 def test_host_words_array_knows_only_this_threads_pinned_views() -> None:
     assert triton_scan.host_words_array(torch.zeros(4, dtype=torch.int32)) is None
     assert not kernels.dispatch.flags_set(torch.zeros(4, dtype=torch.int32)[:2])
