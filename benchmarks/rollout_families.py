@@ -24,6 +24,9 @@ graph capture: :data:`WARMUP_CALLS`):
 
 - ``ours``: :class:`ppo_core_decode.hf.HFRolloutEngine` with its defaults (``path`` says which path ran), new
   tokens/s over the whole call (prefill + decode) and over the decode steps alone (``decode_new_tokens_per_s``);
+  the host's time queuing the prefill, capturing the first decode steps' graph and destroying the previous call's
+  graphs (``host_prefill_s``, ``host_capture_s``, ``host_release_s``: where the first two outlast the device's
+  prefill, ``prefill_s`` shows the rest);
 - ``hf_static``: ``model.generate(..., do_sample=True, cache_implementation="static")`` (which ``transformers``
   compiles on CUDA);
 - ``bound_new_tokens_per_s``: new tokens/s if each decode step only read every weight once (the weights' bytes over
@@ -391,6 +394,9 @@ def _ours(
         decode_new_tokens_per_s=round(case["batch"] * s.decode_steps / max(s.decode_s, 1e-9), 1),
         cuda_graphs=s.cuda_graphs,
         graphs_captured=s.graphs_captured,
+        host_prefill_s=round(s.host_prefill_s, 4),
+        host_capture_s=round(s.host_capture_s, 4),
+        host_release_s=round(s.host_release_s, 4),
     )
     engine.release()
     return report

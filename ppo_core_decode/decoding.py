@@ -104,6 +104,14 @@ class DecodeStats:
     peak_memory_bytes: int = 0
     graphs_captured: int = 0
     cuda_graphs: bool = False
+    host_prefill_s: float = 0.0
+    """Host time to queue the prefill (on CUDA the device runs it meanwhile; on the CPU it is the prefill)."""
+    host_capture_s: float = 0.0
+    """Host time capturing decode graphs during the call: the first steps' graph is captured while the device runs
+    the prefill, so where this plus :attr:`host_prefill_s` outlasts the device's prefill the rest shows in
+    :attr:`prefill_s`."""
+    host_release_s: float = 0.0
+    """Host time destroying the previous generation's graphs (done while the device runs this call's prefill)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -303,13 +311,17 @@ class StaticCacheDecoder:
         sample = _Sampler(*settings[:5], hook=step_hook)
 
         clock = _SpanClock(device)
+        host = time.perf_counter()
         self._prefill(state, prompts, mask, padded, sample, generator)
+        self.stats.host_prefill_s = time.perf_counter() - host
         warm = state.key in self._warm
         if warm and self.cuda_graphs and r > 1:
             # the host is idle while the GPU runs the prefill: capture the first decode steps' graph meanwhile
             self._graph(state, self._kv_lens(state, 1, self._group_length(state, 1, r)), sample)
         # the previous generation's graphs, destroyed while the device runs this prefill (see _retire)
+        host = time.perf_counter()
         self._retired.clear()
+        self.stats.host_release_s = time.perf_counter() - host
         if not state.graphs:
             # a private memory pool lives while a graph captured in it does: with the previous generation's graphs
             # gone and none captured in it by this one (another shape or settings, or not warm), the handle names a
@@ -443,6 +455,7 @@ class StaticCacheDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        host = time.perf_counter()
         try:
             with torch.cuda.stream(self._capture_stream()):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -458,6 +471,7 @@ class StaticCacheDecoder:
             return None
         state.graphs[kv_lens] = graph
         self.stats.graphs_captured += 1
+        self.stats.host_capture_s += time.perf_counter() - host
         return graph
 
     def _steps(self, state: _State, kv_lens: tuple[int, ...], sample: _Sampler) -> None:

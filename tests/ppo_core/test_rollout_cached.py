@@ -796,6 +796,10 @@ def test_generate_waits_for_the_device_once_and_times_prefill_and_decode(monkeyp
     assert len(syncs) == 1
     stats = engine.stats
     assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.prefill_s + stats.decode_s <= wall
+    # the host's own spans: queuing the prefill (on the CPU, running it), no graph to capture or destroy
+    assert 0 < stats.host_prefill_s <= wall
+    assert stats.host_capture_s == 0 and stats.graphs_captured == 0
+    assert 0 <= stats.host_release_s < stats.host_prefill_s
 
 
 @pytest.mark.parametrize("check_every, per_graph", [(8, 8), (8, 3), (4, 8), (5, 1)])

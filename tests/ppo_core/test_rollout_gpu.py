@@ -51,6 +51,7 @@ def test_graph_replay_equals_eager_decoding(temperature):
         outs.append(engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(3)))
         assert engine.stats.cuda_graphs is graphs
     graphed, eager = outs
+    assert engine.stats.host_capture_s == 0  # the eager engine captured nothing
     assert torch.equal(graphed["responses"], eager["responses"])
     torch.testing.assert_close(graphed["rollout_log_probs"], eager["rollout_log_probs"])
     assert engine.stats.decode_steps == 299
