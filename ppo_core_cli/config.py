@@ -412,6 +412,8 @@ class JobConfig(PPOConfig):
     def _run_allow_changes(self) -> tuple[str, ...]:
         """``trainer.resume_allow_changes`` as the trainer compares it: ``model.path`` (``model``) and
         ``model.critic_path`` also allow the worker keys the run sets from them (``*.worker.hf_checkpoint``)."""
+        from ppo_core.trainer.resume_config import _under
+
         out = list(self.trainer.resume_allow_changes)
         runs = {
             "model.path": ("actor.worker.hf_checkpoint", "critic.worker.hf_checkpoint"),
@@ -419,7 +421,7 @@ class JobConfig(PPOConfig):
         }
         for entry in list(out):
             for key, implied in runs.items():
-                if key == entry or key.startswith(entry + "."):
+                if _under(key, (entry,)):
                     out.extend(k for k in implied if k not in out)
         return tuple(out)
 

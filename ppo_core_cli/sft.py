@@ -116,9 +116,8 @@ def load_sft_pairs(
             default_data_source="sft",
         )
         response = row.get(response_key)
-        if (
-            response_key not in row
-        ):  # as the prompt's column: the row's own columns, and the key that names it
+        # named as the prompt's missing column is: the row's own columns, and the key that names it
+        if response_key not in row:
             columns = ", ".join(sorted(map(str, row))) or "none"
             raise PromptSchemaError(
                 origin,

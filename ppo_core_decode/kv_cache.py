@@ -357,7 +357,7 @@ class KVCache:
         """
         kernel = self._rotation_kernel(q, k, v)
         one_launch = kernel and self._one_launch_step(q)
-        if qk_norm is not None and not self.rotates_in_kernel(q, k, v):
+        if qk_norm is not None and not self._kernel_rotates(kernel, q):
             raise ValueError("qk_norm is for the rotation kernels only (see KVCache.rotates_in_kernel)")
         if kernel and self.mode == "prefill":
             cos, sin = tables()
@@ -367,7 +367,7 @@ class KVCache:
             )
             s = q.shape[2]
             return self._attend_written(layer, q, keys[:, :, :s], values[:, :, :s], scale)
-        if kernel and self.mode == "decode" and q.shape[2] == 1:
+        if kernel and self._one_token_step(q):
             cos, sin = (t[:, 0] for t in tables())  # [B, d]: the step's one position
             keys, values = self.keys[layer], self.values[layer]
             if one_launch:
@@ -413,17 +413,23 @@ class KVCache:
         """Whether :meth:`attend_rotated` of ``q [B, H, S, d]``, ``k``/``v [B, G, S, d]`` rotates them in a Triton
         kernel (a prefill's, a decode step's, or the one-launch decode step's): the paths that also take the
         per-head query and key norms (``qk_norm``)."""
-        return self._rotation_kernel(q, k, v) and (
-            self.mode == "prefill" or (self.mode == "decode" and q.shape[2] == 1)
-        )
+        return self._kernel_rotates(self._rotation_kernel(q, k, v), q)
+
+    def _kernel_rotates(self, kernel: bool, q: torch.Tensor) -> bool:
+        """:meth:`rotates_in_kernel` given :meth:`_rotation_kernel`'s answer ``kernel`` for ``q [B, H, S, d]``: a
+        prefill, or a decode step of one token a row."""
+        return kernel and (self.mode == "prefill" or self._one_token_step(q))
+
+    def _one_token_step(self, q: torch.Tensor) -> bool:
+        """Whether this forward of ``q [B, H, S, d]`` is a decode step of one token a row."""
+        return self.mode == "decode" and q.shape[2] == 1
 
     def _one_launch_step(self, q: torch.Tensor) -> bool:
         """Whether a forward of ``q [B, H, S, d]`` whose rotation runs as a kernel (:meth:`_rotation_kernel`) is a
         decode step in one launch: one token per row, :data:`FUSED_DECODE`, the Triton attention not turned off
         (``PPO_CORE_DECODE_ATTENTION=sdpa``)."""
         return (
-            self.mode == "decode"
-            and q.shape[2] == 1
+            self._one_token_step(q)
             and FUSED_DECODE
             and os.environ.get("PPO_CORE_DECODE_ATTENTION", "auto") != "sdpa"
         )
