@@ -92,8 +92,8 @@ weight's lines would start to evict each other in a 50 MB L2 before they are rea
 
 
 def prefetches_weight(weight: torch.Tensor) -> bool:
-    """Whether :func:`decode_linear`'s grid launch prefetches ``weight`` into the L2 (where it launches with PDL):
-    at most :data:`PREFETCH_MAX_BYTES`."""
+    """Whether :func:`decode_linear`'s grid launch prefetches ``weight`` (``[N, K]``) into the L2 (where it launches
+    with PDL): at most :data:`PREFETCH_MAX_BYTES`."""
     return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
 
 
