@@ -18,8 +18,9 @@ What is here (one module per concept):
   :mod:`~ppo_core_decode.decode_attention`, :mod:`~ppo_core_decode.decode_rotary`,
   :mod:`~ppo_core_decode.decode_rotary_attention`, :mod:`~ppo_core_decode.fused_sampling`,
   :mod:`~ppo_core_decode.step_inputs`, with :mod:`~ppo_core_decode.pdl` and :mod:`~ppo_core_decode.split_launch`;
-- numerics: :mod:`~ppo_core_decode.batch_invariant` (row-independent GEMMs, norms and attention) and
-  :mod:`~ppo_core_decode.eager_rounding` (element-wise steps rounded as the model's own forward rounds them);
+- numerics: :mod:`~ppo_core_decode.batch_invariant` (row-independent GEMMs, norms and attention),
+  :mod:`~ppo_core_decode.eager_rounding` (element-wise steps rounded as the model's own forward rounds them) and
+  :mod:`~ppo_core_decode.elementwise_launch` (its norms and SwiGLU as plain Triton launches, the engines' on CUDA);
 - :mod:`~ppo_core_decode.sequence_log_probs`: the log-probs a batch-invariant rollout recorded, recomputed for whole
   sequences bit for bit (the torch actor's exact on-policy mode).
 

@@ -40,6 +40,7 @@ import torch
 
 from ppo_core.kernels.fused import add_rms_norm, rms_norm
 from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
+from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
 
@@ -375,7 +376,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_cols"])
+    @triton.jit  # n_cols specialised: a multiple of 16 lets the masked loads and stores be vectorised
     def _rms_norm_kernel(
         X,
         Delta,
@@ -481,7 +482,8 @@ def invariant_rms_norm(
         summed = torch.empty_like(rows)
     else:
         branch = summed = rows  # unused pointers
-    _rms_norm_kernel[(rows.shape[0],)](
+    _rms_norm_launch(
+        (rows.shape[0],),
         rows,
         branch,
         weight.contiguous(),
@@ -621,3 +623,8 @@ def invariant_attention(
                 raise ValueError(f"invariant_attention needs {name}'s head width contiguous")
         return _attention_triton(q, k, v, key_valid, query_slots, scale)
     return _attention_torch(q, k, v, key_valid, query_slots, scale)
+
+
+# launched through the compiled kernel once Triton has compiled it (less host time a launch: a prefill's many)
+if triton is not None:
+    _rms_norm_launch = DirectLauncher(_rms_norm_kernel)

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
+from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.pdl import pdl_enabled, prefetch_l2
 from ppo_core_decode.split_launch import arrival_counters, sm_count
@@ -207,7 +208,8 @@ def _fold_norm_weights_triton(
     ends = list(itertools.accumulate(w.shape[0] for w in weights)) + [n] * (FOLD_MAX_WEIGHTS - len(weights))
     padded = list(weights) + [weights[0]] * (FOLD_MAX_WEIGHTS - len(weights))
     block_r, block_k = 16, 256
-    _fold_kernel[(cdiv(n, block_r), cdiv(k, block_k))](
+    _fold_launch(
+        (cdiv(n, block_r), cdiv(k, block_k)),
         out,
         scale,
         *padded,
@@ -860,3 +862,8 @@ if triton is not None:
                     Scaled + rows[:, None] * N + cols[None, :], (out32 * w[None, :]).to(dtype), mask=tile
                 )
         tl.store(Y + rows[:, None] * N + cols[None, :], out, mask=tile)
+
+
+# launched through the compiled kernel once Triton has compiled it (less host time a launch: a prefill's many)
+if triton is not None:
+    _fold_launch = DirectLauncher(_fold_kernel)

@@ -33,6 +33,7 @@ import torch
 
 from ppo_core.kernels.fused import apply_rotary
 from ppo_core.kernels.launch_sizes import next_power_of_2
+from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.eager_rounding import rms_norm_as_model, rotary_as_model
 
@@ -345,7 +346,8 @@ def _launch(
     cos/sin, ``out_strides`` (row, head, position) of the rotated queries."""
     h, d, g = q.shape[1], q.shape[3], k.shape[1]
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
-    _rotate_write_kernel[grid](
+    _rotate_write_launch(
+        grid,
         q,
         k,
         v,
@@ -531,3 +533,8 @@ def rotate_and_write_prompt_triton(
             qk_norm=qk_norm,
         )
     return out
+
+
+# launched through the compiled kernel once Triton has compiled it (less host time a launch: a prefill's many)
+if triton is not None:
+    _rotate_write_launch = DirectLauncher(_rotate_write_kernel)

@@ -6,6 +6,9 @@ product. :mod:`ppo_core.kernels.fused` rounds each of these once (more exact, an
 is not what the model computes. These functions compute what the model computes, so that the rollout engine's
 cached decoding draws what the model's own forward would; on CUDA each is one compiled kernel with the explicit
 roundings kept (inductor's ``emulate_precision_casts``), on the CPU they run eagerly, bit for bit the model's.
+On CUDA the engines normalise and gate through :mod:`~ppo_core_decode.elementwise_launch` instead (the same
+roundings in plain Triton launches, which cost the host less a call); these remain the CPU's path, the Qwen3 head
+norms' where no rotation kernel takes them, and the references of the kernels' tests.
 
 Each is compiled per shape class of its arguments (``cuda_compiled(by_shape=True)``): the norm alone sees the
 residual stream ``[B, S, D]``, the last position ``[B, D]`` and, in Qwen3, the per-head queries and keys

@@ -64,6 +64,7 @@ from ppo_core_decode.decode_linear import (
 )
 from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
 from ppo_core_decode.eager_rounding import silu_mul_as_model
+from ppo_core_decode.elementwise_launch import launches_directly, rms_norm_launch, silu_mul_launch
 from ppo_core_decode.kv_cache import KVCache
 
 __all__ = ["MegatronDecodeForward", "gather_vocabulary"]
@@ -135,9 +136,9 @@ class MegatronDecodeForward(DecoderLayerLoop):
         self.heads = tc.num_attention_heads // tp_size
         self.groups = tc.num_query_groups // tp_size
         self.head_dim = tc.kv_channels
-        # megatron's SwiGLU: torch.compile'd (one rounding) with bias_activation_fusion, else eager (SiLU rounded
-        # to the model dtype before the product)
-        self._swiglu = silu_mul if tc.bias_activation_fusion else silu_mul_as_model
+        # megatron's SwiGLU: one rounding with bias_activation_fusion, else eager's (SiLU rounded to the model
+        # dtype before the product)
+        self._silu_rounded = not tc.bias_activation_fusion
         # per layer: q/k/v weight [(H + 2G) d, D] and bias (None without) in [q; k; v] row order
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
         # per layer: whether refresh() asked for a new layout that has not been made yet
@@ -356,12 +357,21 @@ class MegatronDecodeForward(DecoderLayerLoop):
         return layer.input_layernorm, layer.pre_mlp_layernorm
 
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if launches_directly(x):  # one Triton launch: less host time than the compiled function
+            return rms_norm_launch(x, norm.weight, norm.eps, model_rounding=False)
         return rms_norm(x, norm.weight, norm.eps)
 
     def _add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if launches_directly(h) and delta.shape == h.shape and delta.dtype == h.dtype:
+            return rms_norm_launch(h, norm.weight, norm.eps, delta=delta, model_rounding=False)
         return add_rms_norm(h, delta, norm.weight, norm.eps)
+
+    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if launches_directly(gate):
+            return silu_mul_launch(gate, up, model_rounding=self._silu_rounded)
+        return silu_mul_as_model(gate, up) if self._silu_rounded else silu_mul(gate, up)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # megatron's vocabulary-parallel embedding module (with TP its shards' lookups are summed over the group)

@@ -31,16 +31,21 @@ changed (jit.py:769), accepts a callable grid, pads the grid to three dimensions
 signature order, constexprs included (jit.py:778-788); ``CompiledKernel.__getitem__`` does the last part itself
 (``triton/compiler/compiler.py:509-520``).
 
-So the launcher is safe by construction: it requires every non-constexpr parameter of the kernel to be declared
-(``do_not_specialize`` for scalars, ``do_not_specialize_on_alignment`` or ``do_not_specialize`` for pointers:
-checked when it is built, :class:`ValueError` naming the parameter), an ``int`` argument to be ``do_not_specialize``
-(checked at a launch), accepts only tensors, ``int``, ``float`` and ``bool`` as runtime arguments (tuples and None
-specialise on values whatever the declarations say: :class:`TypeError`), and keys its cache on the current device,
-each argument's dtype or ``i32``/``i64``/``u64`` range or ``float``/``bool`` type, each constexpr's name, type and
-value, ``num_warps`` and ``num_stages``. Everything else that shapes Triton's choice makes a launch take the JIT
+So the launcher keys its cache on what Triton specialises on: the current device; each runtime argument's dtype, or
+its ``i32``/``i64``/``u64`` range, or its ``float``/``bool`` type, and, for a parameter whose value or alignment
+Triton specialises (not declared in ``do_not_specialize`` / ``do_not_specialize_on_alignment``), those facts too:
+whether an ``int`` is 1 and whether it is a multiple of 16, whether a tensor's ``data_ptr()`` is a multiple of 16;
+each constexpr's name, type and value; and the launch options given (``num_warps``, ``num_stages``, ``maxnreg``,
+``launch_pdl``, ...). Two calls with one key are two calls Triton gives one compiled kernel. A declared parameter
+keeps the key short (fewer facts computed per launch); an undeclared one keeps Triton's alignment-aware code (a
+kernel's vectorised loads need its pointers and row strides known to be multiples of 16). The launcher accepts only
+tensors, ``int``, ``float`` and ``bool`` as runtime arguments (tuples and None specialise on values whatever the
+declarations say: :class:`TypeError`). Everything else that shapes Triton's choice makes a launch take the JIT
 launcher: a set launch hook (a profiler), a pre-run hook, a debug/instrumentation/fpsan knob, a stages-inspection
 hook, a callable grid, ``TRITON_INTERPRET=1`` when the launcher is built (the interpreter has no compiled kernel), a
-kernel that read global variables, and a compile that did not return a kernel (asynchronous compilation). Knobs that
+global variable the kernel read that no longer holds the value it was compiled with (checked before every direct
+launch, as Triton's launcher checks it: the JIT launcher then raises Triton's error), and a compile that did not
+return a kernel (asynchronous compilation). Knobs that
 Triton reads only when it compiles (``TRITON_F32_DEFAULT``, fp fusion, the target arch) are outside its launcher's
 cache key too: they are not rechecked by either path.
 
@@ -143,6 +148,31 @@ def _arg_kind(arg: object) -> object:
     return None
 
 
+def _arg_kind_and_value(arg: object) -> object:
+    """:func:`_arg_kind` and, for an ``int``, whether it is 1 (a parameter declared in
+    ``do_not_specialize_on_alignment`` alone: Triton specialises its value 1, not its divisibility)."""
+    if type(arg) is int:
+        return _arg_kind(arg), arg == 1
+    return _arg_kind(arg)
+
+
+def _arg_kind_value_and_alignment(arg: object) -> object:
+    """:func:`_arg_kind` and, for an ``int``, whether it is 1 and whether it is a multiple of 16; for a tensor,
+    whether its address is (an undeclared parameter: Triton specialises all three)."""
+    if type(arg) is int:
+        return _arg_kind(arg), arg == 1, arg % 16 == 0
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    return _arg_kind(arg)
+
+
+_OPTIONS = frozenset(
+    {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "launch_cooperative_grid"}
+)
+"""The launch options a call may give besides the constexprs (compile options of Triton's NVIDIA backend, each
+part of Triton's cache key and of this launcher's)."""
+
+
 def _hook_set(hook: object) -> bool:
     # A callable (Triton <= 3.5) or a HookChain, set when it has calls (Triton >= 3.6)
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -173,11 +203,12 @@ class DirectLauncher:
     """Launches ``fn`` through its compiled kernel once Triton's launcher has compiled it for the same key.
 
     Args:
-        fn: a ``@triton.jit`` function whose runtime parameters come first, each declared in ``do_not_specialize``
-            (scalars) or ``do_not_specialize_on_alignment`` (pointers), and whose constexpr parameters come last.
+        fn: a ``@triton.jit`` function whose runtime parameters come first and whose constexpr parameters come last.
+            Declaring a parameter in ``do_not_specialize`` (scalars) or ``do_not_specialize_on_alignment``
+            (pointers) shortens the key; an undeclared one is keyed on what Triton specialises it on.
 
     Raises:
-        ValueError: a runtime parameter is undeclared or follows a constexpr parameter (named in the message).
+        ValueError: a runtime parameter follows a constexpr parameter (named in the message).
     """
 
     def __init__(self, fn: Any) -> None:
@@ -187,15 +218,12 @@ class DirectLauncher:
         late = [p.name for p in params[len(runtime) :] if not p.constexpr]
         if late:  # the runtime arguments are passed first, the constexprs appended after them
             raise ValueError(f"{_name(fn)}: runtime parameter {late[0]!r} follows a constexpr parameter")
-        for p in runtime:
-            if not (p.do_not_specialize or p.do_not_specialize_on_alignment):
-                raise ValueError(
-                    f"{_name(fn)}: parameter {p.name!r} must be declared in do_not_specialize (an integer or other "
-                    "scalar) or do_not_specialize_on_alignment (a pointer), or its compiled kernel cannot be reused"
-                )
         self._fn = fn
         self._runtime = tuple(runtime)
         self._constexprs = tuple(constexprs)
+        self._constexpr_names = frozenset(p.name for p in constexprs)
+        # per runtime parameter, the facts of its argument that Triton specialises on (see the module docstring)
+        self._kinds = tuple(_kind_function(p) for p in runtime)
         self._cache: dict[tuple, tuple[Any, tuple]] = {}
         self.direct = os.environ.get("TRITON_INTERPRET") != "1" and hasattr(fn, "params")
         """Whether launches may skip Triton's launcher: False under the interpreter and after a fallback."""
@@ -204,22 +232,18 @@ class DirectLauncher:
         self.jit_launches = 0
         """Launches through Triton's launcher (a diagnostic)."""
 
-    def __call__(
-        self,
-        grid: tuple[int, ...],
-        *args: object,
-        num_warps: int | None = None,
-        num_stages: int | None = None,
-        **constexprs: object,
-    ) -> Any:
-        """Launch on ``grid`` with the runtime arguments ``args`` in signature order and the constexprs by name;
-        ``num_warps`` / ``num_stages`` None take Triton's defaults. Returns what Triton's launcher returns (the
-        ``CompiledKernel``).
+    def key_parts(self, args: tuple) -> tuple:
+        """The facts of the runtime arguments ``args`` the cache is keyed on, one per argument."""
+        return tuple([kind(arg) for kind, arg in zip(self._kinds, args, strict=True)])
+
+    def __call__(self, grid: tuple[int, ...], *args: object, **kwargs: object) -> Any:
+        """Launch on ``grid`` with the runtime arguments ``args`` in signature order, the constexprs by name and
+        the launch options (``num_warps``, ``num_stages``, ``maxnreg``, ``launch_pdl``...; those not given take
+        Triton's defaults). Returns what Triton's launcher returns (the ``CompiledKernel``).
 
         Raises:
-            TypeError: a runtime argument that is not a tensor, int, float or bool; a wrong number of them; an
-                unknown or missing constexpr.
-            ValueError: an int for a parameter not declared in ``do_not_specialize``.
+            TypeError: a runtime argument that is not a tensor, int, float or bool; a wrong number of them; a keyword
+                that is neither a constexpr nor a launch option; a missing constexpr.
         """
         key = failure = None
         if (
@@ -232,14 +256,12 @@ class DirectLauncher:
             try:
                 key = (
                     _current_device(),
-                    num_warps,
-                    num_stages,
-                    tuple(map(_arg_kind, args)),
-                    tuple(constexprs.items()),
-                    tuple(map(type, constexprs.values())),
+                    self.key_parts(args),
+                    tuple(kwargs.items()),
+                    tuple(map(type, kwargs.values())),
                 )
                 entry = self._cache.get(key)
-                if entry is not None:
+                if entry is not None and self._globals_unchanged():
                     compiled, tail = entry
                     compiled[grid + _PAD[len(grid)]](*args, *tail)
                     self.direct_launches += 1
@@ -247,50 +269,57 @@ class DirectLauncher:
             except Exception as error:
                 # an API this Triton lacks, or a bad call: the JIT launcher below tells which
                 key, failure = None, error
-        tail = self._check(args, constexprs)
-        options = {
-            name: n for name, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n is not None
-        }
-        kernel = self._fn[grid](*args, **options, **constexprs)
+        tail = self._check(args, kwargs)
+        kernel = self._fn[grid](*args, **kwargs)
         self.jit_launches += 1
         if failure is not None:
             self._stop(f"the direct launch failed ({failure!r})")
         elif key is not None and self.direct and kernel is not None and hasattr(type(kernel), "__getitem__"):
-            if getattr(self._fn, "used_global_vals", None):
-                self._stop(
-                    "the kernel reads global variables, which Triton's launcher checks at every launch"
-                )
-            else:
-                self._cache[key] = (kernel, tail)
+            self._cache[key] = (kernel, tail)
         return kernel
 
-    def _check(self, args: tuple, constexprs: dict[str, object]) -> tuple:
+    def _globals_unchanged(self) -> bool:
+        """Triton's check before every launch: the global variables the kernel read when it was compiled (module
+        constants such as a ``tl.constexpr`` flag) still hold the values it read; where one changed, the JIT
+        launcher raises its error."""
+        used = getattr(self._fn, "used_global_vals", None)
+        if not used:
+            return True
+        missing = _UNSET
+        return all(scope.get(name, missing) == value for (name, _), (value, scope) in used.items())
+
+    def _check(self, args: tuple, kwargs: dict[str, object]) -> tuple:
         """The constexprs in signature order, after checking that the call is one the launcher can key."""
         name = _name(self._fn)
         if len(args) != len(self._runtime):
             raise TypeError(f"{name} takes {len(self._runtime)} runtime arguments, got {len(args)}")
         for p, arg in zip(self._runtime, args, strict=True):
-            kind = _arg_kind(arg)
-            if kind is None:
+            if _arg_kind(arg) is None:
                 raise TypeError(
                     f"{name}: argument {p.name!r} is a {type(arg).__name__}; DirectLauncher takes tensors, int, "
                     "float and bool (Triton specialises the others on their values)"
                 )
-            if isinstance(kind, str) and not p.do_not_specialize:
-                raise ValueError(
-                    f"{name}: integer parameter {p.name!r} must be declared in do_not_specialize"
-                )
-        unknown = set(constexprs) - {p.name for p in self._constexprs}
+        unknown = set(kwargs) - self._constexpr_names - _OPTIONS
         if unknown:
-            raise TypeError(f"{name}: {sorted(unknown)} are not constexpr parameters")
-        missing = [p.name for p in self._constexprs if p.name not in constexprs and p.default is _UNSET]
+            raise TypeError(f"{name}: {sorted(unknown)} are neither constexpr parameters nor launch options")
+        missing = [p.name for p in self._constexprs if p.name not in kwargs and p.default is _UNSET]
         if missing:
             raise TypeError(f"{name}: missing constexpr arguments {missing}")
-        return tuple(constexprs.get(p.name, p.default) for p in self._constexprs)
+        return tuple(kwargs.get(p.name, p.default) for p in self._constexprs)
 
     def _stop(self, why: str) -> None:
         self.direct = False
         logger.warning("%s: launching through Triton's launcher from now on: %s", _name(self._fn), why)
+
+
+def _kind_function(p: _Param) -> Any:
+    """The key part of parameter ``p``'s argument by its declarations: its kind alone where Triton specialises
+    neither its value nor its alignment, more where it does."""
+    if p.do_not_specialize:
+        return _arg_kind
+    if p.do_not_specialize_on_alignment:
+        return _arg_kind_and_value
+    return _arg_kind_value_and_alignment
 
 
 def _name(fn: Any) -> str:

@@ -196,29 +196,81 @@ def test_a_failing_direct_launch_falls_back_for_good(caplog: pytest.LogCaptureFi
 
 
 @pytest.mark.usefixtures("compiled_mode")
-def test_the_declarations_are_checked_when_built() -> None:
-    with pytest.raises(ValueError, match="'n'"):
-        DirectLauncher(_kernel(n=_Param("n")))
-    with pytest.raises(ValueError, match="'out_ptr'"):
-        DirectLauncher(_kernel(out_ptr=_Param("out_ptr")))
+def test_a_runtime_parameter_after_a_constexpr_is_refused_when_built() -> None:
     late = _Jit([_Param("BLOCK", is_constexpr=True), _Param("x_ptr", do_not_specialize_on_alignment=True)])
     with pytest.raises(ValueError, match="'x_ptr' follows a constexpr"):
         DirectLauncher(late)
 
 
 @pytest.mark.usefixtures("compiled_mode")
-def test_calls_it_cannot_key_are_refused_before_launching() -> None:
-    # an integer where only the alignment is unspecialised: its value 1 and divisibility by 16 still would be
-    fn = _kernel(n=_Param("n", do_not_specialize_on_alignment=True))
+@pytest.mark.parametrize(
+    ("declaration", "same", "other"),
+    [
+        # undeclared: Triton specialises an int's value 1 and its divisibility by 16
+        pytest.param({}, [(16, 32), (17, 33)], [(1, 16), (16, 17), (1, 17)], id="undeclared"),
+        # alignment unspecialised: the value 1 still is, divisibility by 16 is not
+        pytest.param(
+            {"do_not_specialize_on_alignment": True},
+            [(16, 17), (2, 33)],
+            [(1, 16), (1, 2)],
+            id="no-alignment",
+        ),
+        # value unspecialised: neither is
+        pytest.param({"do_not_specialize": True}, [(1, 16), (16, 17)], [(17, 2**31)], id="no-value"),
+    ],
+)
+def test_an_int_parameter_is_keyed_on_what_triton_specialises(declaration, same, other) -> None:
+    fn = _kernel(n=_Param("n", **declaration))
+    x, out, _, scale = _args()
+    for a, b in same:
+        launch = DirectLauncher(fn)
+        launch((4,), x, out, a, scale, BLOCK=128)
+        launch((4,), x, out, b, scale, BLOCK=128)
+        assert (launch.jit_launches, launch.direct_launches) == (1, 1), (declaration, a, b)
+    for a, b in other:
+        launch = DirectLauncher(fn)
+        launch((4,), x, out, a, scale, BLOCK=128)
+        launch((4,), x, out, b, scale, BLOCK=128)
+        assert (launch.jit_launches, launch.direct_launches) == (2, 0), (declaration, a, b)
+
+
+@pytest.mark.usefixtures("compiled_mode")
+def test_an_undeclared_pointer_is_keyed_on_its_alignment() -> None:
+    launch = DirectLauncher(_kernel(out_ptr=_Param("out_ptr")))
+    x, out, n, scale = _args()
+    buf = torch.zeros(12)
+    launch((4,), x, buf[:8], n, scale, BLOCK=128)
+    launch((4,), x, buf[4:], n, scale, BLOCK=128)  # 16 bytes on: aligned as well
+    assert (launch.jit_launches, launch.direct_launches) == (1, 1)
+    launch((4,), x, buf[1:], n, scale, BLOCK=128)  # 4 bytes on: another specialisation
+    launch((4,), x, buf[1:9], n, scale, BLOCK=128)
+    assert (launch.jit_launches, launch.direct_launches) == (2, 2)
+    # a declared pointer is not: misaligned or not, one compiled kernel
+    launch = DirectLauncher(_kernel())
+    launch((4,), buf[:8], out, n, scale, BLOCK=128)
+    launch((4,), buf[1:], out, n, scale, BLOCK=128)
+    assert (launch.jit_launches, launch.direct_launches) == (1, 1)
+
+
+@pytest.mark.usefixtures("compiled_mode")
+def test_launch_options_are_passed_and_keyed() -> None:
+    fn = _kernel()
     launch = DirectLauncher(fn)
-    with pytest.raises(ValueError, match="'n' must be declared in do_not_specialize"):
-        launch((4,), *_args(), BLOCK=128)
+    launch((4,), *_args(), BLOCK=128, launch_pdl=True, maxnreg=128)
+    assert fn.log[-1][3] == {"BLOCK": 128, "launch_pdl": True, "maxnreg": 128}
+    launch((4,), *_args(), BLOCK=128, launch_pdl=True, maxnreg=128)
+    launch((4,), *_args(), BLOCK=128, maxnreg=128)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "jit"]
+
+
+@pytest.mark.usefixtures("compiled_mode")
+def test_calls_it_cannot_key_are_refused_before_launching() -> None:
     launch = DirectLauncher(_kernel())
     x, out, n, scale = _args()
     for bad in ((x, None, n, scale), (x, out, (n, n), scale), (x, out, n, torch.tensor(0.5).numpy())):
         with pytest.raises(TypeError, match="DirectLauncher takes tensors"):
             launch((4,), *bad, BLOCK=128)
-    with pytest.raises(TypeError, match="not constexpr parameters"):
+    with pytest.raises(TypeError, match="neither constexpr parameters nor launch options"):
         launch((4,), x, out, n, scale, BLOCK=128, STRIDE=4)
     with pytest.raises(TypeError, match=r"missing constexpr arguments \['BLOCK'\]"):
         launch((4,), x, out, n, scale)
@@ -241,8 +293,6 @@ def test_the_interpreter_always_takes_the_jit_launcher(monkeypatch: pytest.Monke
     for _ in range(2):
         launch((2,), torch.zeros(2), 3, BLOCK=16)
     assert not launch.direct and [entry[0] for entry in interpreted.log] == ["jit"] * 2
-    with pytest.raises(ValueError, match="'n'"):
-        DirectLauncher(_Interpreted(do_not_specialize_on_alignment=[0]))
 
 
 @pytest.mark.usefixtures("compiled_mode")
@@ -286,21 +336,31 @@ def test_tritons_launch_hooks_and_debug_are_seen(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.usefixtures("compiled_mode")
-def test_kernels_reading_globals_and_uncompiled_results_are_not_cached(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_uncompiled_results_are_not_cached() -> None:
     fn = _kernel()
     fn.returns = None  # a jit_cache_hook that skipped the compile, or an asynchronous compile's future
     launch = DirectLauncher(fn)
     launch((4,), *_args(), BLOCK=128)
     launch((4,), *_args(), BLOCK=128)
     assert [entry[0] for entry in fn.log] == ["jit", "jit"] and launch.direct
-    fn.returns, fn.used_global_vals = "compiled", {("SCALE", 0): (2, {})}
-    with caplog.at_level(logging.WARNING, logger=triton_launch.__name__):
+
+
+@pytest.mark.usefixtures("compiled_mode")
+def test_a_changed_global_takes_the_jit_launcher_as_triton_checks_it() -> None:
+    """A kernel that read a module constant launches directly while the constant holds the value it was compiled
+    with; once it changes, every launch goes to Triton's launcher (which raises its error)."""
+    scope = {"SCALE": 2}
+    fn = _kernel()
+    fn.used_global_vals = {("SCALE", 0): (2, scope)}
+    launch = DirectLauncher(fn)
+    for _ in range(3):
         launch((4,), *_args(), BLOCK=128)
-        launch((4,), *_args(), BLOCK=128)
-    assert [entry[0] for entry in fn.log] == ["jit"] * 4 and not launch.direct
-    assert "global variables" in caplog.text
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]
+    scope["SCALE"] = 3
+    launch((4,), *_args(), BLOCK=128)
+    del scope["SCALE"]
+    launch((4,), *_args(), BLOCK=128)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct", "jit", "jit"] and launch.direct
 
 
 # ----- against Triton's own specialisation (Triton installed, no GPU needed) -----------------------------------
@@ -330,18 +390,20 @@ def _as_jit_function(kernel, declared: bool = True):
 def test_equal_launcher_keys_mean_equal_triton_specialisations() -> None:
     """Triton's binder (``specialize_impl`` for every argument) over aligned and misaligned tensors, row counts and
     lengths of 1, 16 and 17, float32 and float64: whenever the launcher's key parts are equal, so is Triton's
-    specialisation, for the declared kernels; the undeclared ones differ (the test can fail)."""
+    specialisation, for the scan kernel as declared and with its declarations removed (keyed then on values and
+    alignment too, so with more keys)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import create_function_from_signature
 
     kernel = _scan_kernels()["_gae_kernel"]
     constexprs = {"WITH_RETURNS": True, "CHECKED": True, "STATS": False, "ACC": triton_scan.tl.float32}
     constexprs |= {"BLOCK_B": 1, "BLOCK_T": 128}
+    jit_functions = {declared: _as_jit_function(kernel, declared) for declared in (True, False)}
     binders = {
         declared: create_function_from_signature(jf.signature, jf.params, BaseBackend)
-        for declared in (True, False)
-        for jf in [_as_jit_function(kernel, declared)]
+        for declared, jf in jit_functions.items()
     }
+    launchers = {declared: DirectLauncher(jf) for declared, jf in jit_functions.items()}
     seen: dict[bool, dict] = {True: {}, False: {}}
     for dtype in (torch.float32, torch.float64):
         for offset in (0, 1):
@@ -351,13 +413,20 @@ def test_equal_launcher_keys_mean_equal_triton_specialisations() -> None:
             for n_rows in (1, 16, 17):
                 for length in (1, 16, 17, 2**31):
                     args = (buf, buf, mask, buf, buf, flag, buf, n_rows, length, 0.99, 0.9405)
-                    key = (tuple(map(triton_launch._arg_kind, args)), tuple(constexprs.items()))
                     for declared, binder in binders.items():
+                        key = (launchers[declared].key_parts(args), tuple(constexprs.items()))
                         _, spec, _ = binder(*args, **constexprs)
                         seen[declared].setdefault(key, set()).add(str(spec))
     assert len(seen[True]) == 4  # two dtypes times i32/i64 lengths
-    assert all(len(specs) == 1 for specs in seen[True].values()), seen[True]
-    assert any(len(specs) > 1 for specs in seen[False].values())
+    for declared in (True, False):
+        assert all(len(specs) == 1 for specs in seen[declared].values()), seen[declared]
+    assert len(seen[False]) > len(seen[True])  # undeclared: the alignments and the values 1 and 16 count
+    # the kinds alone (the key of a declared kernel) would merge the undeclared kernel's specialisations
+    merged: dict = {}
+    for specs_by_key in seen[False].items():
+        (parts, _), specs = specs_by_key
+        merged.setdefault(tuple(p if not isinstance(p, tuple) else p[0] for p in parts), set()).update(specs)
+    assert any(len(specs) > 1 for specs in merged.values())
     for kernel in _scan_kernels().values():
         DirectLauncher(_as_jit_function(kernel))  # a real JITFunction's params pass the check
 

@@ -190,3 +190,33 @@ def test_own_forward_on_cuda_graphs_draws_what_megatrons_forward_draws(dtype):
             )
     finally:
         destroy_megatron_parallel()
+
+
+def test_own_forward_normalises_and_gates_through_the_launches_where_they_apply(cpu_megatron, monkeypatch):
+    """With :func:`~ppo_core_decode.elementwise_launch.launches_directly` forced true (on the CPU the launches run
+    their PyTorch form), the own forward's norms and SwiGLU go through the launches in megatron's roundings (the
+    norm's one rounding; SwiGLU's as ``bias_activation_fusion`` says), and its logits stay megatron's forward's."""
+    import ppo_core_decode.elementwise_launch as el
+    import ppo_core_decode.megatron as mg
+
+    calls = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append((name, kwargs.get("model_rounding")))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(mg, "launches_directly", lambda x: True)
+    monkeypatch.setattr(mg, "rms_norm_launch", counted("norm", el.rms_norm_launch))
+    monkeypatch.setattr(mg, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
+    cfg, model = _model()
+    ids, mask = _prompts()
+    engines = [MegatronRolloutEngine(model, cfg, own_forward=own) for own in (False, True)]
+    ref, own = (e.recompute_logits(ids, mask) for e in engines)
+    layers = len(engines[1].attention)
+    rounded = not model.config.bias_activation_fusion
+    assert calls.count(("norm", False)) >= 2 * layers
+    assert calls.count(("swiglu", rounded)) == layers and len(calls) == calls.count(("norm", False)) + layers
+    torch.testing.assert_close(own, ref, rtol=1e-5, atol=1e-5)
