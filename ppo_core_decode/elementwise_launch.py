@@ -63,21 +63,10 @@ def launches_directly(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in _DTYPES
 
 
-def rms_norm_launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    delta: torch.Tensor | None = None,
-    model_rounding: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of each row of ``x [..., D]`` (after the residual add ``x + delta``, rounded to ``x``'s dtype, when
-    ``delta`` is given) with ``weight [D]``, in one launch on CUDA (see the module docstring for the roundings).
-
-    Returns:
-        ``[..., D]`` normalised rows, or ``(x + delta, normalised rows)`` when ``delta`` is given.
-    """
-    return invariant_rms_norm(x, weight, eps, delta=delta, model_rounding=model_rounding)
+rms_norm_launch = invariant_rms_norm
+"""RMSNorm of each row of ``x [..., D]`` (after the residual add ``x + delta``, rounded to ``x``'s dtype, when
+``delta`` is given) with ``weight [D]``, in one launch on CUDA, in either rounding (``model_rounding``): the kernel of
+:func:`~ppo_core_decode.batch_invariant.invariant_rms_norm`, which it is."""
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

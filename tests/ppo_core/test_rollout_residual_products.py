@@ -236,3 +236,38 @@ def test_megatron_loop_with_the_adds_in_the_products_draws_what_the_separate_add
     torch.testing.assert_close(
         fused["rollout_log_probs"], separate["rollout_log_probs"], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_hf_engine_normalises_and_gates_through_the_launches_where_they_apply(
+    monkeypatch, device
+) -> None:
+    """With :func:`~ppo_core_decode.elementwise_launch.launches_directly` true (forced on the CPU, where the launches
+    run their PyTorch form) the HF engine's layer loop normalises and gates through them, and its logits stay the
+    model's own forward's."""
+    import ppo_core_decode.elementwise_launch as el
+    import ppo_core_decode.hf as hf
+
+    model = _hf("llama").to(device)
+    layers = model.config.num_hidden_layers
+    prompts = torch.randint(3, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(1))
+    prompts = prompts.to(device)
+    calls = {"norm": 0, "swiglu": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(hf, "launches_directly", lambda x: True)
+    monkeypatch.setattr(hf, "rms_norm_launch", counted("norm", el.rms_norm_launch))
+    monkeypatch.setattr(hf, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
+    engine = hf.HFRolloutEngine(model)
+    logits = engine.sequence_logits(prompts, torch.ones_like(prompts), keep=7)  # [B, S, V]
+    # two norms a layer and the final one; SwiGLU once a layer
+    assert calls == {"norm": 2 * layers + 1, "swiglu": layers}
+    with torch.no_grad():
+        want = model(prompts).logits
+    torch.testing.assert_close(logits.float(), want.float(), rtol=1e-4, atol=1e-4)

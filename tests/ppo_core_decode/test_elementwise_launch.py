@@ -1,6 +1,6 @@
 """The prefill's element-wise launches (:mod:`ppo_core_decode.elementwise_launch`): SwiGLU in both roundings against
-the compiled / eager functions the engines used before, on strided halves of a gate/up product, and the engines'
-dispatch to them (where :func:`launches_directly` says so, their forward's logits unchanged).
+the compiled / eager functions the engines used before, on strided halves of a gate/up product (the engines' dispatch
+to them: ``tests/ppo_core/test_rollout_residual_products.py`` and ``test_rollout_megatron_decode.py``).
 
 The Triton kernel runs on CUDA and, on the CPU, under ``TRITON_INTERPRET=1`` with Triton installed; elsewhere the
 functions run their PyTorch form, which these tests check as well."""
@@ -81,21 +81,6 @@ def test_swiglu_names_what_does_not_match() -> None:
         el.silu_mul_launch(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64))
 
 
-def test_rms_norm_launch_is_the_invariant_norm_in_both_roundings() -> None:
-    from ppo_core_decode.batch_invariant import invariant_rms_norm
-
-    gen = torch.Generator().manual_seed(0)
-    x, delta, w = torch.randn(3, 5, 16, generator=gen), torch.randn(3, 5, 16, generator=gen), torch.rand(16)
-    for model_rounding in (True, False):
-        assert torch.equal(
-            el.rms_norm_launch(x, w, 1e-6, model_rounding=model_rounding),
-            invariant_rms_norm(x, w, 1e-6, model_rounding=model_rounding),
-        )
-        h, y = el.rms_norm_launch(x, w, 1e-6, delta=delta, model_rounding=model_rounding)
-        h_ref, y_ref = invariant_rms_norm(x, w, 1e-6, delta=delta, model_rounding=model_rounding)
-        assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
-
-
 def test_launches_directly_on_cuda_tensors_of_float_dtypes_only() -> None:
     assert not el.launches_directly(torch.zeros(2, 3))  # the CPU keeps the model's own arithmetic
     if torch.cuda.is_available() and el.triton is not None:
@@ -125,51 +110,3 @@ class _Counting:
     def __call__(self, grid, *args, **kwargs):
         self.calls.append(grid)
         return self.launch(grid, *args, **kwargs)
-
-
-def _llama(transformers, dtype: torch.dtype) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config).eval().to(dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_hf_engine_normalises_and_gates_through_the_launches_where_they_apply(
-    monkeypatch, device
-) -> None:
-    """With :func:`launches_directly` true (forced on the CPU, where the launches run their PyTorch form) the HF
-    engine's prefill normalises and gates through them, and its logits stay the model's own forward's."""
-    transformers = pytest.importorskip("transformers")
-    import ppo_core_decode.hf as hf
-
-    model = _llama(transformers, torch.float32).to(device)
-    prompts = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(1)).to(device)
-    calls = {"norm": 0, "swiglu": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(hf, "launches_directly", lambda x: True)
-    monkeypatch.setattr(hf, "rms_norm_launch", counted("norm", el.rms_norm_launch))
-    monkeypatch.setattr(hf, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
-    engine = hf.HFRolloutEngine(model)
-    logits = engine.sequence_logits(prompts, torch.ones_like(prompts), keep=7)  # [B, S, V]
-    assert (
-        calls["norm"] == 2 * 2 + 1 and calls["swiglu"] == 2
-    )  # two norms a layer and the final one; SwiGLU a layer
-    with torch.no_grad():
-        want = model(prompts).logits
-    torch.testing.assert_close(logits.float(), want.float(), rtol=1e-4, atol=1e-4)
