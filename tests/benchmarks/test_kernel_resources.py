@@ -94,3 +94,42 @@ def test_every_decode_linear_launch_shape_compiles_for_hopper_with_its_prefetch(
             )
             code = kernel_resources.machine_code(compiled[-1], tools)
             assert code["local_bytes"] == 0 and code["sass_instructions"] > 0, (block_k, split, swiglu)
+
+
+@pytest.mark.skipif(not _nvidia_triton(), reason="needs Triton with its NVIDIA backend")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")
+@pytest.mark.parametrize("width", [1024, 2048, 8192])
+def test_the_prefills_norm_and_swiglu_move_16_byte_vectors(
+    width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill's RMSNorm and SwiGLU kernels (``ppo_core_decode.elementwise_launch``), compiled for Hopper at the
+    model widths they see, load and store their rows as 16-byte vectors: a row width declared unspecialised (as the
+    norm's was) leaves Triton unable to prove a masked vector aligned, and every element moves alone."""
+    import re
+
+    import torch
+
+    import ppo_core_decode.batch_invariant as bi
+    import ppo_core_decode.elementwise_launch as el
+
+    rows = 4
+    from ppo_core.kernels.triton_launch import DirectLauncher
+
+    # CPU tensors take the Triton path as on a GPU (the offline compiler compiles it and launches nothing), through
+    # launchers of their own (the modules' would launch a kernel they compiled for another width directly)
+    monkeypatch.setattr(bi, "_interpreting", lambda: True)
+    monkeypatch.setattr(el, "_interpreting", lambda: True)
+    monkeypatch.setattr(bi, "_rms_norm_launch", DirectLauncher(bi._rms_norm_kernel))
+    monkeypatch.setattr(el, "_silu_mul_launch", DirectLauncher(el._silu_mul_kernel))
+    with kernel_resources.offline_compiler(90) as compiled:
+        x = torch.zeros(rows, width, dtype=torch.bfloat16)
+        el.rms_norm_launch(x, torch.ones(width, dtype=torch.bfloat16), 1e-6)
+        el.rms_norm_launch(x, torch.ones(width, dtype=torch.bfloat16), 1e-6, delta=x, model_rounding=False)
+        gate, up = torch.zeros(rows, 2 * width, dtype=torch.bfloat16).chunk(2, dim=-1)
+        el.silu_mul_launch(gate, up)
+    assert [k.name for k in compiled] == ["_rms_norm_kernel", "_rms_norm_kernel", "_silu_mul_kernel"]
+    for kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        loads, stores = re.findall(r"ld\.global[.\w]*", ptx), re.findall(r"st\.global[.\w]*", ptx)
+        assert loads and stores, kernel.name
+        assert all(".v4" in op for op in loads + stores), (kernel.name, sorted(set(loads + stores)))
