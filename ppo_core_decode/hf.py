@@ -263,7 +263,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     ) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
             return invariant_rms_norm(h, norm.weight, norm.variance_epsilon, delta=delta)
-        if launches_directly(h):
+        if launches_directly(h) and delta.shape == h.shape and delta.dtype == h.dtype:
             return rms_norm_launch(h, self._norm_weight(norm), norm.variance_epsilon, delta=delta)
         return add_rms_norm_as_model(h, delta, self._norm_weight(norm), norm.variance_epsilon)
 
