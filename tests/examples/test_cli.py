@@ -306,9 +306,9 @@ def test_ctrl_c_stops_shuts_down_and_says_how_to_resume(example, capsys):
     assert proc.returncode == 130, err
     lines = [line for line in err.splitlines() if line.startswith("ppo-core:")]
     assert len(lines) == 3 and "Traceback" not in err, err
-    assert (
-        lines[0].startswith("ppo-core: interrupted during step ") and "the workers are shut down" in lines[0]
-    )
+    # the signal lands during a step or between two (after a step's metrics are written, before the next begins)
+    assert lines[0].startswith(("ppo-core: interrupted during step ", "ppo-core: interrupted before step "))
+    assert lines[0].endswith("; the workers are shut down"), lines[0]
     newest = max(int(p.name.split("_")[-1]) for p in (run / "checkpoints").glob("global_step_*"))
     assert (
         lines[1] == f"ppo-core: newest checkpoint: {run / 'checkpoints'}/global_step_{newest} (step {newest})"
