@@ -22,7 +22,9 @@ SwiGLU is :func:`silu_mul_launch`'s (one program per row and block of columns), 
 products' epilogue computes it (``g / (1 + e^-g)`` in fp32), so a prefill and a decode step gate alike. Sums of
 squares run in the kernel's own order: a normalised entry may differ from the compiled function's by one step of
 the model dtype. :func:`launches_directly` says where the engines use these (CUDA tensors of a half or single
-precision dtype); elsewhere they keep the compiled or eager functions (on the CPU, bit for bit the model's).
+precision dtype), and :func:`engine_rms_norm` / :func:`engine_silu_mul` are the engines' one call for each step:
+the launch where it applies, elsewhere the compiled or eager function of the same rounding (on the CPU, bit for
+bit the model's).
 
 Shapes: ``x``, ``delta`` ``[..., D]``, ``weight [D]``; ``gate``, ``up`` ``[..., F]`` (any strides whose rows
 flatten to one stride, the last dimension contiguous: the two halves of a gate/up product).
@@ -37,10 +39,12 @@ from __future__ import annotations
 
 import torch
 
+from ppo_core.kernels import fused
 from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.kernels.triton_scan import _interpreting
 from ppo_core_decode.batch_invariant import invariant_rms_norm
+from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model, silu_mul_as_model
 
 try:
     import triton
@@ -49,7 +53,7 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
-__all__ = ["launches_directly", "rms_norm_launch", "silu_mul_launch"]
+__all__ = ["engine_rms_norm", "engine_silu_mul", "launches_directly", "rms_norm_launch", "silu_mul_launch"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -67,6 +71,40 @@ rms_norm_launch = invariant_rms_norm
 """RMSNorm of each row of ``x [..., D]`` (after the residual add ``x + delta``, rounded to ``x``'s dtype, when
 ``delta`` is given) with ``weight [D]``, in one launch on CUDA, in either rounding (``model_rounding``): the kernel of
 :func:`~ppo_core_decode.batch_invariant.invariant_rms_norm`, which it is."""
+
+
+def engine_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    delta: torch.Tensor | None = None,
+    model_rounding: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The engines' RMSNorm of ``x [..., D]`` with ``weight [D]`` (after the residual add ``x + delta`` when
+    ``delta`` is given): :func:`rms_norm_launch` where :func:`launches_directly` says so and ``delta`` has ``x``'s
+    shape and dtype; elsewhere the compiled or eager function of the same rounding
+    (:func:`~ppo_core_decode.eager_rounding.rms_norm_as_model` / ``add_rms_norm_as_model`` with ``model_rounding``,
+    :func:`ppo_core.kernels.fused.rms_norm` / ``add_rms_norm`` without).
+
+    Returns:
+        ``[..., D]`` normalised rows, or ``(x + delta, normalised rows)`` when ``delta`` is given.
+    """
+    if launches_directly(x) and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype)):
+        return rms_norm_launch(x, weight, eps, delta=delta, model_rounding=model_rounding)
+    if delta is None:
+        return (rms_norm_as_model if model_rounding else fused.rms_norm)(x, weight, eps)
+    return (add_rms_norm_as_model if model_rounding else fused.add_rms_norm)(x, delta, weight, eps)
+
+
+def engine_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, model_rounding: bool = True) -> torch.Tensor:
+    """The engines' SwiGLU ``silu(gate) * up`` of ``gate``, ``up`` ``[..., F]``: :func:`silu_mul_launch` where
+    :func:`launches_directly` says so; elsewhere the compiled or eager function of the same rounding
+    (:func:`~ppo_core_decode.eager_rounding.silu_mul_as_model` with ``model_rounding``,
+    :func:`ppo_core.kernels.fused.silu_mul` without). Returns ``[..., F]`` in ``gate``'s dtype."""
+    if launches_directly(gate):
+        return silu_mul_launch(gate, up, model_rounding=model_rounding)
+    return (silu_mul_as_model if model_rounding else fused.silu_mul)(gate, up)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

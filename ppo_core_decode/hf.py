@@ -52,13 +52,10 @@ from ppo_core_decode.decode_linear import (
 from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
 from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
 from ppo_core_decode.eager_rounding import (
-    add_rms_norm_as_model,
     heads_rms_norm_as_model,
-    rms_norm_as_model,
     rotary_as_model,
-    silu_mul_as_model,
 )
-from ppo_core_decode.elementwise_launch import launches_directly, rms_norm_launch, silu_mul_launch
+from ppo_core_decode.elementwise_launch import engine_rms_norm, engine_silu_mul
 from ppo_core_decode.kv_cache import KVCache
 
 __all__ = [
@@ -254,18 +251,14 @@ class _LlamaFamilyForward(DecoderLayerLoop):
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.batch_invariant:
             return invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
-        if launches_directly(x):  # one Triton launch: less host time than the compiled function
-            return rms_norm_launch(x, self._norm_weight(norm), norm.variance_epsilon)
-        return rms_norm_as_model(x, self._norm_weight(norm), norm.variance_epsilon)
+        return engine_rms_norm(x, self._norm_weight(norm), norm.variance_epsilon)
 
     def _add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
             return invariant_rms_norm(h, norm.weight, norm.variance_epsilon, delta=delta)
-        if launches_directly(h) and delta.shape == h.shape and delta.dtype == h.dtype:
-            return rms_norm_launch(h, self._norm_weight(norm), norm.variance_epsilon, delta=delta)
-        return add_rms_norm_as_model(h, delta, self._norm_weight(norm), norm.variance_epsilon)
+        return engine_rms_norm(h, self._norm_weight(norm), norm.variance_epsilon, delta=delta)
 
     def _qk_norms(
         self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor
@@ -317,9 +310,7 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         return self._layer(x, layer.mlp.gate_proj), self._layer(x, layer.mlp.up_proj)
 
     def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if launches_directly(gate):
-            return silu_mul_launch(gate, up)
-        return silu_mul_as_model(gate, up)
+        return engine_silu_mul(gate, up)
 
     def _down_projection(self, layer: nn.Module) -> nn.Module:
         return layer.mlp.down_proj

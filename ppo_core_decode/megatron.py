@@ -57,14 +57,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_core.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from ppo_core_decode.decode_linear import (
     decode_linear_available,
     fold_norm_weights,
 )
 from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
-from ppo_core_decode.eager_rounding import silu_mul_as_model
-from ppo_core_decode.elementwise_launch import launches_directly, rms_norm_launch, silu_mul_launch
+from ppo_core_decode.elementwise_launch import engine_rms_norm, engine_silu_mul
 from ppo_core_decode.kv_cache import KVCache
 
 __all__ = ["MegatronDecodeForward", "gather_vocabulary"]
@@ -357,21 +355,15 @@ class MegatronDecodeForward(DecoderLayerLoop):
         return layer.input_layernorm, layer.pre_mlp_layernorm
 
     def _rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        if launches_directly(x):  # one Triton launch: less host time than the compiled function
-            return rms_norm_launch(x, norm.weight, norm.eps, model_rounding=False)
-        return rms_norm(x, norm.weight, norm.eps)
+        return engine_rms_norm(x, norm.weight, norm.eps, model_rounding=False)
 
     def _add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if launches_directly(h) and delta.shape == h.shape and delta.dtype == h.dtype:
-            return rms_norm_launch(h, norm.weight, norm.eps, delta=delta, model_rounding=False)
-        return add_rms_norm(h, delta, norm.weight, norm.eps)
+        return engine_rms_norm(h, norm.weight, norm.eps, delta=delta, model_rounding=False)
 
     def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if launches_directly(gate):
-            return silu_mul_launch(gate, up, model_rounding=self._silu_rounded)
-        return silu_mul_as_model(gate, up) if self._silu_rounded else silu_mul(gate, up)
+        return engine_silu_mul(gate, up, model_rounding=self._silu_rounded)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # megatron's vocabulary-parallel embedding module (with TP its shards' lookups are summed over the group)

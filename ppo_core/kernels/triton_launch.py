@@ -45,9 +45,8 @@ launcher: a set launch hook (a profiler), a pre-run hook, a debug/instrumentatio
 hook, a callable grid, ``TRITON_INTERPRET=1`` when the launcher is built (the interpreter has no compiled kernel), a
 global variable the kernel read that no longer holds the value it was compiled with (checked before every direct
 launch, as Triton's launcher checks it: the JIT launcher then raises Triton's error), and a compile that did not
-return a kernel (asynchronous compilation). Knobs that
-Triton reads only when it compiles (``TRITON_F32_DEFAULT``, fp fusion, the target arch) are outside its launcher's
-cache key too: they are not rechecked by either path.
+return a kernel (asynchronous compilation). Knobs that Triton reads only when it compiles (``TRITON_F32_DEFAULT``,
+fp fusion, the target arch) are outside its launcher's cache key too: they are not rechecked by either path.
 
 Any exception from the direct path (an API this Triton version lacks) makes the launch retry through the JIT
 launcher; if that succeeds the launcher uses the JIT launcher from then on and logs one warning (if it fails too, the

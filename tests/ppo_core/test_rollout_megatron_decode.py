@@ -197,7 +197,6 @@ def test_own_forward_normalises_and_gates_through_the_launches_where_they_apply(
     their PyTorch form), the own forward's norms and SwiGLU go through the launches in megatron's roundings (the
     norm's one rounding; SwiGLU's as ``bias_activation_fusion`` says), and its logits stay megatron's forward's."""
     import ppo_core_decode.elementwise_launch as el
-    import ppo_core_decode.megatron as mg
 
     calls = []
 
@@ -208,9 +207,9 @@ def test_own_forward_normalises_and_gates_through_the_launches_where_they_apply(
 
         return wrapper
 
-    monkeypatch.setattr(mg, "launches_directly", lambda x: True)
-    monkeypatch.setattr(mg, "rms_norm_launch", counted("norm", el.rms_norm_launch))
-    monkeypatch.setattr(mg, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
+    monkeypatch.setattr(el, "launches_directly", lambda x: True)
+    monkeypatch.setattr(el, "rms_norm_launch", counted("norm", el.rms_norm_launch))
+    monkeypatch.setattr(el, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
     cfg, model = _model()
     ids, mask = _prompts()
     engines = [MegatronRolloutEngine(model, cfg, own_forward=own) for own in (False, True)]

@@ -261,9 +261,9 @@ def test_the_hf_engine_normalises_and_gates_through_the_launches_where_they_appl
 
         return wrapper
 
-    monkeypatch.setattr(hf, "launches_directly", lambda x: True)
-    monkeypatch.setattr(hf, "rms_norm_launch", counted("norm", el.rms_norm_launch))
-    monkeypatch.setattr(hf, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
+    monkeypatch.setattr(el, "launches_directly", lambda x: True)
+    monkeypatch.setattr(el, "rms_norm_launch", counted("norm", el.rms_norm_launch))
+    monkeypatch.setattr(el, "silu_mul_launch", counted("swiglu", el.silu_mul_launch))
     engine = hf.HFRolloutEngine(model)
     logits = engine.sequence_logits(prompts, torch.ones_like(prompts), keep=7)  # [B, S, V]
     # two norms a layer and the final one; SwiGLU once a layer

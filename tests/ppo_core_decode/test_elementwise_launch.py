@@ -110,3 +110,47 @@ class _Counting:
     def __call__(self, grid, *args, **kwargs):
         self.calls.append(grid)
         return self.launch(grid, *args, **kwargs)
+
+
+@pytest.mark.parametrize("model_rounding", [True, False])
+def test_the_engine_functions_keep_the_compiled_functions_where_no_launch_applies(
+    monkeypatch, model_rounding
+):
+    """On the CPU each engine function is, bit for bit, the function of its rounding the engines called before; a
+    residual branch that only broadcasts against the stream (megatron's norm accepts one) keeps it on CUDA too."""
+    from ppo_core.kernels import fused
+    from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model
+
+    gen = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(3, 5, 16, generator=gen), torch.randn(3, 5, 16, generator=gen)
+    w, gate, up = (
+        torch.rand(16, generator=gen),
+        torch.randn(4, 9, generator=gen),
+        torch.randn(4, 9, generator=gen),
+    )
+    norm, add_norm, swiglu = (
+        (rms_norm_as_model, add_rms_norm_as_model, silu_mul_as_model)
+        if model_rounding
+        else (fused.rms_norm, fused.add_rms_norm, fused.silu_mul)
+    )
+    assert torch.equal(el.engine_rms_norm(x, w, 1e-6, model_rounding=model_rounding), norm(x, w, 1e-6))
+    got, want = (
+        el.engine_rms_norm(x, w, 1e-6, delta=delta, model_rounding=model_rounding),
+        add_norm(x, delta, w, 1e-6),
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(el.engine_silu_mul(gate, up, model_rounding=model_rounding), swiglu(gate, up))
+    launched = []
+    monkeypatch.setattr(el, "launches_directly", lambda t: True)
+    monkeypatch.setattr(
+        el, "rms_norm_launch", lambda *a, **k: launched.append(k) or el.invariant_rms_norm(*a, **k)
+    )
+    row = delta[:, :1]  # [3, 1, 16]: broadcasts, is not the stream's shape
+    got, want = (
+        el.engine_rms_norm(x, w, 1e-6, delta=row, model_rounding=model_rounding),
+        add_norm(x, row, w, 1e-6),
+    )
+    assert not launched and torch.equal(got[1], want[1])
+    el.engine_rms_norm(x, w, 1e-6, delta=delta, model_rounding=model_rounding)
+    assert len(launched) == 1 and launched[0]["delta"] is delta
+    assert launched[0]["model_rounding"] is model_rounding

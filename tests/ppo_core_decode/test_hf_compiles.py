@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ppo_core_decode.eager_rounding as eager_rounding
+import ppo_core_decode.elementwise_launch as elementwise_launch
 import ppo_core_decode.hf as hf
 from ppo_core.kernels.compiled import cuda_compiled
 from ppo_core.rollout import SamplingConfig
@@ -32,7 +33,11 @@ def _compile_on_cpu(monkeypatch: pytest.MonkeyPatch, by_shape: bool) -> None:
     for name in FUNCTIONS:
         fn = getattr(eager_rounding, name).__wrapped__
         compiled = cuda_compiled(fn, device_types=("cpu",), backend="eager", by_shape=by_shape)
-        monkeypatch.setattr(hf, name, compiled)
+        # the engine calls each from its forward or through elementwise_launch's engine_* functions
+        users = [module for module in (hf, elementwise_launch) if hasattr(module, name)]
+        assert users, name
+        for module in users:
+            monkeypatch.setattr(module, name, compiled)
 
 
 def _qwen3(dtype: torch.dtype) -> torch.nn.Module:
