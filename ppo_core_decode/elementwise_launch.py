@@ -43,8 +43,8 @@ from ppo_core.kernels import fused
 from ppo_core.kernels.launch_sizes import cdiv, next_power_of_2
 from ppo_core.kernels.triton_launch import DirectLauncher
 from ppo_core.kernels.triton_scan import _interpreting
-from ppo_core_decode.batch_invariant import invariant_rms_norm
-from ppo_core_decode.eager_rounding import add_rms_norm_as_model, rms_norm_as_model, silu_mul_as_model
+from ppo_core_decode.batch_invariant import _norm_functions, invariant_rms_norm
+from ppo_core_decode.eager_rounding import silu_mul_as_model
 
 try:
     import triton
@@ -92,9 +92,8 @@ def engine_rms_norm(
     """
     if launches_directly(x) and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype)):
         return rms_norm_launch(x, weight, eps, delta=delta, model_rounding=model_rounding)
-    if delta is None:
-        return (rms_norm_as_model if model_rounding else fused.rms_norm)(x, weight, eps)
-    return (add_rms_norm_as_model if model_rounding else fused.add_rms_norm)(x, delta, weight, eps)
+    norm, add_norm = _norm_functions(model_rounding)
+    return norm(x, weight, eps) if delta is None else add_norm(x, delta, weight, eps)
 
 
 def engine_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, model_rounding: bool = True) -> torch.Tensor:

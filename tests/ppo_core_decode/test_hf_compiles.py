@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ppo_core_decode.batch_invariant as batch_invariant
 import ppo_core_decode.eager_rounding as eager_rounding
 import ppo_core_decode.elementwise_launch as elementwise_launch
 import ppo_core_decode.hf as hf
@@ -33,8 +34,9 @@ def _compile_on_cpu(monkeypatch: pytest.MonkeyPatch, by_shape: bool) -> None:
     for name in FUNCTIONS:
         fn = getattr(eager_rounding, name).__wrapped__
         compiled = cuda_compiled(fn, device_types=("cpu",), backend="eager", by_shape=by_shape)
-        # the engine calls each from its forward or through elementwise_launch's engine_* functions
-        users = [module for module in (hf, elementwise_launch) if hasattr(module, name)]
+        # the engine calls each from its forward or through elementwise_launch's engine_* functions (the norms by
+        # batch_invariant's choice of the two functions of a rounding)
+        users = [module for module in (hf, elementwise_launch, batch_invariant) if hasattr(module, name)]
         assert users, name
         for module in users:
             monkeypatch.setattr(module, name, compiled)
