@@ -26,7 +26,8 @@ graph capture: :data:`WARMUP_CALLS`):
   tokens/s over the whole call (prefill + decode) and over the decode steps alone (``decode_new_tokens_per_s``);
   the host's time queuing the prefill, capturing the first decode steps' graph and destroying the previous call's
   graphs (``host_prefill_s``, ``host_capture_s``, ``host_release_s``: where the first two outlast the device's
-  prefill, ``prefill_s`` shows the rest);
+  prefill, ``prefill_s`` shows the rest; ``host_capture_s`` is 0 in a call that replayed the previous call's graphs,
+  ``graphs_reused_per_call``);
 - ``hf_static``: ``model.generate(..., do_sample=True, cache_implementation="static")`` (which ``transformers``
   compiles on CUDA);
 - ``bound_new_tokens_per_s``: new tokens/s if each decode step only read every weight once (the weights' bytes over
@@ -186,8 +187,9 @@ def _sync(device: torch.device) -> None:
 
 WARMUP_CALLS = 2
 """Untimed calls before the timed ones. Our engine's first call decodes its first step eagerly and captures its
-graph after it; from the second on, a call captures its graph while the prefill runs, as a worker's every later
-rollout does, and the compiled element-wise kernels of both kinds of call exist."""
+graph after it; from the second on, a call replays the previous call's graphs where the tensors they read are back
+at their addresses (``graphs_reused_per_call``), else captures its first graph while the prefill runs, as a worker's
+every later rollout does, and the compiled element-wise kernels of both kinds of call exist."""
 
 
 def _timed(call, repeats: int, device: torch.device) -> tuple[list[float], Any, float]:
@@ -382,7 +384,14 @@ def _ours(
     ids, mask = _prompts(case["batch"], case["prompt"], model.config.vocab_size, device)
     cfg = SamplingConfig(max_new_tokens=case["new"], temperature=1.0)
     gen = torch.Generator(device=device).manual_seed(0)
-    times, out, warmup = _timed(lambda: engine.generate(ids, mask, cfg, generator=gen), repeats, device)
+    reused = []  # per call, warm-up calls first: how many of the previous call's graphs it replayed
+
+    def call():
+        out = engine.generate(ids, mask, cfg, generator=gen)
+        reused.append(engine.stats.graphs_reused)
+        return out
+
+    times, out, warmup = _timed(call, repeats, device)
     s = engine.stats
     report = _report(times, int(out["response_mask"].sum()), warmup)
     report.update(
@@ -394,6 +403,7 @@ def _ours(
         decode_new_tokens_per_s=round(case["batch"] * s.decode_steps / max(s.decode_s, 1e-9), 1),
         cuda_graphs=s.cuda_graphs,
         graphs_captured=s.graphs_captured,
+        graphs_reused_per_call=reused,
         host_prefill_s=round(s.host_prefill_s, 4),
         host_capture_s=round(s.host_capture_s, 4),
         host_release_s=round(s.host_release_s, 4),

@@ -6,6 +6,8 @@ What is here (one module per concept):
   captured as CUDA graphs, sampling, stop checks) and :class:`~ppo_core_decode.decoding.CachedRolloutEngine`, the
   rollout-engine protocol over it;
 - :mod:`~ppo_core_decode.kv_cache`: the static KV cache (per-row positions, cache writes, attention through it);
+- :mod:`~ppo_core_decode.graph_inputs`: the addresses a captured decode step reads, compared between two generations
+  before one replays the other's graphs;
 - :mod:`~ppo_core_decode.decoder_loop`: the layer loop both model forwards share (residual adds fused with the next
   norm or with the products);
 - :mod:`~ppo_core_decode.hf`: :class:`~ppo_core_decode.hf.HFRolloutEngine`, Hugging Face causal LMs;

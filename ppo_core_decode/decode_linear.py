@@ -68,6 +68,13 @@ except ImportError:  # Triton is optional
     triton = None
     tl = None
 
+# the Triton element types of the dtypes whose addresses a table holds (fold_norm_weights_all)
+_TL_DTYPES = (
+    {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    if tl is not None
+    else {}
+)
+
 __all__ = [
     "MAX_ROWS",
     "PREFETCH_MAX_BYTES",
@@ -78,6 +85,7 @@ __all__ = [
     "decode_linear_reference",
     "fold_norm_weight",
     "fold_norm_weights",
+    "fold_norm_weights_all",
     "prefetches_weight",
     "row_sumsq",
     "row_sumsq_scaled",
@@ -173,6 +181,57 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
         >>> out.tolist()
         [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0]]
     """
+    _check_fold(out, scale, weights)
+    if _folds_in_one_launch(out, scale, weights):
+        _fold_norm_weights_triton(out, scale, weights)
+        return
+    rows = [w.shape[0] for w in weights]
+    for weight, part in zip(weights, out.split(rows), strict=True):
+        fold_norm_weight(weight, scale, out=part)
+
+
+def fold_norm_weights_all(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    """:func:`fold_norm_weights` of every job ``(out, scale, weights)``, the same bits.
+
+    On CUDA, where every job takes :func:`fold_norm_weights`' one-launch path and all share one device and one dtype
+    (outputs and weights; scales another, shared), one Triton launch writes every stack: each program copies a block
+    of rows of one weight, the weights' addresses and sizes read from a table sent to the device without a host
+    synchronisation. Elsewhere, one :func:`fold_norm_weights` a job. The HF engine refreshes two stacks a layer at
+    the start of every generation: one launch for all of them takes that host time (a Python call and a launch a
+    stack, 56 for a 28-layer model) out of the prefill, which on a thin model the host bounds.
+
+    Example:
+        >>> outs = [torch.empty(1, 2), torch.empty(2, 2)]
+        >>> fold_norm_weights_all([(outs[0], torch.tensor([2.0, 3.0]), [torch.ones(1, 2)]),
+        ...                        (outs[1], torch.tensor([1.0, 5.0]), [torch.ones(1, 2), 2 * torch.ones(1, 2)])])
+        >>> [o.tolist() for o in outs]
+        [[[2.0, 3.0]], [[1.0, 5.0], [2.0, 10.0]]]
+    """
+    for out, scale, weights in jobs:
+        _check_fold(out, scale, weights)
+    if not jobs:
+        return
+    out0, scale0 = jobs[0][0], jobs[0][1]
+    one_launch = (
+        out0.dtype in _TL_DTYPES
+        and scale0.dtype in _TL_DTYPES
+        and all(
+            _folds_in_one_launch(out, scale, weights)
+            and out.device == out0.device
+            and out.dtype == out0.dtype
+            and scale.dtype == scale0.dtype
+            for out, scale, weights in jobs
+        )
+    )
+    if one_launch:
+        _fold_pieces_triton(jobs)
+        return
+    for out, scale, weights in jobs:
+        fold_norm_weights(out, scale, weights)
+
+
+def _check_fold(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the shape of a :func:`fold_norm_weights` job that does not fit."""
     rows = [w.shape[0] for w in weights]
     if out.dim() != 2 or sum(rows) != out.shape[0] or any(w.shape[1:] != out.shape[1:] for w in weights):
         raise ValueError(
@@ -181,7 +240,12 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
         )
     if tuple(scale.shape) != (out.shape[1],):
         raise ValueError(f"scale must be [{out.shape[1]}], got {tuple(scale.shape)}")
-    one_launch = (
+
+
+def _folds_in_one_launch(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a checked :func:`fold_norm_weights` job runs as one Triton launch: CUDA, contiguous tensors of one
+    device, weights of ``out``'s dtype, 1 to :data:`FOLD_MAX_WEIGHTS` of them."""
+    return (
         triton is not None
         and out.is_cuda
         and 1 <= len(weights) <= FOLD_MAX_WEIGHTS
@@ -190,11 +254,48 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
         and all(w.is_contiguous() and w.dtype == out.dtype and w.device == out.device for w in weights)
         and scale.device == out.device
     )
-    if one_launch:
-        _fold_norm_weights_triton(out, scale, weights)
+
+
+_PIECE_COLUMNS = 5
+"""A weight's row of :func:`_fold_pieces_triton`'s table: the address of its rows in the output stack, its own
+address, its scale's address, its rows and its columns."""
+
+
+def _fold_pieces_triton(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    """:func:`fold_norm_weights_all`'s launch: a grid of (row blocks, weights), the weights' addresses and sizes in a
+    table (on CPU tensors under ``TRITON_INTERPRET=1`` too, whose fp32 -> bf16 conversion truncates where the GPU
+    rounds to nearest). The table reaches the device through pinned memory, queued without a host synchronisation.
+    The kernel reads its addresses from memory, so only the host can tell it they are 16-byte aligned (then rows
+    move as 16-byte vectors)."""
+    table: list[int] = []
+    longest, widest, aligned = 0, 0, True
+    for out, scale, weights in jobs:
+        k = out.shape[1]
+        step = k * out.element_size()
+        at = out.data_ptr()
+        for w in weights:
+            n = w.shape[0]
+            if n and k:
+                table += [at, w.data_ptr(), scale.data_ptr(), n, k]
+                longest, widest = max(longest, n), max(widest, k)
+                aligned = aligned and (at | w.data_ptr() | scale.data_ptr()) % 16 == 0 and k % 16 == 0
+            at += n * step
+    if not table:
         return
-    for weight, part in zip(weights, out.split(rows), strict=True):
-        fold_norm_weight(weight, scale, out=part)
+    out0 = jobs[0][0]
+    cuda = out0.device.type == "cuda"
+    addresses = torch.tensor(table, dtype=torch.int64, pin_memory=cuda)
+    block_r = 16
+    _fold_pieces_launch(
+        (cdiv(longest, block_r), len(table) // _PIECE_COLUMNS),
+        addresses.to(out0.device, non_blocking=True) if cuda else addresses,
+        BLOCK_R=block_r,
+        BLOCK_K=min(256, max(16, next_power_of_2(widest))),
+        DTYPE=_TL_DTYPES[out0.dtype],
+        SCALE_DTYPE=_TL_DTYPES[jobs[0][1].dtype],
+        ALIGNED=aligned,
+        num_warps=4,
+    )
 
 
 def _fold_norm_weights_triton(
@@ -739,6 +840,43 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def _fold_pieces_kernel(
+        Table,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DTYPE: tl.constexpr,
+        SCALE_DTYPE: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
+        """Rows ``[program_id(0) * BLOCK_R, + BLOCK_R)`` of weight ``program_id(1)`` times its scale (rounded to
+        ``DTYPE`` first, as :func:`fold_norm_weight` casts it), rounded, written to its rows of the output stack;
+        the addresses and sizes from the weight's row of ``Table`` (``_PIECE_COLUMNS`` int64s). A program past
+        the weight's rows does nothing."""
+        piece = Table + tl.program_id(1).to(tl.int64) * 5
+        n = tl.load(piece + 3)
+        first = tl.program_id(0).to(tl.int64) * BLOCK_R
+        if first < n:
+            k = tl.load(piece + 4)
+            out = tl.load(piece).to(tl.pointer_type(DTYPE))
+            w = tl.load(piece + 1).to(tl.pointer_type(DTYPE))
+            scale_at = tl.load(piece + 2).to(tl.pointer_type(SCALE_DTYPE))
+            if ALIGNED:  # every address 16-byte aligned, every width a multiple of 16 (checked by the host)
+                k = tl.multiple_of(k, 16)
+                out = tl.multiple_of(out, 16)
+                w = tl.multiple_of(w, 16)
+                scale_at = tl.multiple_of(scale_at, 16)
+            rows = first + tl.arange(0, BLOCK_R)
+            row_ok = rows < n
+            for k0 in range(0, k, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_ok = cols < k
+                scale = tl.load(scale_at + cols, mask=col_ok, other=0.0).to(DTYPE).to(tl.float32)
+                ok = row_ok[:, None] & col_ok[None, :]
+                at = rows[:, None] * k + cols[None, :]
+                x = tl.load(w + at, mask=ok, other=0.0)
+                tl.store(out + at, (x.to(tl.float32) * scale[None, :]).to(DTYPE), mask=ok)
+
+    @triton.jit
     def _fold_kernel(
         Out,
         Scale,
@@ -867,3 +1005,4 @@ if triton is not None:
 # launched through the compiled kernel once Triton has compiled it (less host time a launch: a prefill's many)
 if triton is not None:
     _fold_launch = DirectLauncher(_fold_kernel)
+    _fold_pieces_launch = DirectLauncher(_fold_pieces_kernel)

@@ -14,9 +14,10 @@ A model plugs in as a :class:`CachedForward`: ``forward(input_ids [B, S], positi
    a step's graph attends to its ``kv_bucket``-multiple of cache length, and a group's graph is keyed by its
    steps' lengths. A decoder's first generation of given shapes and
    settings runs its first step eagerly (it compiles kernels and makes library handles) and captures from the
-   second; later generations of the same shapes and settings capture the first step's graph while the GPU runs
-   their prefill (capturing records launches, executes nothing, and here neither synchronises the device nor
-   empties the allocator's cache), so they pay no eager step and the capture hides behind the prefill,
+   second; a later generation of the same shapes and settings replays the previous one's graphs where every
+   tensor they read is back at its address (see "Memory" below), else captures the first step's graph while the
+   GPU runs its prefill (capturing records launches, executes nothing, and here neither synchronises the device nor
+   empties the allocator's cache), so it pays no eager step and the capture hides behind the prefill,
 4. stops early, checking every ``check_every`` steps, once every row has emitted EOS.
 
 Sampling follows :func:`ppo_core.rollout.sampling.sample_tokens`. Where its fused Triton rule applies (CUDA logits,
@@ -37,10 +38,15 @@ first EOS) and ``rollout_log_probs [B, R]`` (0 where ``response_mask`` is 0).
 
 Memory: the cache holds ``2 * layers * B * G * (P + R) * d`` elements of the model dtype. It is freed at the end of
 :meth:`StaticCacheDecoder.generate` unless ``keep_cache=True``, in which case a following call with the same shapes
-and sampling settings reuses it and the graphs (no allocation, no capture). Without ``keep_cache`` the graphs'
-memory pool (the decode steps' intermediates) is kept, and the graphs are destroyed during the next generation's
-prefill, where the host waits for the device anyway, rather than at the end of this one;
-:meth:`StaticCacheDecoder.release` frees both at once.
+and sampling settings reuses it and the graphs (no allocation, no capture). Without ``keep_cache`` the rest of the
+generation's state is kept: its small buffers, its graphs and their memory pool (the decode steps' intermediates,
+tens of MB). The next call with the same shapes and settings allocates the cache again and, where the cache and every
+tensor the forward holds (its weights and the per-generation copies the engines make of them) are back at the
+addresses the graphs were captured with (:func:`~ppo_core_decode.graph_inputs.held_tensor_addresses`, compared
+after the prefill), replays those graphs instead of capturing them again (``DecodeStats.graphs_reused``); otherwise
+they are destroyed during that call's prefill, where the host waits for the device anyway, and captured anew. The
+allocator usually hands a repeated generation its memory back at the same addresses; a training step in between may
+move it. :meth:`StaticCacheDecoder.release` frees everything at once.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from ppo_core.rollout.layout import rollout_batch
 from ppo_core.rollout.prompt_checks import check_prompts, check_token_id
 from ppo_core.rollout.sampling import SamplingConfig, sample_tokens
 from ppo_core_decode.fused_sampling import fused_sample_record, fused_sampling_available
+from ppo_core_decode.graph_inputs import fully_walked, held_tensor_addresses
 from ppo_core_decode.kv_cache import KVCache
 
 __all__ = ["CachedForward", "CachedRolloutEngine", "DecodeStats", "ModelSpec", "StaticCacheDecoder"]
@@ -103,6 +110,9 @@ class DecodeStats:
     cache_bytes: int = 0
     peak_memory_bytes: int = 0
     graphs_captured: int = 0
+    graphs_reused: int = 0
+    """Decode graphs of the previous generation of the same shapes and settings replayed by this one (the tensors
+    they read were back at their addresses), none of them captured again."""
     cuda_graphs: bool = False
     host_prefill_s: float = 0.0
     """Host time to queue the prefill (on CUDA the device runs it meanwhile; on the CPU it is the prefill)."""
@@ -133,6 +143,8 @@ class _State:
     fused: bool | None = None  # the fused Triton rule draws and records (decided on the first logits)
     # the decode graphs, keyed by the cache lengths their steps attend to
     graphs: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+    # what the graphs read: StaticCacheDecoder._addresses when the first of them was captured
+    addresses: tuple | None = None
 
     @property
     def prompt_width(self) -> int:
@@ -156,7 +168,9 @@ class StaticCacheDecoder:
             time, so a generation that captures its graphs anew (without ``keep_cache``) spends more than that
             saves. Worth raising with ``keep_cache=True`` (graphs captured once for every generation of the same
             shapes and settings).
-        keep_cache: keep the cache and graphs for the next call with the same shapes and settings.
+        keep_cache: keep the cache and graphs for the next call with the same shapes and settings (without it the
+            cache is freed at the end of a call, and the graphs are replayed by the next call of the same shapes and
+            settings only where the tensors they read are back at their addresses: see the module docstring).
     """
 
     def __init__(
@@ -186,9 +200,13 @@ class StaticCacheDecoder:
         self.keep_cache = keep_cache
         self.stats = DecodeStats()
         self._state: _State | None = None
+        # whether the addresses the graphs read can all be listed (the forward is one of ppo-core's: see
+        # graph_inputs): then a generation replays the previous one's graphs where they are unchanged
+        self._walks_forward = fully_walked(forward)
         self._pool: Any = None
         self._stream: Any = None
-        self._retired: list[Any] = []  # graphs of the previous generation, destroyed during the next prefill
+        # graphs of the previous generation that this one does not replay, destroyed during its prefill
+        self._retired: list[Any] = []
         # generation keys (shapes and settings) this decoder has run: their kernels are compiled and their library
         # handles made, so their first decode step is captured at once (during the prefill) instead of run eagerly
         self._warm: set[tuple] = set()
@@ -209,19 +227,61 @@ class StaticCacheDecoder:
 
     def release(self) -> None:
         """Free the cache and the captured graphs."""
+        if self._state is not None:
+            self._state.graphs.clear()
         self._state = None
         self._retired.clear()
         self._pool = None
 
     def _retire(self) -> None:
-        """The end of a generation without ``keep_cache``: free the cache now, and keep its graphs (their memory
-        pool: the decode steps' intermediates, tens of MB) until the next generation destroys them while the device
-        runs its prefill, or :meth:`release`. Destroying a generation's graphs and freeing their pool at its end
-        kept the caller waiting with the device idle. A retired graph is never replayed:
-        the next generation captures its own, in the same pool."""
-        if self._state is not None:
-            self._retired.extend(self._state.graphs.values())
-        self._state = None
+        """The end of a generation without ``keep_cache``: free the cache now, and keep the rest of the state with
+        its graphs (their memory pool: the decode steps' intermediates, tens of MB) for the next generation, which
+        replays them where nothing they read has moved and otherwise destroys them while the device runs its
+        prefill (:meth:`_keep_or_retire_graphs`), or :meth:`release`. Destroying a generation's graphs and freeing
+        their pool at its end kept the caller waiting with the device idle."""
+        state = self._state
+        if state is not None:
+            state.cache.free_slots()
+            if state.noise is not None:  # [B, V] fp32: the next generation's first draw allocates it again
+                state.noise, state.fused = None, None
+
+    def _addresses(self, state: _State) -> tuple:
+        """The address and size of every tensor a decode graph of ``state`` reads outside its own memory pool: the
+        cache's buffers, the state's, and every tensor the forward holds (the model's weights, the engines'
+        per-generation copies of them, their tables)."""
+        cache = state.cache
+        buffers = (
+            state.prompt_len,
+            state.t,
+            state.last_tok,
+            state.last_valid,
+            state.done,
+            state.responses,
+            state.response_mask,
+            state.log_probs,
+            state.noise,
+            state.seed,
+        )
+        return held_tensor_addresses(
+            cache.keys,
+            cache.values,
+            cache.key_valid,
+            [t for t in buffers if t is not None],
+            self.forward,
+            skip=(KVCache, StaticCacheDecoder),
+        )
+
+    def _keep_or_retire_graphs(self, state: _State) -> None:
+        """After the prefill of a generation whose state holds graphs (a previous generation's of the same shapes and
+        settings): keep them where every tensor they read is where it was at their capture (or, for a forward whose
+        tensors cannot be listed, where the caller kept the cache); else retire them, to be destroyed while the
+        device runs this prefill, and capture anew."""
+        unchanged = self._addresses(state) == state.addresses if self._walks_forward else self.keep_cache
+        if unchanged:
+            self.stats.graphs_reused = len(state.graphs)
+            return
+        self._retired.extend(state.graphs.values())
+        state.graphs.clear()
 
     @torch.no_grad()
     def generate(
@@ -314,11 +374,13 @@ class StaticCacheDecoder:
         host = time.perf_counter()
         self._prefill(state, prompts, mask, padded, sample, generator)
         self.stats.host_prefill_s = time.perf_counter() - host
+        if state.graphs:
+            self._keep_or_retire_graphs(state)
         warm = state.key in self._warm
         if warm and self.cuda_graphs and r > 1:
             # the host is idle while the GPU runs the prefill: capture the first decode steps' graph meanwhile
             self._graph(state, self._kv_lens(state, 1, self._group_length(state, 1, r)), sample)
-        # the previous generation's graphs, destroyed while the device runs this prefill (see _retire)
+        # the previous generation's graphs not replayed, destroyed while the device runs this prefill
         host = time.perf_counter()
         self._retired.clear()
         self.stats.host_release_s = time.perf_counter() - host
@@ -361,10 +423,15 @@ class StaticCacheDecoder:
 
     # ----- steps ---------------------------------------------------------------------------------------------
     def _prepare(self, key: tuple) -> _State:
-        if self._state is not None:  # kept by keep_cache
-            if self._state.key == key:
-                return self._state
-            self.release()
+        kept = self._state  # the previous generation's (its cache freed unless keep_cache)
+        if kept is not None:
+            if kept.key == key:
+                kept.cache.allocate_slots()
+                return kept
+            # another shape or settings: its graphs are destroyed while the device runs this prefill
+            self._retired.extend(kept.graphs.values())
+            kept.graphs.clear()
+            self._state = None
         b, p, r = key[:3]
         device = self.spec.device
         cache = self.new_cache(b, p + r)
@@ -441,7 +508,14 @@ class StaticCacheDecoder:
         """The graph of decode steps attending to ``kv_lens`` (captured on first use), or None where capture
         failed."""
         graph = state.graphs.get(kv_lens)
-        return graph if graph is not None else self._capture(state, kv_lens, sample)
+        if graph is not None:
+            return graph
+        if not state.graphs and self._walks_forward:
+            state.addresses = self._addresses(state)
+        graph = self._capture(state, kv_lens, sample)
+        if graph is not None:
+            state.graphs[kv_lens] = graph
+        return graph
 
     def _capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -449,7 +523,8 @@ class StaticCacheDecoder:
         return self._stream
 
     def _capture(self, state: _State, kv_lens: tuple[int, ...], sample: _Sampler) -> Any:
-        """Capture the decode steps attending to ``kv_lens``, one after the other, on the side stream. Unlike
+        """Capture the decode steps attending to ``kv_lens``, one after the other, on the side stream, or None where
+        capture failed. Unlike
         ``torch.cuda.graph`` this neither synchronises the device nor empties the allocator's cache first, so it may
         run while earlier work (the prefill) is still executing: capturing records launches, it executes nothing."""
         if self._pool is None:
@@ -469,7 +544,6 @@ class StaticCacheDecoder:
             )
             self.cuda_graphs = False
             return None
-        state.graphs[kv_lens] = graph
         self.stats.graphs_captured += 1
         self.stats.host_capture_s += time.perf_counter() - host
         return graph

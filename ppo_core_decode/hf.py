@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from ppo_core.rollout.registry import hf_causal_lm as _hf_causal_lm
 from ppo_core_decode.batch_invariant import invariant_linear, invariant_rms_norm
 from ppo_core_decode.decode_linear import (
     decode_linear_available,
-    fold_norm_weights,
+    fold_norm_weights_all,
 )
 from ppo_core_decode.decoder_loop import Attend, DecoderLayerLoop, StepWeights, add_linear_, split_qkv
 from ppo_core_decode.decoding import CachedRolloutEngine, ModelSpec
@@ -97,22 +97,40 @@ def _concatenated(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
     none has one); written into ``out`` (weight, bias) when given. With ``scale [K]`` each weight's columns are
-    multiplied by it as they are copied (:func:`~ppo_core_decode.decode_linear.fold_norm_weights`: one Triton
-    launch per group on CUDA)."""
-    weight_out, bias_out = out if out is not None else (None, None)
-    if scale is None:
-        weight = torch.cat([layer.weight for layer in layers], out=weight_out)
-    else:
-        rows = sum(layer.weight.shape[0] for layer in layers)
-        weight = weight_out if weight_out is not None else layers[0].weight.new_empty(rows, scale.shape[0])
-        fold_norm_weights(weight, scale, [layer.weight for layer in layers])
-    if all(layer.bias is None for layer in layers):
-        return weight, None
-    biases = [
-        layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
-        for layer in layers
-    ]
-    return weight, torch.cat(biases, out=bias_out)
+    multiplied by it as they are copied (:func:`~ppo_core_decode.decode_linear.fold_norm_weights`)."""
+    return _concatenated_all([(layers, out, scale)])[0]
+
+
+def _concatenated_all(
+    groups: Sequence[
+        tuple[tuple[nn.Linear, ...], tuple[torch.Tensor, torch.Tensor | None] | None, torch.Tensor | None]
+    ],
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`_concatenated` of every ``(layers, out, scale)`` group; the scaled stacks of all of them in one
+    :func:`~ppo_core_decode.decode_linear.fold_norm_weights_all` (one Triton launch on CUDA)."""
+    weights, folds = [], []
+    for layers, out, scale in groups:
+        weight_out = out[0] if out is not None else None
+        if scale is None:
+            weights.append(torch.cat([layer.weight for layer in layers], out=weight_out))
+            continue
+        if weight_out is None:
+            rows = sum(layer.weight.shape[0] for layer in layers)
+            weight_out = layers[0].weight.new_empty(rows, scale.shape[0])
+        folds.append((weight_out, scale, [layer.weight for layer in layers]))
+        weights.append(weight_out)
+    fold_norm_weights_all(folds)
+    built: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for (layers, out, _), weight in zip(groups, weights, strict=True):
+        if all(layer.bias is None for layer in layers):
+            built.append((weight, None))
+            continue
+        biases = [
+            layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.weight.shape[0])
+            for layer in layers
+        ]
+        built.append((weight, torch.cat(biases, out=out[1] if out is not None else None)))
+    return built
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -191,7 +209,10 @@ class _LlamaFamilyForward(DecoderLayerLoop):
         as they are copied, and the forward normalises without it (:meth:`_norm_weight`).
 
         Built at first use, a layer's groups are queued just before its prefill: the host builds layer ``i + 1``'s
-        while the device runs layer ``i``, instead of the device idling through all of them before the prefill."""
+        while the device runs layer ``i``, instead of the device idling through all of them before the prefill.
+        With ``fused_decode`` every layer's groups are built at the first layer's first use, their folds in one
+        launch (:func:`~ppo_core_decode.decode_linear.fold_norm_weights_all`): one launch costs the host less than
+        two a layer, and the device runs the folds while the host queues the first layer."""
         if not self.fuse_projections:
             return
         if self._fused is None:
@@ -200,18 +221,27 @@ class _LlamaFamilyForward(DecoderLayerLoop):
 
     def _group(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer ``i``'s concatenated weight and bias of group ``j`` (0: q/k/v, 1: gate/up), built first if
-        :meth:`refresh` marked it stale."""
+        :meth:`refresh` marked it stale: with ``fused_decode`` every stale group of every layer at once (their
+        norm-weight folds in one launch), else this group alone."""
         if self._stale[i][j]:
-            layer = self.body.layers[i]
-            have = self._fused[i][2 * j]
-            out = None if have is None else (have, self._fused[i][2 * j + 1])
-            norm = (layer.input_layernorm, layer.post_attention_layernorm)[j]
-            scale = norm.weight if self.fused_decode else None
+            stale = (
+                [(a, b) for a, pair in enumerate(self._stale) for b, is_stale in enumerate(pair) if is_stale]
+                if self.fused_decode
+                else [(i, j)]
+            )
+            groups = []
+            for a, b in stale:
+                layer = self.body.layers[a]
+                have = self._fused[a][2 * b]
+                out = None if have is None else (have, self._fused[a][2 * b + 1])
+                norm = (layer.input_layernorm, layer.post_attention_layernorm)[b]
+                scale = norm.weight if self.fused_decode else None
+                groups.append((_projection_groups(layer)[b], out, scale))
             with torch.no_grad():
-                self._fused[i][2 * j : 2 * j + 2] = _concatenated(
-                    _projection_groups(layer)[j], out=out, scale=scale
-                )
-            self._stale[i][j] = False
+                built = _concatenated_all(groups)
+            for (a, b), pair in zip(stale, built, strict=True):
+                self._fused[a][2 * b : 2 * b + 2] = pair
+                self._stale[a][b] = False
         return self._fused[i][2 * j], self._fused[i][2 * j + 1]
 
     def free(self) -> None:

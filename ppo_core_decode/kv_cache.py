@@ -73,6 +73,15 @@ def prefill_attention_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     return allowed | torch.eye(p, dtype=torch.bool, device=valid.device)
 
 
+def _zeroed_slots(
+    layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's key and value buffer ``shape = [B, G, L, d]``: views of one allocation, zeroed by one kernel (a
+    generation allocates its cache at its start, while the device waits for the host)."""
+    keys, values = torch.zeros(2, layers, *shape, dtype=dtype, device=device)
+    return list(keys.unbind(0)), list(values.unbind(0))
+
+
 @dataclass(eq=False)
 class KVCache:
     """Per-layer key/value buffers and what they hold (see the module docstring).
@@ -110,6 +119,7 @@ class KVCache:
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _filled: torch.Tensor | None = field(default=None, repr=False)
     _per_forward: dict = field(default_factory=dict, repr=False)
+    _slots: tuple | None = field(default=None, repr=False)  # (layers, [B, G, L, d], dtype, device) once freed
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -140,10 +150,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
-        """Zeroed buffers for ``layers`` layers of ``[batch, kv_heads, length, head_dim]``: views of one allocation,
-        zeroed by one kernel (a generation allocates its cache at its start, while the device waits for the host)."""
-        shape = (batch, kv_heads, length, head_dim)
-        keys, values = (list(t.unbind(0)) for t in torch.zeros(2, layers, *shape, dtype=dtype, device=device))
+        """Zeroed buffers for ``layers`` layers of ``[batch, kv_heads, length, head_dim]`` (:func:`_zeroed_slots`)."""
+        keys, values = _zeroed_slots(layers, (batch, kv_heads, length, head_dim), dtype, device)
         key_valid = torch.zeros(batch, length, dtype=torch.bool, device=device)
         return cls(keys=keys, values=values, key_valid=key_valid)
 
@@ -154,8 +162,23 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the key and value buffers."""
+        """Bytes held by the key and value buffers (0 while :meth:`free_slots` has freed them)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def free_slots(self) -> None:
+        """Free the key and value buffers (the allocation behind every layer's), keeping :attr:`key_valid` and the
+        buffers' shape: :meth:`allocate_slots` makes them again, zeroed. A decoder frees them between generations,
+        so that their memory goes back to training, and keeps the rest of the generation's state."""
+        if self.keys:
+            self._slots = (len(self.keys), tuple(self.keys[0].shape), self.keys[0].dtype, self.keys[0].device)
+        self.keys, self.values = [], []
+        self.positions = None  # drops the last forward's shared values too
+
+    def allocate_slots(self) -> None:
+        """Zeroed key and value buffers again after :meth:`free_slots` (nothing while they exist)."""
+        if self.keys:
+            return
+        self.keys, self.values = _zeroed_slots(*self._slots)
 
     def begin_prefill(self, prompt_mask: torch.Tensor, *, padded: bool | None = None) -> None:
         """Prepare a prefill of ``P`` columns whose real tokens ``prompt_mask [B, P]`` marks: they are the valid slots

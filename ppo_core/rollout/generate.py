@@ -174,8 +174,9 @@ def engine_for(model: nn.Module, name: str, config: SamplingConfig) -> Any:
     engine settings and ``batch_invariant`` while the model keeps its device and dtype.
 
     An engine reads the model's current weights at every generation (the Hugging Face engine refreshes its
-    concatenated weights and recaptures its graphs per generation unless built with ``keep_cache``), so reusing it
-    after a weight update is correct; a model moved to another device or dtype gets a new engine.
+    concatenated weights every generation, and replays the previous generation's graphs only where every tensor they
+    read is back at its address), so reusing it after a weight update is correct; a model moved to another device or
+    dtype gets a new engine.
     """
     param = next(model.parameters(), None)
     placement = (None, None) if param is None else (param.device, param.dtype)

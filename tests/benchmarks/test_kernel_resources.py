@@ -133,3 +133,34 @@ def test_the_prefills_norm_and_swiglu_move_16_byte_vectors(
         loads, stores = re.findall(r"ld\.global[.\w]*", ptx), re.findall(r"st\.global[.\w]*", ptx)
         assert loads and stores, kernel.name
         assert all(".v4" in op for op in loads + stores), (kernel.name, sorted(set(loads + stores)))
+
+
+@pytest.mark.skipif(not _nvidia_triton(), reason="needs Triton with its NVIDIA backend")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")
+@pytest.mark.parametrize("width", [1024, 2048])
+def test_the_norm_weight_folds_move_16_byte_vectors(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation's norm-weight folds in one launch (``fold_norm_weights_all``), compiled for Hopper, move 16-byte
+    vectors where every address is aligned and every width a multiple of 16: the addresses the kernel reads from
+    its table carry no alignment Triton could see, and without the host's word every element moved alone."""
+    import re
+
+    import torch
+
+    import ppo_core_decode.decode_linear as dl
+    from ppo_core.kernels.triton_launch import DirectLauncher
+
+    monkeypatch.setattr(dl, "_fold_pieces_launch", DirectLauncher(dl._fold_pieces_kernel))
+    with kernel_resources.offline_compiler(90) as compiled:
+        weights = [torch.zeros(n, width, dtype=torch.bfloat16) for n in (width, 256, 256)]
+        out = torch.empty(width + 512, width, dtype=torch.bfloat16)
+        dl._fold_pieces_triton([(out, torch.ones(width, dtype=torch.bfloat16), weights)])
+    assert [k.name for k in compiled] == ["_fold_pieces_kernel"]
+    ptx = compiled[0].asm["ptx"]
+    # the table's addresses and sizes are 8-byte loads; the weight's loads and the output's stores are vectors
+    loads = [op for op in re.findall(r"ld\.global[.\w]*", ptx) if op != "ld.global.b64"]
+    stores = re.findall(r"st\.global[.\w]*", ptx)
+    assert stores and all(".v4" in op for op in stores), sorted(set(stores))
+    assert sum(".v4" in op for op in loads) >= 2, sorted(set(loads))
+    assert len([op for op in loads if ".v4" not in op]) <= 1, sorted(
+        set(loads)
+    )  # the scale's may be narrower

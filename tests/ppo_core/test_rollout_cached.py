@@ -369,19 +369,33 @@ def test_cpu_sampling_fills_a_noise_buffer_from_the_generator():
 
 
 def test_cache_is_freed_unless_kept_and_reused_for_the_same_shapes():
+    """Without ``keep_cache`` the cache's memory is freed at the end of a call (nothing references it) while the
+    rest of the generation's state stays for the next call of the same shapes, which allocates the cache again;
+    with it the cache itself is kept; ``release`` drops both."""
+    import weakref
+
     from ppo_core_decode.hf import HFRolloutEngine
 
     model = _hf("llama")
     ids, mask = _left_padded(2, 3, seed=4)
     cfg = SamplingConfig(max_new_tokens=3, temperature=0.0)
     engine = HFRolloutEngine(model)
-    engine.generate(ids, mask, cfg)
-    assert engine.decoder._state is None
+    first = engine.generate(ids, mask, cfg)
+    state = engine.decoder._state
+    assert state.cache.keys == [] and state.cache.values == [] and state.cache.nbytes == 0
+    engine.decoder._prepare(state.key)  # the next call's first step: the same state, its cache made again
+    assert engine.decoder._state is state and state.cache.nbytes == engine.stats.cache_bytes > 0
+    storage = weakref.ref(state.cache.keys[0]._base)
+    again = engine.generate(ids, mask, cfg)
+    assert engine.decoder._state is state and storage() is None  # freed again at the end of the call
+    assert torch.equal(again["responses"], first["responses"])
     kept = HFRolloutEngine(model, keep_cache=True)
     first = kept.generate(ids, mask, cfg)
     state = kept.decoder._state
+    keys = state.cache.keys[0]
     second = kept.generate(ids, mask, cfg)
-    assert kept.decoder._state is state and torch.equal(first["responses"], second["responses"])
+    assert kept.decoder._state is state and state.cache.keys[0] is keys
+    assert torch.equal(first["responses"], second["responses"])
     kept.release()
     assert kept.decoder._state is None
 
@@ -482,9 +496,14 @@ def test_decoder_rejects_bad_inputs_by_name():
     assert calls == []
 
 
-def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_until_the_next_prefill():
-    """Without ``keep_cache`` the cache is dropped at the end of ``generate``; the graphs (stand-ins here: the CPU
-    captures none) are kept until the next generation has launched its prefill, or ``release``."""
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_generation_keeps_the_previous_graphs_where_nothing_moved_and_else_retires_them_during_its_prefill(
+    moved, monkeypatch
+):
+    """The graphs (stand-ins here: the CPU captures none) outlive a generation without ``keep_cache``. The next one
+    of the same shapes and settings keeps them where the addresses they read are those of their capture
+    (``graphs_reused``); where one moved, and for another shape, it retires them: they still exist when its prefill
+    is launched and are gone when it returns. ``release`` destroys them too."""
     import weakref
 
     from ppo_core_decode.hf import HFRolloutEngine
@@ -497,31 +516,73 @@ def test_a_generation_without_keep_cache_frees_its_cache_and_retires_its_graphs_
     engine = HFRolloutEngine(_hf("llama"))
     decoder = engine.decoder
     first = engine.generate(ids, mask, cfg)
-    assert decoder._state is None and decoder._retired == []
-    for end in ("generate", "release"):
-        decoder._prepare((2, 3, 3))  # a generation's buffers: B = 2 rows, P = 3, R = 3
+    addresses = iter(range(100))  # what each look at the addresses finds: the same (not moved) or another
+    monkeypatch.setattr(decoder, "_addresses", lambda state: next(addresses) if moved else 0)
+    prefills = []
+    real = decoder._prefill
+
+    def prefill(*args):
+        prefills.append(alive() is not None)  # the graph exists when the prefill is launched
+        return real(*args)
+
+    monkeypatch.setattr(decoder, "_prefill", prefill)
+    for end in ("same", "other shape", "release"):
+        state = decoder._state
         graph = Graph()
-        decoder._state.graphs[(8,)] = graph
+        state.graphs[(8,)], state.addresses = graph, 0 if not moved else -1
         alive = weakref.ref(graph)
         del graph
-        decoder._retire()
-        assert decoder._state is None and alive() is not None and decoder._retired == [alive()]
-        prefills = []
-        real = decoder._prefill
-
-        def prefill(*args, prefills=prefills, real=real, alive=alive):
-            prefills.append(alive() is not None)  # the retired graph still exists when the prefill launches
-            return real(*args)
-
-        decoder._prefill = prefill
-        if end == "generate":
-            again = engine.generate(ids, mask, cfg)
-            assert torch.equal(again["responses"], first["responses"])
-            assert prefills == [True]
-        else:
+        prefills.clear()
+        if end == "release":
             engine.release()
-        del decoder._prefill
-        assert alive() is None and decoder._retired == []
+            assert alive() is None and decoder._state is None and decoder._retired == []
+            break
+        call = (ids, mask, cfg) if end == "same" else (ids[:1], mask[:1], cfg)
+        out = engine.generate(*call)
+        assert torch.equal(out["responses"], first["responses"][: call[0].shape[0]])
+        assert prefills == [True] and decoder._retired == []
+        kept = end == "same" and not moved
+        assert (alive() is not None) is kept and engine.stats.graphs_reused == int(kept)
+        assert (decoder._state.graphs == {(8,): alive()}) if kept else decoder._state.graphs == {}
+        if end == "other shape":
+            assert decoder._state is not state
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_decoders_addresses_follow_the_engines_per_generation_weights_and_tables(kind):
+    """What the decoder compares between two generations: unchanged when nothing was made again; changed when the
+    forward's concatenated weights, a model weight or the rotary table (another cache length's forward, such as
+    ``sequence_logits`` of other sequences) or the cache moved."""
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    model = _hf(kind)
+    engine = HFRolloutEngine(model, keep_cache=True)
+    ids, mask = _left_padded(2, 3, seed=4)
+    engine.generate(ids, mask, SamplingConfig(max_new_tokens=3, temperature=0.0))
+    decoder, forward = engine.decoder, engine._forward
+    state = decoder._state
+    before = decoder._addresses(state)
+    assert decoder._addresses(state) == before
+    held = {a for a, _ in before}
+    assert forward._fused[1][2].data_ptr() in held and forward._rotary_table[1].data_ptr() in held
+    assert state.cache.keys[0].data_ptr() in held and model.lm_head.weight.data_ptr() in held
+
+    forward._fused[1][2] = forward._fused[1][2].clone()
+    assert decoder._addresses(state) != before
+    before = decoder._addresses(state)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(1.0)  # a training update, in place
+    assert decoder._addresses(state) == before
+    engine.sequence_logits(torch.ones(2, 7, dtype=torch.long), torch.ones(2, 7), keep=2)
+    assert decoder._addresses(state) != before  # a table of 7 positions replaced the cache's
+    before, slots = decoder._addresses(state), state.cache.keys[0].data_ptr()
+    state.cache.free_slots()
+    blocker = torch.empty(
+        2 * state.cache.length * 64
+    )  # may take the freed memory, as a training step's would
+    state.cache.allocate_slots()
+    assert (decoder._addresses(state) == before) is (state.cache.keys[0].data_ptr() == slots)
+    del blocker
 
 
 def test_unsupported_architectures_take_the_generic_path():
@@ -670,23 +731,26 @@ def test_folded_group_is_each_weight_times_the_norm_weight(device, rows, k, seed
     assert torch.equal(out, torch.cat([fold_norm_weight(w, scale) for w in weights]))
 
 
-def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
-    """refresh() only marks the concatenated weights stale: the prefill builds each layer's q/k/v and gate/up groups
-    right before their products (so the host's work on layer i + 1's overlaps the device's on layer i), every
-    group once per generation, from the weights of the moment."""
+@pytest.mark.parametrize("fused_decode", [False, True])
+def test_refresh_builds_each_group_once_per_generation_at_its_first_use(monkeypatch, fused_decode):
+    """refresh() only marks the concatenated weights stale; the prefill builds them from the weights of the moment,
+    every group once per generation. Without ``fused_decode`` each layer's q/k/v and gate/up groups are built right
+    before their products (the host's work on layer i + 1's overlaps the device's on layer i); with it (the norm
+    weights folded in) every layer's groups are built at the first layer's first use, in one call (one launch on
+    CUDA), and the generation samples the same tokens as separate projections."""
     from ppo_core_decode import hf
     from ppo_core_decode.hf import HFRolloutEngine, _LlamaFamilyForward
 
     events = []
-    concatenated, mlp, projections = (
-        hf._concatenated,
+    concatenated_all, mlp, projections = (
+        hf._concatenated_all,
         _LlamaFamilyForward._mlp,
         _LlamaFamilyForward._projections,
     )
 
-    def building(group, out=None, scale=None):
-        events.append(("build", group[0]))
-        return concatenated(group, out=out, scale=scale)
+    def building(groups):
+        events.append(("build", tuple(group[0][0] for group in groups)))
+        return concatenated_all(groups)
 
     def running_mlp(self, i, layer, x):
         events.append(("mlp", i))
@@ -696,7 +760,7 @@ def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
         events.append(("qkv", i))
         return projections(self, i, layer, x)
 
-    monkeypatch.setattr(hf, "_concatenated", building)
+    monkeypatch.setattr(hf, "_concatenated_all", building)
     monkeypatch.setattr(_LlamaFamilyForward, "_mlp", running_mlp)
     monkeypatch.setattr(_LlamaFamilyForward, "_projections", running_qkv)
     model = _hf("llama")
@@ -704,19 +768,24 @@ def test_refresh_builds_each_group_just_before_its_first_use(monkeypatch):
     ids, mask = _left_padded(3, 6, seed=2)
     cfg = SamplingConfig(max_new_tokens=3, temperature=0.0)
     separate = HFRolloutEngine(model, fuse_projections=False)
+    want = []
+    if fused_decode:
+        every = tuple(p for layer in layers for p in (layer.self_attn.q_proj, layer.mlp.gate_proj))
+        want = [("qkv", 0), ("build", every), ("mlp", 0)]
+        want += [kind for i in range(1, len(layers)) for kind in (("qkv", i), ("mlp", i))]
+    else:
+        for i, layer in enumerate(layers):
+            want += [
+                ("qkv", i),
+                ("build", (layer.self_attn.q_proj,)),
+                ("mlp", i),
+                ("build", (layer.mlp.gate_proj,)),
+            ]
     for keep_cache in (False, True):
-        engine = HFRolloutEngine(model, keep_cache=keep_cache)
+        engine = HFRolloutEngine(model, keep_cache=keep_cache, fused_decode=fused_decode)
         for _ in range(2):
             events.clear()
             got = engine.generate(ids, mask, cfg)
-            want = []
-            for i, layer in enumerate(layers):
-                want += [
-                    ("qkv", i),
-                    ("build", layer.self_attn.q_proj),
-                    ("mlp", i),
-                    ("build", layer.mlp.gate_proj),
-                ]
             assert events[: len(want)] == want, keep_cache
             assert all(kind != "build" for kind, _ in events[len(want) :])  # decode steps build nothing
             assert torch.equal(got["responses"], separate.generate(ids, mask, cfg)["responses"])

@@ -616,6 +616,65 @@ def test_fold_kernel_is_each_weight_folded_into_its_rows(device, rows, k) -> Non
         assert _same_values(out, torch.cat([fold_norm_weight(w, scale) for w in weights])), dtype
 
 
+@pytest.mark.parametrize("device", _FOLD_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@settings(max_examples=12, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(st.lists(st.integers(0, 37), min_size=1, max_size=5), st.integers(1, 300)),
+        min_size=0,
+        max_size=4,
+    ),
+    seed=st.integers(0, 2**16),
+    specials=st.booleans(),
+)
+def test_fold_norm_weights_all_is_each_jobs_own_fold(device, dtype, jobs, seed, specials) -> None:
+    """Every job of one call (one launch on CUDA where each would take the one-launch path: up to four weights a
+    job; a job of five sends every job through ``fold_norm_weights``): the bits ``fold_norm_weights`` writes for
+    that job alone, empty jobs and rows included."""
+    cases, outs = [], []
+    for i, (rows, k) in enumerate(jobs):
+        weights, scale = _fold_case(rows, k, dtype, device, seed + i, specials)
+        cases.append((torch.full((sum(rows), k), 7.0, dtype=dtype, device=device), scale, weights))
+        outs.append(torch.full((sum(rows), k), 7.0, dtype=dtype, device=device))
+    dl.fold_norm_weights_all(cases)
+    for (got, scale, weights), want in zip(cases, outs, strict=True):
+        dl.fold_norm_weights(want, scale, weights)
+        assert _same_values(got, want)
+
+
+@kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_fold_pieces_kernel_is_each_weight_folded_into_its_rows(device, aligned) -> None:
+    """The one launch of ``fold_norm_weights_all`` itself (under the interpreter on CPU too): stacks of several
+    widths and dtypes of scale, row ranges that straddle its 16-row tiles, widths that are not multiples of its
+    column block; ``aligned``: every address 16-byte aligned and every width a multiple of 16 (the vector loads'
+    case), else one stack of an odd width. The interpreter converts fp32 -> bf16 by truncation, so bf16 is checked
+    on CUDA only."""
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    shapes = [((16, 0, 17), 256), ((32, 8, 8), 512), ((1, 2, 3, 40), 528)]
+    if not aligned:
+        shapes.append(((3, 5), 301))
+    for dtype in dtypes:
+        jobs, wants = [], []
+        for i, (rows, k) in enumerate(shapes):
+            weights, scale = _fold_case(rows, k, dtype, device, 3 + i, specials=True)
+            jobs.append((torch.full((sum(rows), k), 7.0, dtype=dtype, device=device), scale, weights))
+            wants.append(torch.cat([fold_norm_weight(w, scale) for w in weights]))
+        dl._fold_pieces_triton(jobs)
+        for (out, _, _), want in zip(jobs, wants, strict=True):
+            assert _same_values(out, want), (dtype, tuple(out.shape))
+
+
+def test_fold_norm_weights_all_names_the_bad_job() -> None:
+    w = torch.ones(2, 3)
+    good = (torch.empty(2, 3), torch.ones(3), [w])
+    with pytest.raises(ValueError, match=r"scale must be \[3\]"):
+        dl.fold_norm_weights_all([good, (torch.empty(4, 3), torch.ones(4), [w, w])])
+    dl.fold_norm_weights_all([])
+
+
 def test_fold_norm_weights_names_bad_shapes() -> None:
     w = torch.ones(2, 3)
     with pytest.raises(ValueError, match=r"out must be \[sum N_i, K\] = \[4, K\]"):

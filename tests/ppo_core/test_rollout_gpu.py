@@ -105,38 +105,102 @@ def test_kernel_noise_sampling_is_the_same_with_and_without_graphs(eos):
     assert len(set(graphed["responses"][0, :20].tolist())) > 1
 
 
-@pytest.mark.parametrize("keep_cache", [False, True])
-def test_a_warm_generation_captures_during_the_prefill_and_draws_the_same_tokens(keep_cache, monkeypatch):
-    """A second call with the same shapes and settings skips the eager warm-up step: its first graph is captured
-    while the prefill runs (before the host waits for it), or reused with ``keep_cache``; the tokens and log-probs
-    equal the first call's for the same generator state, and another seed still gives other tokens."""
+@pytest.mark.parametrize("mode", ["moved", "in place", "keep_cache"])
+def test_a_warm_generation_reuses_or_captures_during_the_prefill_and_draws_the_same_tokens(mode, monkeypatch):
+    """A second call with the same shapes and settings skips the eager warm-up step. Where the tensors its graphs
+    read are back at their addresses (the cache and the engine's concatenated weights, freed and made again; or
+    kept with ``keep_cache``) it replays the previous call's graphs and captures none; where the cache landed
+    elsewhere (``moved``: the freed memory taken between the calls, as a training step may) it captures its first
+    graph while the prefill runs. Either way the tokens and log-probs equal the first call's for the same
+    generator state, and another seed still gives other tokens."""
     from ppo_core_decode.hf import HFRolloutEngine
 
     model = _model(torch.float32)
     ids, mask = _prompts(8, 40)
     cfg = SamplingConfig(max_new_tokens=100, temperature=1.0, eos_token_id=7)
-    engine = HFRolloutEngine(model, kv_bucket=32, keep_cache=keep_cache)
+    engine = HFRolloutEngine(model, kv_bucket=32, keep_cache=mode == "keep_cache")
     decoder = engine.decoder
     eager_steps = []
     decode = decoder._decode
     monkeypatch.setattr(
         decoder, "_decode", lambda s, k, smp, eager: (eager_steps.append(eager), decode(s, k, smp, eager))[1]
     )
-    outs = [
-        engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(s)) for s in (3, 3, 4)
-    ]
-    steps = engine.stats.decode_steps
+    outs, stats, blockers = [], [], []
+    for seed in (3, 3, 3, 4):
+        outs.append(engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(seed)))
+        stats.append((engine.stats.graphs_captured, engine.stats.graphs_reused, engine.stats.decode_steps))
+        if mode == "moved":  # the freed cache's memory taken until the next call has allocated its own
+            blockers = [torch.empty(engine.stats.cache_bytes, dtype=torch.uint8, device="cuda")]
+    del blockers
     assert eager_steps[0] is True and not any(eager_steps[1:])
-    buckets = {min(-(-(40 + t) // 32) * 32, 140) for t in range(1, steps + 1)}  # cache of 40 + 100 slots
-    assert engine.stats.graphs_captured == (0 if keep_cache else len(buckets))
-    first, warm, other = outs
-    for key in ("responses", "response_mask", "rollout_log_probs"):
-        assert torch.equal(first[key], warm[key]), key
+    first, *warm, other = outs
+    for out in warm:
+        for key in ("responses", "response_mask", "rollout_log_probs"):
+            assert torch.equal(first[key], out[key]), key
     assert not torch.equal(first["responses"], other["responses"])
-    if not keep_cache:  # the last call's graphs wait for the next prefill (or release) to be destroyed
-        assert decoder._state is None and len(decoder._retired) == engine.stats.graphs_captured > 0
-        engine.release()
-        assert decoder._retired == [] and decoder._pool is None
+    steps = stats[2][2]
+    buckets = {min(-(-(40 + t) // 32) * 32, 140) for t in range(1, steps + 1)}  # cache of 40 + 100 slots
+    assert stats[0][:2] == (len({min(-(-(40 + t) // 32) * 32, 140) for t in range(2, stats[0][2] + 1)}), 0)
+    if mode == "moved":
+        assert all(captured == len(buckets) and reused == 0 for captured, reused, _ in stats[1:3])
+    else:  # the allocator settles by the third call: the second may have been handed other blocks
+        assert stats[2][:2] == (0, len(buckets))
+    engine.release()
+    assert decoder._retired == [] and decoder._pool is None and decoder._state is None
+
+
+@pytest.mark.parametrize("keep_cache", [False, True])
+def test_replayed_graphs_follow_in_place_updates_and_a_moved_table_is_captured_anew(keep_cache):
+    """Graphs replayed by a later generation read the weights of the moment (a training update in place, refolded
+    into the same buffers): they draw what a fresh engine draws. A forward of another length between two
+    generations (``sequence_logits``, as exact mode runs) replaces the rotary table the graphs read: the next
+    generation sees the moved address and captures anew instead of replaying over freed memory, with or without
+    ``keep_cache``."""
+    import copy
+
+    from ppo_core_decode.hf import HFRolloutEngine
+
+    model = _model(torch.bfloat16)
+    ids, mask = _prompts(8, 40)
+    cfg = SamplingConfig(max_new_tokens=60, temperature=1.0)
+    g = torch.Generator("cuda").manual_seed(0)
+    deltas = [
+        0.02 * torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype) for p in model.parameters()
+    ]
+
+    def update(m):  # a training update, in place
+        with torch.no_grad():
+            for p, d in zip(m.parameters(), deltas, strict=True):
+                p.add_(d)
+
+    def run(engine, seed):
+        return engine.generate(ids, mask, cfg, generator=torch.Generator("cuda").manual_seed(seed))
+
+    # the references first (a fresh engine on a copy), so that nothing allocates between the engine's calls
+    reference_model = copy.deepcopy(model)
+    want = {seed: run(HFRolloutEngine(reference_model, kv_bucket=32), seed) for seed in range(3)}
+    update(reference_model)
+    want.update({seed: run(HFRolloutEngine(reference_model, kv_bucket=32), seed) for seed in (3, 4)})
+    del reference_model
+    engine = HFRolloutEngine(model, kv_bucket=32, keep_cache=keep_cache)
+
+    def check(seed):
+        out = run(engine, seed)
+        for key in ("responses", "rollout_log_probs"):
+            assert torch.equal(out[key], want[seed][key]), (seed, key)
+        return engine.stats.graphs_captured, engine.stats.graphs_reused
+
+    for seed in range(3):
+        check(seed)
+    update(model)
+    captured, reused = check(3)
+    assert captured == 0 and reused > 0
+    table = engine._forward._rotary_table[1]
+    engine.sequence_logits(ids[:, :30], mask[:, :30], keep=2)
+    assert engine._forward._rotary_table[1] is not table
+    captured, reused = check(4)
+    assert captured > 0 and reused == 0
+    engine.release()
 
 
 @pytest.mark.parametrize("keep_cache", [False, True])
