@@ -150,6 +150,7 @@ def _engine_case(engine: Any, case: dict, repeats: int) -> dict:
             "decode_ms_per_step": round(1e3 * s.decode_s / max(s.decode_steps, 1), 3),
             "kv_cache_gib": round(s.cache_bytes / 2**30, 3),
             "graphs_captured": s.graphs_captured,
+            "graphs_reused": s.graphs_reused,
             "cuda_graphs": s.cuda_graphs,
         },
     )

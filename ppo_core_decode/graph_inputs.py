@@ -15,7 +15,9 @@ attributes of an object of ppo-core's own packages (the engines' forwards, their
 ``skip`` types are not entered (the decoder passes its cache's buffers itself, without the per-forward values the
 cache also holds). Sets are not entered (their order is not fixed; ppo-core keeps no tensor in one), nor are other
 objects: a forward that reaches tensors another way (a closure, a global) is not :func:`fully_walked`, and the
-decoder captures its graphs anew every generation.
+decoder captures its graphs anew every generation. A tensor whose address cannot be read (a subclass without
+storage of its own, whose data may move while it stays the same object) gives an entry equal to no other, so that
+a generation holding one captures anew too.
 """
 
 from __future__ import annotations
@@ -55,7 +57,18 @@ def fully_walked(forward: object) -> bool:
     return _own(forward) and hasattr(forward, "__dict__")
 
 
-def held_tensor_addresses(*roots: object, skip: tuple[type, ...] = ()) -> tuple[tuple[int, int], ...]:
+def _address(t: torch.Tensor) -> tuple[object, int]:
+    """``(data_ptr, numel)``, or ``(a new object, numel)`` where the address cannot be read (0 for a non-empty
+    tensor, or an error): equal to no other entry."""
+    try:
+        at = t.data_ptr()
+    except RuntimeError:
+        at = 0
+    n = t.numel()
+    return (at if at or not n else object()), n
+
+
+def held_tensor_addresses(*roots: object, skip: tuple[type, ...] = ()) -> tuple[tuple[object, int], ...]:
     """``(data_ptr, numel)`` of every tensor held by ``roots`` (see the module docstring), in the order of a
     depth-first walk: two walks of objects holding the same tensors at the same addresses give equal tuples, and a
     tensor freed and made again elsewhere, or of another size, changes the result.
@@ -65,13 +78,13 @@ def held_tensor_addresses(*roots: object, skip: tuple[type, ...] = ()) -> tuple[
         >>> held_tensor_addresses([w, {"b": w}]) == ((w.data_ptr(), 3), (w.data_ptr(), 3))
         True
     """
-    out: list[tuple[int, int]] = []
+    out: list[tuple[object, int]] = []
     seen: set[int] = set()
     stack: list[object] = list(reversed(roots))
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
-            out.append((obj.data_ptr(), obj.numel()))
+            out.append(_address(obj))
             continue
         if id(obj) in seen or isinstance(obj, skip):
             continue

@@ -102,3 +102,23 @@ def test_only_ppo_cores_own_forwards_are_fully_walked():
     assert fully_walked(holder) and fully_walked(method)
     assert held_tensor_addresses(method) == held_tensor_addresses(holder)  # a bound method walks its object
     assert not fully_walked(lambda i, p, c: i) and not fully_walked(torch.nn.Linear(2, 2))
+
+
+def test_a_tensor_whose_address_cannot_be_read_never_matches():
+    """A tensor subclass without storage of its own (its data may move under the same object) reads address 0: its
+    entry equals no other, so that two walks of it differ and the decoder captures anew; a meta tensor without
+    elements does not count."""
+
+    class NoStorage(torch.Tensor):
+        @staticmethod
+        def __new__(cls):
+            return torch.Tensor._make_wrapper_subclass(cls, (2,))
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    wrapped = NoStorage()
+    assert held_tensor_addresses([wrapped]) != held_tensor_addresses([wrapped])
+    empty = torch.empty(0)
+    assert held_tensor_addresses([empty]) == held_tensor_addresses([empty])
