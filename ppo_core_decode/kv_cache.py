@@ -175,8 +175,9 @@ class KVCache:
         self.positions = None  # drops the last forward's shared values too
 
     def allocate_slots(self) -> None:
-        """Zeroed key and value buffers again after :meth:`free_slots` (nothing while they exist)."""
-        if self.keys:
+        """Zeroed key and value buffers again after :meth:`free_slots` (nothing while they exist, nor for a cache of no
+        layers)."""
+        if self.keys or self._slots is None:
             return
         self.keys, self.values = _zeroed_slots(*self._slots)
 

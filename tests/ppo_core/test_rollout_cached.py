@@ -155,7 +155,9 @@ def test_prefill_mask_is_causal_over_prompt_tokens_and_keeps_padding_finite():
 @pytest.mark.parametrize("layers", [1, 3])
 def test_a_cache_is_zeroed_views_of_one_allocation_one_per_layer(layers):
     """``KVCache.allocate`` makes one zeroed allocation (one fill kernel on CUDA) and hands out a key and a value
-    buffer per layer as views of it: each ``[B, G, L, d]``, disjoint, writes to one never seen in another."""
+    buffer per layer as views of it: each ``[B, G, L, d]``, disjoint, writes to one never seen in another.
+    ``free_slots`` drops them and ``allocate_slots`` makes them again, zeroed, of the same shape (a cache of no layers
+    stays empty)."""
     cache = KVCache.allocate(
         layers=layers, batch=2, kv_heads=3, head_dim=4, length=5, dtype=torch.bfloat16, device="cpu"
     )
@@ -168,6 +170,19 @@ def test_a_cache_is_zeroed_views_of_one_allocation_one_per_layer(layers):
     for i, t in enumerate(buffers):
         t.fill_(i + 1)
     assert [int(t.float().mean()) for t in buffers] == list(range(1, 2 * layers + 1))
+    cache.key_valid[0, 1] = True
+    cache.free_slots()  # between generations: the buffers go, what the slots hold and the shape stay
+    assert cache.keys == [] and cache.values == [] and cache.nbytes == 0 and cache.key_valid[0, 1]
+    cache.allocate_slots()
+    again = [*cache.keys, *cache.values]
+    assert len(again) == 2 * layers and all(t.shape == (2, 3, 5, 4) and t.eq(0).all() for t in again)
+    assert all(t.dtype == torch.bfloat16 for t in again) and cache.nbytes == 2 * layers * 2 * 3 * 5 * 4 * 2
+    none = KVCache.allocate(
+        layers=0, batch=2, kv_heads=3, head_dim=4, length=5, dtype=torch.bfloat16, device="cpu"
+    )
+    none.free_slots()
+    none.allocate_slots()
+    assert none.keys == [] and none.values == [] and none.nbytes == 0
 
 
 @settings(max_examples=25, deadline=None)
