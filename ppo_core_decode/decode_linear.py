@@ -182,12 +182,7 @@ def fold_norm_weights(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[
         [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0]]
     """
     _check_fold(out, scale, weights)
-    if _folds_in_one_launch(out, scale, weights):
-        _fold_norm_weights_triton(out, scale, weights)
-        return
-    rows = [w.shape[0] for w in weights]
-    for weight, part in zip(weights, out.split(rows), strict=True):
-        fold_norm_weight(weight, scale, out=part)
+    _fold_checked(out, scale, weights)
 
 
 def fold_norm_weights_all(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]]) -> None:
@@ -207,8 +202,11 @@ def fold_norm_weights_all(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Seque
         >>> [o.tolist() for o in outs]
         [[[2.0, 3.0]], [[1.0, 5.0], [2.0, 10.0]]]
     """
-    for out, scale, weights in jobs:
-        _check_fold(out, scale, weights)
+    for i, (out, scale, weights) in enumerate(jobs):
+        try:
+            _check_fold(out, scale, weights)
+        except ValueError as error:
+            raise ValueError(f"jobs[{i}]: {error}") from None
     if not jobs:
         return
     out0, scale0 = jobs[0][0], jobs[0][1]
@@ -227,7 +225,7 @@ def fold_norm_weights_all(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Seque
         _fold_pieces_triton(jobs)
         return
     for out, scale, weights in jobs:
-        fold_norm_weights(out, scale, weights)
+        _fold_checked(out, scale, weights)
 
 
 def _check_fold(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
@@ -240,6 +238,17 @@ def _check_fold(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.
         )
     if tuple(scale.shape) != (out.shape[1],):
         raise ValueError(f"scale must be [{out.shape[1]}], got {tuple(scale.shape)}")
+
+
+def _fold_checked(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """:func:`fold_norm_weights` of a job :func:`_check_fold` accepted: one launch where it can, else one
+    :func:`fold_norm_weight` a weight."""
+    if _folds_in_one_launch(out, scale, weights):
+        _fold_norm_weights_triton(out, scale, weights)
+        return
+    rows = [w.shape[0] for w in weights]
+    for weight, part in zip(weights, out.split(rows), strict=True):
+        fold_norm_weight(weight, scale, out=part)
 
 
 def _folds_in_one_launch(out: torch.Tensor, scale: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -294,6 +303,7 @@ def _fold_pieces_triton(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, Sequenc
         DTYPE=_TL_DTYPES[out0.dtype],
         SCALE_DTYPE=_TL_DTYPES[jobs[0][1].dtype],
         ALIGNED=aligned,
+        COLUMNS=_PIECE_COLUMNS,
         num_warps=4,
     )
 
@@ -847,12 +857,13 @@ if triton is not None:
         DTYPE: tl.constexpr,
         SCALE_DTYPE: tl.constexpr,
         ALIGNED: tl.constexpr,
+        COLUMNS: tl.constexpr,
     ):
         """Rows ``[program_id(0) * BLOCK_R, + BLOCK_R)`` of weight ``program_id(1)`` times its scale (rounded to
         ``DTYPE`` first, as :func:`fold_norm_weight` casts it), rounded, written to its rows of the output stack;
-        the addresses and sizes from the weight's row of ``Table`` (``_PIECE_COLUMNS`` int64s). A program past
-        the weight's rows does nothing."""
-        piece = Table + tl.program_id(1).to(tl.int64) * 5
+        the addresses and sizes from the weight's row of ``Table`` (``COLUMNS`` int64s, laid out as
+        ``_PIECE_COLUMNS`` says). A program past the weight's rows does nothing."""
+        piece = Table + tl.program_id(1).to(tl.int64) * COLUMNS
         n = tl.load(piece + 3)
         first = tl.program_id(0).to(tl.int64) * BLOCK_R
         if first < n:

@@ -90,24 +90,15 @@ def supports_fast_path(model: nn.Module) -> bool:
     return all(hasattr(body, name) for name in needed)
 
 
-def _concatenated(
-    layers: tuple[nn.Linear, ...],
-    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of ``layers`` stacked along their outputs, and their biases (zeros for one without, None when
-    none has one); written into ``out`` (weight, bias) when given. With ``scale [K]`` each weight's columns are
-    multiplied by it as they are copied (:func:`~ppo_core_decode.decode_linear.fold_norm_weights`)."""
-    return _concatenated_all([(layers, out, scale)])[0]
-
-
 def _concatenated_all(
     groups: Sequence[
         tuple[tuple[nn.Linear, ...], tuple[torch.Tensor, torch.Tensor | None] | None, torch.Tensor | None]
     ],
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """:func:`_concatenated` of every ``(layers, out, scale)`` group; the scaled stacks of all of them in one
-    :func:`~ppo_core_decode.decode_linear.fold_norm_weights_all` (one Triton launch on CUDA)."""
+    """For every ``(layers, out, scale)`` group: the weights of ``layers`` stacked along their outputs, and their
+    biases (zeros for one without, None when none has one); written into ``out`` (weight, bias) when given. With
+    ``scale [K]`` each weight's columns are multiplied by it as they are copied: the scaled stacks of all groups in
+    one :func:`~ppo_core_decode.decode_linear.fold_norm_weights_all` (one Triton launch on CUDA)."""
     weights, folds = [], []
     for layers, out, scale in groups:
         weight_out = out[0] if out is not None else None

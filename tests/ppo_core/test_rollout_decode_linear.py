@@ -444,7 +444,7 @@ def test_cuda_graph_replays_split_k_with_fresh_inputs() -> None:
 
 
 def test_folded_concatenation_is_the_concatenation_of_scaled_weights() -> None:
-    from ppo_core_decode.hf import _concatenated
+    from ppo_core_decode.hf import _concatenated_all
 
     gen = torch.Generator().manual_seed(6)
     layers = tuple(torch.nn.Linear(12, n, bias=n == 5) for n in (4, 5, 3))
@@ -452,12 +452,12 @@ def test_folded_concatenation_is_the_concatenation_of_scaled_weights() -> None:
         torch.nn.init.normal_(layer.weight, generator=gen)
     scale = torch.rand(12, generator=gen) + 0.5
     with torch.no_grad():  # as refresh() builds them
-        weight, bias = _concatenated(layers, scale=scale)
+        weight, bias = _concatenated_all([(layers, None, scale)])[0]
         want = torch.cat([layer.weight * scale for layer in layers])
         assert torch.equal(weight, want)
         assert torch.equal(bias, torch.cat([torch.zeros(4), layers[1].bias, torch.zeros(3)]))
         out = (torch.empty_like(weight), torch.empty_like(bias))
-        again, _ = _concatenated(layers, out=out, scale=scale * 2)
+        again, _ = _concatenated_all([(layers, out, scale * 2)])[0]
         assert again.data_ptr() == out[0].data_ptr()
         assert torch.equal(again, torch.cat([layer.weight * (scale * 2) for layer in layers]))
 
@@ -670,7 +670,7 @@ def test_fold_pieces_kernel_is_each_weight_folded_into_its_rows(device, aligned)
 def test_fold_norm_weights_all_names_the_bad_job() -> None:
     w = torch.ones(2, 3)
     good = (torch.empty(2, 3), torch.ones(3), [w])
-    with pytest.raises(ValueError, match=r"scale must be \[3\]"):
+    with pytest.raises(ValueError, match=r"jobs\[1\]: scale must be \[3\]"):
         dl.fold_norm_weights_all([good, (torch.empty(4, 3), torch.ones(4), [w, w])])
     dl.fold_norm_weights_all([])
 
